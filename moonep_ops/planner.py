@@ -1,0 +1,447 @@
+"""The MoonEP planner: from the gathered token histogram to every token copy's slot.
+
+Op family ``moonep::plan`` — schema, fake kernel, implementation and Python API together.
+
+Shape legend (see geometry.py): R ranks, E experts, B = epn = E/R, G = 2*epn segments,
+s tokens this call (capacity S), K top-k, N = s*K entries of this rank.
+
+Inputs of one rank
+  tpe_RE     int32 [R, E]  gathered per-rank histograms (row r = bincount of rank r's top-k ids)
+  topk_sK    int32 [s, K]  this rank's expert ids (duplicates inside a token are allowed)
+
+Outputs (the tensors of a ``Plan``)
+  dst_N            int32 [N]      slot of every entry: d*NvS + loff on destination rank d, where
+                                  loff is the row in d's expert-grouped receive buffer.  The second
+                                  and later entries of one token bound for the same d are stored
+                                  as -(d*NvS + loff) - 1: they own a slot (and a route-weight slot)
+                                  but their row is filled on d by a local copy of the first one.
+  cu_seqlens_G     int32 [G]      inclusive end offsets of this rank's 2*epn segments
+                                  (segments 0..epn-1: home experts, epn..: redundant slots)
+  experts_to_copy_RB int32 [R, epn] global table, identical on every rank: slot b of rank d runs
+                                  expert experts_to_copy[d, b] (ascending ids, -1 padded right)
+  zero_fill_G2     int32 [G, 2]   (first row, rows) of each segment's padding, (0, 0) if none
+  remote_stats_2   int32 [2]      (redundant experts this rank runs, slots elsewhere holding
+                                  one of this rank's home experts)
+
+Algorithm (docs/planner.md, bit-exact with upstream MoonEP for policy="moonep"):
+  1. rank-level greedy on balance[h] = group[h] - cap[h] -> quota z[h, d]
+  2. each owner splits its quotas into expert chunks -> alloc[e, d]
+  3. per destination: redundant experts, padded segments, cu_seqlens, expert offsets
+  4. per entry: global rank within its expert ordered by (source rank, flat index) -> dst
+Steps 1-3 depend only on tpe and are recomputed identically on every rank (no broadcast);
+step 4 needs only this rank's top-k.  Every loop is over R or epn with a fixed trip count and
+masked updates, so the same code runs on CUDA tensors without a host sync and under capture.
+
+policy="bestfit" keeps exact caps, the single-donor rule and <= epn slots, but picks the donor
+that fits a deficit without overshoot and the expert that covers a quota in one piece, so it
+replicates fewer experts and moves fewer token copies (benchmarks/planner_policy_sweep.py).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .geometry import Geometry, receive_caps
+from . import config
+
+POLICIES = ("moonep", "bestfit")
+
+# ---------------------------------------------------------------------------------------------
+# Steps 1-2: the allocation alloc[e, d] (tokens of expert e computed on rank d)
+# ---------------------------------------------------------------------------------------------
+
+
+def _first_min_where(values: Tensor, ok: Tensor, dim: int = -1) -> Tensor:
+    """argmin of values over entries where ok (ties -> lowest index); garbage where none is ok."""
+    big = torch.iinfo(values.dtype).max
+    return torch.argmin(torch.where(ok, values, torch.full_like(values, big)), dim=dim)
+
+
+def rank_quotas(balance_R: Tensor, policy: str) -> Tensor:
+    """Step 1.  balance = group - cap (sums to 0).  Returns z[h, d] >= 0, at most one non-zero
+    per column (each receiver is refilled completely by a single donor)."""
+    R = balance_R.numel()
+    bal = balance_R.clone()
+    z_RR = torch.zeros(R, R, dtype=bal.dtype, device=bal.device)
+    # At most R-1 rounds: each retires one receiver for good, and the last donor is never one.
+    for _ in range(R - 1):
+        u = torch.argmin(bal)                      # largest deficit, ties -> lowest rank
+        need = -bal[u]
+        if policy == "moonep":
+            h = torch.argmax(bal)                  # largest surplus, ties -> lowest rank
+        else:                                      # best fit: smallest surplus that covers need
+            fits = bal >= need
+            h = torch.where(fits.any(), _first_min_where(bal, fits), torch.argmax(bal))
+        m = torch.where(bal[h] > 0, need, torch.zeros_like(need))   # 0 once balanced
+        z_RR.view(-1).index_add_(0, (h * R + u).view(1), m.view(1))
+        bal.index_add_(0, h.view(1), -m.view(1))
+        bal.index_add_(0, u.view(1), m.view(1))
+    return z_RR
+
+
+def split_quotas(cnt_E: Tensor, z_RR: Tensor, policy: str) -> Tensor:
+    """Step 2, all owners at once.  Returns alloc[e, d]."""
+    R = z_RR.shape[0]
+    E = cnt_E.numel()
+    B = E // R
+    rem_RB = cnt_E.view(R, B).clone()
+    q_RR = z_RR.clone()
+    moved = torch.zeros(R * B * R, dtype=cnt_E.dtype, device=cnt_E.device)   # [h, le, d]
+    owners = torch.arange(R, device=cnt_E.device)
+    # Each round empties a quota or an expert: at most (R-1) + B rounds.
+    for _ in range(R - 1 + B):
+        d = torch.argmax(q_RR, dim=1)                                  # largest quota first
+        qd = q_RR.gather(1, d[:, None]).squeeze(1)
+        if policy == "moonep":
+            le = torch.argmax(rem_RB, dim=1)                           # most tokens left first
+        else:                                                          # one piece if possible
+            fits = rem_RB >= qd[:, None]
+            le = torch.where(fits.any(1), _first_min_where(rem_RB, fits), torch.argmax(rem_RB, 1))
+        rl = rem_RB.gather(1, le[:, None]).squeeze(1)
+        t = torch.where(qd > 0, torch.minimum(rl, qd), torch.zeros_like(qd))
+        moved.index_add_(0, (owners * B + le) * R + d, t)
+        rem_RB.view(-1).index_add_(0, owners * B + le, -t)
+        q_RR.view(-1).index_add_(0, owners * R + d, -t)
+    moved_ER = moved.view(E, R)
+    home_E = torch.arange(E, device=cnt_E.device) // B
+    alloc_ER = moved_ER.clone()
+    alloc_ER.view(-1).index_add_(0, torch.arange(E, device=cnt_E.device) * R + home_E,
+                                 cnt_E - moved_ER.sum(1))
+    return alloc_ER
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 3: per-destination layout
+# ---------------------------------------------------------------------------------------------
+
+
+class Layout(NamedTuple):
+    experts_to_copy_RB: Tensor   # [R, B] int64, -1 padded
+    cu_seqlens_RG: Tensor        # [R, G]
+    zero_fill_RG2: Tensor        # [R, G, 2]
+    expert_off_RE: Tensor        # [R, E] first row of expert e's segment on d (-1: none)
+    remote_stats_R2: Tensor      # [R, 2]
+    n_remote_R: Tensor           # [R] redundant experts per destination (<= B by the theorem)
+
+
+def layout(alloc_ER: Tensor, R: int, tp: int) -> Layout:
+    E = alloc_ER.shape[0]
+    B = E // R
+    dev = alloc_ER.device
+    e_ids = torch.arange(E, device=dev)
+    r_ids = torch.arange(R, device=dev)
+    a_RE = alloc_ER.t()
+    remote_RE = (a_RE > 0) & ((e_ids // B)[None, :] != r_ids[:, None])
+    n_remote_R = remote_RE.sum(1)
+    # Remote experts in ascending global id, packed left; more than B cannot happen for a valid
+    # plan (single donor); if it did, extra experts would be dropped, so callers check n_remote.
+    key = torch.where(remote_RE, e_ids[None, :], e_ids[None, :] + E)
+    first = torch.sort(key, dim=1).values[:, :B]
+    etc_RB = torch.where(first < E, first, torch.full_like(first, -1))
+    local_cnt = a_RE.gather(1, (r_ids[:, None] * B + torch.arange(B, device=dev)[None, :]))
+    slot_cnt = torch.where(etc_RB >= 0, a_RE.gather(1, etc_RB.clamp(min=0)), torch.zeros_like(etc_RB))
+    cnt_RG = torch.cat([local_cnt, slot_cnt], dim=1)
+    padded = (cnt_RG + tp - 1) // tp * tp
+    cu_RG = torch.cumsum(padded, dim=1)
+    start = cu_RG - padded
+    pad_rows = padded - cnt_RG
+    zf = torch.stack([torch.where(pad_rows > 0, start + cnt_RG, torch.zeros_like(start)),
+                      pad_rows], dim=2)
+    # expert_off[d, e]: scatter the segment starts into an [R, E+1] table (column E = dump)
+    seg_expert = torch.cat([r_ids[:, None] * B + torch.arange(B, device=dev)[None, :],
+                            torch.where(etc_RB >= 0, etc_RB, torch.full_like(etc_RB, E))], dim=1)
+    off = torch.full((R, E + 1), -1, dtype=alloc_ER.dtype, device=dev)
+    off.scatter_(1, seg_expert, torch.where(cnt_RG > 0, start, torch.full_like(start, -1)))
+    owner_of_slot = torch.where(etc_RB >= 0, etc_RB // B, torch.full_like(etc_RB, R))
+    copies_R = torch.bincount(owner_of_slot.reshape(-1), minlength=R + 1)[:R]
+    stats = torch.stack([n_remote_R.clamp(max=B), copies_R], dim=1)
+    return Layout(etc_RB, cu_RG, zf, off[:, :E], stats, n_remote_R)
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 4: per-entry slots of one source rank
+# ---------------------------------------------------------------------------------------------
+
+
+def assign_slots(topk_sK: Tensor, tpe_RE: Tensor, rank: int, alloc_ER: Tensor,
+                 expert_off_RE: Tensor, NvS: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (dst_N encoded with duplicates negated, dest_N, loff_N), all int64."""
+    s, K = topk_sK.shape
+    N = s * K
+    dev = topk_sK.device
+    e_N = topk_sK.reshape(-1).long()
+    # local_idx: earlier entries of this rank with the same expert (stable sort by expert)
+    order = torch.sort(e_N, stable=True).indices
+    tpe_r = tpe_RE[rank]
+    first_of_e = torch.cumsum(tpe_r, 0) - tpe_r
+    local_idx = torch.empty_like(e_N)
+    local_idx[order] = torch.arange(N, device=dev) - first_of_e[e_N[order]]
+    before_r = tpe_RE[:rank].sum(0)                           # tpe_cumsum[rank-1]
+    gr = before_r[e_N] + local_idx                            # global order: (rank, flat index)
+    acum_ER = torch.cumsum(alloc_ER, dim=1)                   # over destinations 0..R-1
+    dest = torch.searchsorted(acum_ER[e_N], gr[:, None], right=True).squeeze(1)
+    dest = dest.clamp(max=alloc_ER.shape[1] - 1)              # only for invalid input
+    prev = (acum_ER - alloc_ER)[e_N, dest]
+    loff = expert_off_RE[dest, e_N] + (gr - prev)
+    dst = dest * NvS + loff
+    # Dedup: an entry whose destination already appeared earlier in the same token.
+    d_sK = dest.view(s, K)
+    k_ids = torch.arange(K, device=dev)
+    earlier_KK = k_ids[None, :] < k_ids[:, None]                           # [k, j]: j < k
+    dup = ((d_sK[:, :, None] == d_sK[:, None, :]) & earlier_KK).any(-1).reshape(-1)
+    return torch.where(dup, -dst - 1, dst), dest, loff
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-group planning core (shared by the op and plan_all_ranks)
+# ---------------------------------------------------------------------------------------------
+
+
+class GroupPlan(NamedTuple):
+    """Everything steps 1-3 produce for the whole group (int64 tensors)."""
+    z_RR: Tensor
+    alloc_ER: Tensor
+    layout: Layout
+    caps_R: Tensor
+
+
+def plan_group(tpe_RE: Tensor, total_entries: int, token_padding: int, policy: str) -> GroupPlan:
+    R, E = tpe_RE.shape
+    t = tpe_RE.long()
+    cnt_E = t.sum(0)
+    caps_R = torch.tensor(receive_caps(total_entries, R), dtype=torch.long, device=t.device)
+    group_R = cnt_E.view(R, E // R).sum(1)
+    z_RR = rank_quotas(group_R - caps_R, policy)
+    alloc_ER = split_quotas(cnt_E, z_RR, policy)
+    return GroupPlan(z_RR, alloc_ER, layout(alloc_ER, R, token_padding), caps_R)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (clear Python errors before any work)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_int_tensor(name: str, t, ndim: int) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def check_plan_args(tpe_RE: Tensor, topk_sK: Tensor, rank: int, R: int, S: int,
+                    token_padding: int, total_num_tokens: Optional[int], policy: str
+                    ) -> tuple[Geometry, int]:
+    """Shape/dtype/device/int checks (no data reads).  Returns (geometry, s)."""
+    _check_int_tensor("tokens_per_expert (gathered [R, E])", tpe_RE, 2)
+    _check_int_tensor("topk_ids [s, K]", topk_sK, 2)
+    geo = Geometry(R=R, E=tpe_RE.shape[1], S=S, K=topk_sK.shape[1], token_padding=token_padding)
+    if tuple(tpe_RE.shape) != (geo.R, geo.E):
+        raise ValueError(f"tokens_per_expert must be [R, E] = [{geo.R}, {geo.E}], got {tuple(tpe_RE.shape)}")
+    if topk_sK.shape[1] != geo.K:
+        raise ValueError(f"topk_ids must be [s, K={geo.K}], got {tuple(topk_sK.shape)}")
+    if tpe_RE.device != topk_sK.device:
+        raise ValueError(f"tokens_per_expert is on {tpe_RE.device} but topk_ids on {topk_sK.device}")
+    if not isinstance(rank, int) or not 0 <= rank < geo.R:
+        raise ValueError(f"rank={rank} outside [0, R={geo.R})")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    s = topk_sK.shape[0]
+    geo.check_s(s, total_num_tokens)
+    return geo, s
+
+
+def check_plan_values(tpe_RE: Tensor, topk_sK: Tensor, rank: int, geo: Geometry, s: int,
+                      total_num_tokens: Optional[int]) -> None:
+    """Data checks.  They read tensor values, so on CUDA they synchronise (config.validate)."""
+    if topk_sK.numel():
+        lo, hi = int(topk_sK.min()), int(topk_sK.max())
+        if lo < 0 or hi >= geo.E:
+            raise ValueError(f"expert ids must lie in [0, E={geo.E}); got values in [{lo}, {hi}]")
+    if bool((tpe_RE < 0).any()):
+        raise ValueError("tokens_per_expert has negative counts")
+    own = torch.bincount(topk_sK.reshape(-1).long(), minlength=geo.E)
+    if not torch.equal(own, tpe_RE[rank].long()):
+        bad = int((own != tpe_RE[rank].long()).nonzero()[0])
+        raise ValueError(
+            f"tokens_per_expert[rank={rank}] disagrees with the histogram of topk_ids "
+            f"(expert {bad}: {int(tpe_RE[rank, bad])} vs {int(own[bad])})")
+    rows = tpe_RE.long().sum(1)
+    if bool((rows > geo.S * geo.K).any()):
+        raise ValueError(f"a rank's histogram sums above S*K={geo.S * geo.K} (capacity)")
+    if total_num_tokens is None:
+        if bool((rows != s * geo.K).any()):
+            raise ValueError(
+                f"every rank must pass s={s} tokens (histogram row sums {rows.tolist()} != s*K); "
+                "pass total_num_tokens for per-rank s")
+    elif int(rows.sum()) != total_num_tokens * geo.K:
+        raise ValueError(f"histograms sum to {int(rows.sum())} entries, expected "
+                         f"total_num_tokens*K = {total_num_tokens * geo.K}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom op
+# ---------------------------------------------------------------------------------------------
+
+
+def _total(total_num_tokens: int) -> Optional[int]:
+    """The schema carries "no total" (uniform s) as -1."""
+    return None if total_num_tokens < 0 else total_num_tokens
+
+
+@torch.library.custom_op("moonep::plan", mutates_args=())
+def _plan_op(tpe_RE: Tensor, topk_sK: Tensor, rank: int, R: int, S: int, token_padding: int,
+             total_num_tokens: int, policy: str
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    total = _total(total_num_tokens)
+    geo, s = check_plan_args(tpe_RE, topk_sK, rank, R, S, token_padding, total, policy)
+    if config.should_validate(tpe_RE):
+        check_plan_values(tpe_RE, topk_sK, rank, geo, s, total)
+    gp = plan_group(tpe_RE, geo.total_tokens(s, total) * geo.K, token_padding, policy)
+    lay = gp.layout
+    dst, _, _ = assign_slots(topk_sK, tpe_RE.long(), rank, gp.alloc_ER, lay.expert_off_RE, geo.NvS)
+    return _rank_outputs(dst, lay, rank)
+
+
+def _rank_outputs(dst_N: Tensor, lay: Layout, rank: int) -> tuple[Tensor, ...]:
+    """The op's five outputs for one rank: int32, contiguous (fake kernel strides)."""
+    out = (dst_N, lay.cu_seqlens_RG[rank], lay.experts_to_copy_RB, lay.zero_fill_RG2[rank],
+           lay.remote_stats_R2[rank])
+    return tuple(t.to(torch.int32).contiguous() for t in out)
+
+
+@_plan_op.register_fake
+def _plan_fake(tpe_RE, topk_sK, rank, R, S, token_padding, total_num_tokens, policy):
+    geo, s = check_plan_args(tpe_RE, topk_sK, rank, R, S, token_padding,
+                             _total(total_num_tokens), policy)
+    N = s * geo.K
+    new = lambda *shape: tpe_RE.new_empty(shape, dtype=torch.int32)   # noqa: E731
+    return new(N), new(geo.G), new(R, geo.epn), new(geo.G, 2), new(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python API
+# ---------------------------------------------------------------------------------------------
+
+
+class Plan(NamedTuple):
+    """One rank's plan: tensors from moonep::plan plus the Python ints that size everything."""
+    dst: Tensor                 # [N] int32, see module docstring
+    cu_seqlens: Tensor          # [G] int32
+    experts_to_copy: Tensor     # [R, epn] int32 (global table)
+    zero_fill_ranges: Tensor    # [G, 2] int32
+    remote_stats: Tensor        # [2] int32
+    rank: int
+    R: int
+    E: int
+    S: int
+    K: int
+    s: int
+    token_padding: int
+    total_num_tokens: int       # -1: uniform s on every rank
+    NvS: int
+    nvs_s: int
+
+    @property
+    def epn(self) -> int:
+        return self.E // self.R
+
+    @property
+    def raw_dst(self) -> Tensor:
+        """[N] int64 slot encoding with the duplicate marking undone."""
+        d = self.dst.long()
+        return torch.where(d < 0, -d - 1, d)
+
+    @property
+    def dest_rank(self) -> Tensor:
+        """[N] int64 destination rank of every entry."""
+        return self.raw_dst // self.NvS
+
+    @property
+    def slot(self) -> Tensor:
+        """[N] int64 row of every entry in its destination's receive buffer."""
+        return self.raw_dst % self.NvS
+
+    @property
+    def is_primary(self) -> Tensor:
+        """[N] bool: this entry carries the token row to its destination."""
+        return self.dst >= 0
+
+    @property
+    def my_experts_to_copy(self) -> Tensor:
+        """[epn] int32: the experts this rank runs in its redundant slots."""
+        return self.experts_to_copy[self.rank]
+
+
+def plan(tokens_per_expert_RE: Tensor, topk_ids_sK: Tensor, rank: int, *, num_ranks: int,
+         capacity: int, token_padding: int = 1, total_num_tokens: Optional[int] = None,
+         policy: str = "moonep") -> Plan:
+    """Plan this rank's dispatch from the gathered [R, E] histogram and this rank's top-k ids.
+
+    Every rank calling with the same histogram gets the same global tables; the result does not
+    depend on the routing for any shape.  With ``total_num_tokens`` ranks may pass different s.
+    """
+    if not isinstance(topk_ids_sK, Tensor) or not isinstance(tokens_per_expert_RE, Tensor):
+        raise TypeError("tokens_per_expert and topk_ids must be tensors")
+    tot = -1 if total_num_tokens is None else total_num_tokens
+    outs = torch.ops.moonep.plan(tokens_per_expert_RE, topk_ids_sK, rank, num_ranks, capacity,
+                                 token_padding, tot, policy)
+    geo = Geometry(R=num_ranks, E=tokens_per_expert_RE.shape[1], S=capacity,
+                   K=topk_ids_sK.shape[1], token_padding=token_padding)
+    s = topk_ids_sK.shape[0]
+    return Plan(*outs, rank=rank, R=num_ranks, E=geo.E, S=capacity, K=geo.K, s=s,
+                token_padding=token_padding, total_num_tokens=tot, NvS=geo.NvS,
+                nvs_s=geo.nvs_s(s, total_num_tokens))
+
+
+class GroupResult(NamedTuple):
+    plans: list            # list[Plan], one per rank
+    group: GroupPlan       # whole-group tables (z, alloc, layout, caps)
+    tokens_per_expert: Tensor   # [R, E] int32
+
+
+def plan_all_ranks(topk_per_rank: Sequence[Tensor] | Tensor, num_experts: int,
+                   token_padding: int = 1, *, capacity: Optional[int] = None,
+                   total_num_tokens: Optional[int] = None, policy: str = "moonep") -> GroupResult:
+    """Plan for all R ranks at once from their top-k ids (a list of [s_r, K] or an [R, s, K]).
+
+    Ranks with different s switch to per-rank mode (total_num_tokens = sum of s_r).  capacity
+    defaults to the largest s_r.  Uses the same steps as the per-rank op (the tests check that
+    both agree bit for bit) but runs steps 1-3 once instead of once per rank.
+    """
+    tk = list(topk_per_rank)
+    if not tk:
+        raise ValueError("topk_per_rank is empty")
+    R = len(tk)
+    sizes = [int(t.shape[0]) if isinstance(t, Tensor) and t.dim() == 2 else -1 for t in tk]
+    if min(sizes) < 0:
+        raise ValueError("every rank's top-k ids must be a 2-D [s, K] tensor")
+    uniform = len(set(sizes)) == 1
+    if total_num_tokens is None and not uniform:
+        total_num_tokens = sum(sizes)
+    S = capacity if capacity is not None else max(sizes)
+    if num_experts % R:
+        raise ValueError(f"num_experts={num_experts} must be divisible by R={R}")
+    for r, t in enumerate(tk):
+        _check_int_tensor(f"topk_per_rank[{r}]", t, 2)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_experts):
+            raise ValueError(f"topk_per_rank[{r}] has expert ids outside [0, {num_experts})")
+    tpe_RE = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=num_experts)
+                          for t in tk]).to(torch.int32)
+    for r in range(R):     # same argument checks the op runs
+        geo, _ = check_plan_args(tpe_RE, tk[r], r, R, S, token_padding, total_num_tokens, policy)
+    # Steps 1-3 once for the group (the per-rank op recomputes them identically on every rank).
+    total = geo.total_tokens(sizes[0], total_num_tokens) * geo.K
+    gp = plan_group(tpe_RE, total, token_padding, policy)
+    lay = gp.layout
+    tot = -1 if total_num_tokens is None else total_num_tokens
+    plans = []
+    for r in range(R):
+        dst, _, _ = assign_slots(tk[r], tpe_RE.long(), r, gp.alloc_ER, lay.expert_off_RE, geo.NvS)
+        plans.append(Plan(*_rank_outputs(dst, lay, r), rank=r, R=R, E=num_experts, S=S, K=geo.K, s=sizes[r],
+                          token_padding=token_padding, total_num_tokens=tot, NvS=geo.NvS,
+                          nvs_s=geo.nvs_s(sizes[r], total_num_tokens)))
+    return GroupResult(plans, gp, tpe_RE)
