@@ -32,9 +32,14 @@ Steps 1-3 depend only on tpe and are recomputed identically on every rank (no br
 step 4 needs only this rank's top-k.  Every loop is over R or epn with a fixed trip count and
 masked updates, so the same code runs on CUDA tensors without a host sync and under capture.
 
-policy="bestfit" keeps exact caps, the single-donor rule and <= epn slots, but picks the donor
-that fits a deficit without overshoot and the expert that covers a quota in one piece, so it
-replicates fewer experts and moves fewer token copies (benchmarks/planner_policy_sweep.py).
+policy="lean" keeps exact caps, the single-donor rule and <= epn slots.  It plans four greedy
+variants -- step 1 donor = largest surplus (MoonEP) or best fit (smallest surplus covering the
+deficit, no overshoot); step 2 expert = most tokens left (MoonEP) or best fit (smallest expert
+covering the quota in one piece) -- and keeps the one with the fewest replicated experts, then
+the fewest moved token copies (MoonEP's own plan wins ties).  So it is never worse than MoonEP
+on either count (benchmarks/planner_policy_sweep.py has the sweep).  A replicated expert costs
+a full weight copy (3*H*H'*2 bytes, ~88 MB at H=7168, H'=2048) against H*2 bytes per moved
+copy, hence the order.  The choice is a tensor argmin: no host sync.
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ from torch import Tensor
 from .geometry import Geometry, receive_caps
 from . import config
 
-POLICIES = ("moonep", "bestfit")
+POLICIES = ("moonep", "lean")
 
 # ---------------------------------------------------------------------------------------------
 # Steps 1-2: the allocation alloc[e, d] (tokens of expert e computed on rank d)
@@ -59,9 +64,10 @@ def _first_min_where(values: Tensor, ok: Tensor, dim: int = -1) -> Tensor:
     return torch.argmin(torch.where(ok, values, torch.full_like(values, big)), dim=dim)
 
 
-def rank_quotas(balance_R: Tensor, policy: str) -> Tensor:
+def rank_quotas(balance_R: Tensor, donor_rule: str) -> Tensor:
     """Step 1.  balance = group - cap (sums to 0).  Returns z[h, d] >= 0, at most one non-zero
-    per column (each receiver is refilled completely by a single donor)."""
+    per column (each receiver is refilled completely by a single donor).
+    donor_rule: "max" (MoonEP: largest surplus) or "fit" (smallest surplus >= the deficit)."""
     R = balance_R.numel()
     bal = balance_R.clone()
     z_RR = torch.zeros(R, R, dtype=bal.dtype, device=bal.device)
@@ -69,7 +75,7 @@ def rank_quotas(balance_R: Tensor, policy: str) -> Tensor:
     for _ in range(R - 1):
         u = torch.argmin(bal)                      # largest deficit, ties -> lowest rank
         need = -bal[u]
-        if policy == "moonep":
+        if donor_rule == "max":
             h = torch.argmax(bal)                  # largest surplus, ties -> lowest rank
         else:                                      # best fit: smallest surplus that covers need
             fits = bal >= need
@@ -81,8 +87,9 @@ def rank_quotas(balance_R: Tensor, policy: str) -> Tensor:
     return z_RR
 
 
-def split_quotas(cnt_E: Tensor, z_RR: Tensor, policy: str) -> Tensor:
-    """Step 2, all owners at once.  Returns alloc[e, d]."""
+def split_quotas(cnt_E: Tensor, z_RR: Tensor, expert_rule: str) -> Tensor:
+    """Step 2, all owners at once.  Returns alloc[e, d].
+    expert_rule: "max" (MoonEP: most tokens left) or "fit" (smallest expert covering the quota)."""
     R = z_RR.shape[0]
     E = cnt_E.numel()
     B = E // R
@@ -94,7 +101,7 @@ def split_quotas(cnt_E: Tensor, z_RR: Tensor, policy: str) -> Tensor:
     for _ in range(R - 1 + B):
         d = torch.argmax(q_RR, dim=1)                                  # largest quota first
         qd = q_RR.gather(1, d[:, None]).squeeze(1)
-        if policy == "moonep":
+        if expert_rule == "max":
             le = torch.argmax(rem_RB, dim=1)                           # most tokens left first
         else:                                                          # one piece if possible
             fits = rem_RB >= qd[:, None]
@@ -212,10 +219,38 @@ def plan_group(tpe_RE: Tensor, total_entries: int, token_padding: int, policy: s
     t = tpe_RE.long()
     cnt_E = t.sum(0)
     caps_R = torch.tensor(receive_caps(total_entries, R), dtype=torch.long, device=t.device)
-    group_R = cnt_E.view(R, E // R).sum(1)
-    z_RR = rank_quotas(group_R - caps_R, policy)
-    alloc_ER = split_quotas(cnt_E, z_RR, policy)
+    balance_R = cnt_E.view(R, E // R).sum(1) - caps_R
+    if policy == "moonep":
+        z_RR = rank_quotas(balance_R, "max")
+        alloc_ER = split_quotas(cnt_E, z_RR, "max")
+    else:
+        z_RR, alloc_ER = _leanest(cnt_E, balance_R)
     return GroupPlan(z_RR, alloc_ER, layout(alloc_ER, R, token_padding), caps_R)
+
+
+def replication_cost(alloc_ER: Tensor) -> tuple[Tensor, Tensor]:
+    """(replicated experts, token copies computed off their home rank) of an allocation."""
+    E, R = alloc_ER.shape
+    home_E = torch.arange(E, device=alloc_ER.device) // (E // R)
+    away = alloc_ER.clone()
+    away[torch.arange(E, device=alloc_ER.device), home_E] = 0
+    return (away > 0).sum(), away.sum()
+
+
+def _leanest(cnt_E: Tensor, balance_R: Tensor) -> tuple[Tensor, Tensor]:
+    """policy="lean": the best of four greedy variants (MoonEP's first, so it wins ties)."""
+    zs, allocs, scores = [], [], []
+    for donor_rule in ("max", "fit"):
+        z_RR = rank_quotas(balance_R, donor_rule)
+        for expert_rule in ("max", "fit"):
+            alloc_ER = split_quotas(cnt_E, z_RR, expert_rule)
+            replicated, moved = replication_cost(alloc_ER)
+            zs.append(z_RR)
+            allocs.append(alloc_ER)
+            # moved <= total entries < 2**40, so this orders by (replicated, moved)
+            scores.append(replicated * (1 << 40) + moved)
+    best = torch.argmin(torch.stack(scores))                  # first minimum: MoonEP on ties
+    return torch.stack(zs)[best], torch.stack(allocs)[best]
 
 
 # ---------------------------------------------------------------------------------------------
