@@ -5,6 +5,14 @@ kernels are pure Python, so they exist without any compiled library).
 """
 from .geometry import Geometry, align_up
 from .planner import Plan, GroupResult, plan, plan_all_ranks, POLICIES
+from .buffer import Buffer
+from .backends import Backend, CollectiveBackend, TorchDistBackend, SingleRankBackend
+from .grouped_gemm import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+from .router import Router
+from .moe import MoonEPMoE, ExpertPool
 
-__all__ = ["Geometry", "align_up", "Plan", "GroupResult", "plan", "plan_all_ranks", "POLICIES"]
+__all__ = ["Geometry", "align_up", "Plan", "GroupResult", "plan", "plan_all_ranks", "POLICIES",
+           "Buffer", "Backend", "CollectiveBackend", "TorchDistBackend", "SingleRankBackend",
+           "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "Router", "MoonEPMoE",
+           "ExpertPool"]
 __version__ = "0.1.0"

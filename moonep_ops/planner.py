@@ -48,7 +48,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .geometry import Geometry, receive_caps
+from .geometry import Geometry
 from . import config
 
 POLICIES = ("moonep", "lean")
@@ -162,7 +162,9 @@ def layout(alloc_ER: Tensor, R: int, tp: int) -> Layout:
     off = torch.full((R, E + 1), -1, dtype=alloc_ER.dtype, device=dev)
     off.scatter_(1, seg_expert, torch.where(cnt_RG > 0, start, torch.full_like(start, -1)))
     owner_of_slot = torch.where(etc_RB >= 0, etc_RB // B, torch.full_like(etc_RB, R))
-    copies_R = torch.bincount(owner_of_slot.reshape(-1), minlength=R + 1)[:R]
+    # scatter_add, not bincount: CUDA bincount reads max() on the host to size its output
+    copies_R = torch.zeros(R + 1, dtype=etc_RB.dtype, device=dev).scatter_add_(
+        0, owner_of_slot.reshape(-1), torch.ones_like(owner_of_slot).reshape(-1))[:R]
     stats = torch.stack([n_remote_R.clamp(max=B), copies_R], dim=1)
     return Layout(etc_RB, cu_RG, zf, off[:, :E], stats, n_remote_R)
 
@@ -218,7 +220,8 @@ def plan_group(tpe_RE: Tensor, total_entries: int, token_padding: int, policy: s
     R, E = tpe_RE.shape
     t = tpe_RE.long()
     cnt_E = t.sum(0)
-    caps_R = torch.tensor(receive_caps(total_entries, R), dtype=torch.long, device=t.device)
+    base, extra = divmod(total_entries, R)      # caps: floor/ceil split (geometry.receive_caps)
+    caps_R = base + (torch.arange(R, device=t.device) < extra).long()   # built on device: no H2D
     balance_R = cnt_E.view(R, E // R).sum(1) - caps_R
     if policy == "moonep":
         z_RR = rank_quotas(balance_R, "max")
@@ -327,7 +330,11 @@ def _total(total_num_tokens: int) -> Optional[int]:
     return None if total_num_tokens < 0 else total_num_tokens
 
 
-@torch.library.custom_op("moonep::plan", mutates_args=())
+# Explicit schema: plain `int`s (not inferred SymInts), so sizes are static in traces.
+@torch.library.custom_op(
+    "moonep::plan", mutates_args=(),
+    schema="(Tensor tpe_RE, Tensor topk_sK, int rank, int R, int S, int token_padding, "
+           "int total_num_tokens, str policy) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _plan_op(tpe_RE: Tensor, topk_sK: Tensor, rank: int, R: int, S: int, token_padding: int,
              total_num_tokens: int, policy: str
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -1,0 +1,102 @@
+"""Op family ``moonep::prefetch_weight`` / ``moonep::reduce_grad``: expert weights to and from
+the redundant slots named by the plan's global ``experts_to_copy`` table.
+
+  prefetch_weight(experts_to_copy [R,epn] i32, local_weights Tensor[], slot_weights(a!) Tensor[],
+                  buffer) -> ()
+      for every (d, b) with e = experts_to_copy[d, b] >= 0 and e // epn == rank (the owner):
+      slot_weights[i] of rank d, row b  <-  local_weights[i][e % epn]   (bitwise copy);
+      rows of -1 slots are untouched.
+  reduce_grad(experts_to_copy, local_grads(a!) Tensor[], slot_grads(b!) Tensor[], buffer) -> ()
+      owner: local_grads[i][le] += slot_grads[i] row b of rank src, for every (src, b) holding
+      expert rank*epn + le, added one at a time in ascending src*epn + b (fp32, deterministic);
+      then every rank zeroes its own consumed slots (experts_to_copy[rank, b] >= 0); unconsumed
+      slots are untouched.
+
+Every tensor of the lists is [epn, ...] and contiguous; local[i] and slot[i] share shape and
+dtype (reduce_grad: fp32).  All checks run before anything is written or communicated.
+Neither op is differentiable; Buffer.prefetch_weight / reduce_grad pass detached tensors.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import config
+from .buffer import lookup
+
+_TAGS = (torch.Tag.cudagraph_unsafe,)   # experts_to_copy is read on the host
+
+
+def check_pool_args(etc, local, slots, buf, op: str, fp32: bool) -> None:
+    if not isinstance(etc, Tensor) or etc.dtype != torch.int32:
+        raise TypeError(f"{op}: experts_to_copy must be an int32 tensor")
+    if tuple(etc.shape) != (buf.R, buf.epn):
+        raise ValueError(f"{op}: experts_to_copy must be [R={buf.R}, epn={buf.epn}], got "
+                         f"{tuple(etc.shape)}")
+    if len(local) != len(slots):
+        raise ValueError(f"{op}: {len(local)} local tensors but {len(slots)} slot tensors")
+    if len(local) == 0:
+        raise ValueError(f"{op}: give at least one tensor")
+    for i, (lt, st) in enumerate(zip(local, slots)):
+        for name, t in ((f"local[{i}]", lt), (f"slots[{i}]", st)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+            if fp32 and t.dtype != torch.float32:
+                raise TypeError(f"{op}: {name} must be float32, got {t.dtype}")
+            if t.dim() < 1 or t.shape[0] != buf.epn:
+                raise ValueError(f"{op}: {name} must be [epn={buf.epn}, ...], got {tuple(t.shape)}")
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: {name} must be contiguous")
+            if t.device.type not in (buf.device.type, "meta"):
+                raise ValueError(f"{op}: {name} is on {t.device}, the Buffer on {buf.device}")
+        if lt.dtype != st.dtype or lt.shape != st.shape:
+            raise ValueError(f"{op}: local[{i}] {tuple(lt.shape)} {lt.dtype} and slots[{i}] "
+                             f"{tuple(st.shape)} {st.dtype} must match")
+
+
+def check_no_alias(local, slots, op: str) -> None:
+    """Real kernels only (fake tensors have no storage pointers)."""
+    ptrs = {t.data_ptr() for t in local if t.numel()}
+    for i, t in enumerate(slots):
+        if t.numel() and t.data_ptr() in ptrs:
+            raise ValueError(f"{op}: slots[{i}] shares memory with a local tensor")
+
+
+def check_etc_values(etc: Tensor, buf) -> None:
+    if not config.should_validate(etc) or etc.numel() == 0:
+        return
+    if int(etc.min()) < -1 or int(etc.max()) >= buf.E:
+        raise ValueError(f"experts_to_copy values must lie in [-1, E={buf.E}), got "
+                         f"[{int(etc.min())}, {int(etc.max())}]")
+
+
+@torch.library.custom_op("moonep::prefetch_weight", mutates_args=("slot_weights",), tags=_TAGS)
+def _prefetch_weight(experts_to_copy: Tensor, local_weights: list[Tensor],
+                     slot_weights: list[Tensor], buffer: str) -> None:
+    buf = lookup(buffer)
+    check_pool_args(experts_to_copy, local_weights, slot_weights, buf, "prefetch_weight", False)
+    check_no_alias(local_weights, slot_weights, "prefetch_weight")
+    check_etc_values(experts_to_copy, buf)
+    buf.backend.push_weights(buf, experts_to_copy, local_weights, slot_weights)
+
+
+@_prefetch_weight.register_fake
+def _prefetch_weight_fake(experts_to_copy, local_weights, slot_weights, buffer):
+    check_pool_args(experts_to_copy, local_weights, slot_weights, lookup(buffer),
+                    "prefetch_weight", False)
+
+
+@torch.library.custom_op("moonep::reduce_grad", mutates_args=("local_grads", "slot_grads"),
+                         tags=_TAGS)
+def _reduce_grad(experts_to_copy: Tensor, local_grads: list[Tensor], slot_grads: list[Tensor],
+                 buffer: str) -> None:
+    buf = lookup(buffer)
+    check_pool_args(experts_to_copy, local_grads, slot_grads, buf, "reduce_grad", True)
+    check_no_alias(local_grads, slot_grads, "reduce_grad")
+    check_etc_values(experts_to_copy, buf)
+    buf.backend.reduce_grads(buf, experts_to_copy, local_grads, slot_grads)
+
+
+@_reduce_grad.register_fake
+def _reduce_grad_fake(experts_to_copy, local_grads, slot_grads, buffer):
+    check_pool_args(experts_to_copy, local_grads, slot_grads, lookup(buffer), "reduce_grad", True)
