@@ -1,0 +1,208 @@
+"""Analytical cost model and configuration selector for the MoE grouped GEMM.
+
+Legend: G groups (2*epn), M_g rows of group g (its token count), N/K the weight's [N, K] shape,
+P persistent CTAs (SMs), BM x BN the CTA tile, CM x CN the cluster, tau the time of one tile.
+
+What the kernels do (cutlass_kernels/), and hence what the model counts:
+  * fwd   y[rows g] = x[rows g] @ W_g^T      output tiles over (M_g, N), reduction K;
+  * dgrad dx[rows g] = dy[rows g] @ W_g      output tiles over (M_g, K), reduction N;
+  * wgrad dW_g += dy[rows g]^T @ x[rows g]   output tiles over (N, K), reduction M_g (ragged),
+    fp32 read-modify-write of the grads (N*K*8 bytes per group);
+  * wgrad_lp  the same product written once in bf16 (N*K*2 bytes per group; autograd path).
+  The CUTLASS sm90 group scheduler is a static persistent round robin: tiles of all groups are
+  linearised in group order (M fastest inside a group), CTA p takes tiles p, p+P, p+2P, ...
+
+fwd / dgrad (all tiles cost the same; the ragged dimension only changes how many there are):
+  tiles_g = ceil(M_g/BM) * roundup(ceil(n_out/BN), CN)     (0 when M_g == 0; no M-cluster)
+  tau     = 2*BM*BN*k_red / (PEAK/NUM_SMS * eta_c)           full tile even when M_g < BM
+  The linear tile order is cut into rounds of P tiles.  A group's first-touch HBM bytes
+  (weights N*K*2 + its activation rows in and out) are spread evenly over its tiles (with M-fastest
+  raster each weight N-slice is first read at the start of its column of M tiles).
+  round time t_r = max(tau + [a group starts in r] * tau_sw, bytes_r / (HBM * bw_frac))
+  T(c) = tau0 + sum_r t_r
+wgrad (every non-empty group has the same tile count, but a tile costs ~ M_g):
+  groups are run largest first (LPT order, done by the device prep kernel), a tile of group g
+  costs max(2*BM*BN*M_g/(PEAK/P*eta), bytes_g/tiles/(HBM*bw_frac/P)), bytes_g = M_g*(N+K)*2 +
+  N*K*8 (fp32 grad read + write; N*K*2 for wgrad_lp); CTA p's time is the sum over its tiles (+tau_sw per group it
+  enters), and T(c) = tau0 + max_p.
+
+The constants (eta, bw_frac, tau_sw, tau0 per config) live in moonep_ops/gemm_tuning.py and
+are fitted on the H200 by benchmarks/calibrate_grouped_gemm.py.  The same formulas run on the
+GPU inside the prep kernel (cutlass_kernels/selector.cuh), which is how the op selects a config
+from device-resident counts without a host sync; this module is the reference and the API a user
+asks ("what does the model predict for these counts?").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from . import gemm_tuning
+
+KINDS = ("fwd", "dgrad", "wgrad", "wgrad_lp")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One compiled kernel.  Order inside CONFIGS[kind] is the config index of the C ABI."""
+
+    name: str
+    BM: int
+    BN: int
+    BK: int
+    CM: int
+    CN: int
+    pingpong: bool
+
+
+# Must match cutlass_kernels/configs.h (checked by tests/test_grouped_gemm_cuda.py against the
+# library's moonep_gemm_config_info).  Clusters are along N only: an M-cluster rounds every
+# group's M-tile count up to the cluster size and those padding tiles still run the mainloop.
+CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
+    "fwd": (
+        GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
+        GemmConfig("p64x256", 64, 256, 64, 1, 2, True),
+        GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
+    ),
+    "dgrad": (
+        GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
+        GemmConfig("p64x256", 64, 256, 64, 1, 2, True),
+        GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
+    ),
+    "wgrad": (
+        GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
+        GemmConfig("c128x128", 128, 128, 64, 1, 2, False),
+        GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
+    ),
+    "wgrad_lp": (
+        GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
+        GemmConfig("c128x128", 128, 128, 64, 1, 2, False),
+        GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
+    ),
+}
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def config_index(kind: str, name: str) -> int:
+    _check_kind(kind)
+    for i, c in enumerate(CONFIGS[kind]):
+        if c.name == name:
+            return i
+    raise ValueError(f"unknown {kind} config {name!r}; known: {[c.name for c in CONFIGS[kind]]}")
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _constants(kind: str, name: str):
+    eta, bw_frac, tau_sw, tau0 = gemm_tuning.EFFICIENCY[kind][name]
+    return float(eta), float(bw_frac), float(tau_sw), float(tau0)
+
+
+def _predict_rows(counts: np.ndarray, n_out: int, k_red: int, cfg: GemmConfig, kind: str,
+                  P: int, peak: float, hbm: float) -> float:
+    eta, bw_frac, tau_sw, tau0 = _constants(kind, cfg.name)
+    n_tiles = _cdiv(_cdiv(n_out, cfg.BN), cfg.CN) * cfg.CN
+    tiles = _cdiv(counts, cfg.BM) * n_tiles                    # [G]
+    T = int(tiles.sum())
+    if T == 0:
+        return tau0
+    tau = 2.0 * cfg.BM * cfg.BN * k_red / (peak * 1e6 / P * eta)     # µs (peak in TF/s)
+    bytes_g = np.where(counts > 0, n_out * k_red * 2.0 + counts * (n_out + k_red) * 2.0, 0.0)
+    # cumulative bytes as a piecewise-linear function of the linear tile index
+    ends = np.cumsum(tiles)
+    starts = ends - tiles
+    nz = tiles > 0
+    xs = np.concatenate(([0.0], ends[nz].astype(np.float64)))
+    ys = np.concatenate(([0.0], np.cumsum(bytes_g[nz])))
+    R = _cdiv(T, P)
+    bounds = np.minimum(np.arange(R + 1, dtype=np.float64) * P, T)
+    round_bytes = np.diff(np.interp(bounds, xs, ys))
+    switch = np.zeros(R, dtype=bool)
+    switch[(starts[nz] // P).astype(np.int64)] = True
+    bw = hbm * 1e6 * bw_frac                                        # bytes per µs
+    t = np.maximum(tau + switch * tau_sw, round_bytes / bw)
+    return tau0 + float(t.sum())
+
+
+def _predict_wgrad(counts: np.ndarray, N: int, K: int, cfg: GemmConfig, P: int, peak: float,
+                   hbm: float, kind: str) -> float:
+    eta, bw_frac, tau_sw, tau0 = _constants(kind, cfg.name)
+    out_bytes = 8.0 if kind == "wgrad" else 2.0
+    order = np.sort(counts[counts > 0])[::-1]                       # LPT: largest group first
+    if order.size == 0:
+        return tau0
+    t_w = _cdiv(N, cfg.BM) * _cdiv(_cdiv(K, cfg.BN), cfg.CN) * cfg.CN
+    comp = 2.0 * cfg.BM * cfg.BN * order / (peak * 1e6 / P * eta)
+    mem = (order * (N + K) * 2.0 + N * K * out_bytes) / t_w / (hbm * 1e6 * bw_frac / P)
+    tile_cost = np.maximum(comp, mem)                               # [G'] per tile of group j
+    # CTA p runs the linear tiles p, p+P, ...; group j owns tiles [j*t_w, (j+1)*t_w).
+    # n[j, p] = how many of CTA p's tiles fall in group j (each such group is one switch for p).
+    s_j = np.arange(order.size, dtype=np.int64)[:, None] * t_w
+    p = np.arange(P, dtype=np.int64)[None, :]
+    n = (s_j + t_w - 1 - p) // P - (s_j - 1 - p) // P
+    per_cta = tile_cost @ n + (n > 0).sum(axis=0) * tau_sw
+    return tau0 + float(per_cta.max())
+
+
+def _as_counts(counts) -> np.ndarray:
+    c = np.asarray(counts.tolist() if hasattr(counts, "tolist") else counts, dtype=np.int64)
+    if c.ndim != 1 or c.size == 0:
+        raise ValueError("counts must be a non-empty 1-D sequence of per-group row counts")
+    if (c < 0).any():
+        raise ValueError("counts must be >= 0")
+    return c
+
+
+def predict(counts: Sequence[int], N: int, K: int, kind: str = "fwd", *,
+            sm_count: int | None = None, configs: Sequence[str] | None = None) -> dict[str, float]:
+    """Predicted run time in µs of every compiled configuration.
+
+    ``counts``: rows per group (G values, e.g. ``cu_seqlens.diff(prepend=0)``), ``N, K``: the
+    weight shape [N, K] (for every kind, the shape of W_g in y = x @ W_g^T), ``kind``: fwd, dgrad,
+    wgrad (fp32 +=) or wgrad_lp (bf16 out).  Returns ``{config name: µs}`` (only for ``configs`` when given).
+    """
+    _check_kind(kind)
+    c = _as_counts(counts)
+    P = int(sm_count or gemm_tuning.NUM_SMS)
+    peak, hbm = float(gemm_tuning.PEAK_TFLOPS), float(gemm_tuning.HBM_TBPS)
+    out = {}
+    for cfg in CONFIGS[kind]:
+        if configs is not None and cfg.name not in configs:
+            continue
+        if kind == "fwd":
+            out[cfg.name] = _predict_rows(c, N, K, cfg, kind, P, peak, hbm)
+        elif kind == "dgrad":
+            out[cfg.name] = _predict_rows(c, K, N, cfg, kind, P, peak, hbm)
+        else:
+            out[cfg.name] = _predict_wgrad(c, N, K, cfg, P, peak, hbm, kind)
+    return out
+
+
+def select(counts: Sequence[int], N: int, K: int, kind: str = "fwd", *,
+           sm_count: int | None = None) -> str:
+    """Name of the configuration with the smallest predicted time (ties: the first listed)."""
+    pred = predict(counts, N, K, kind, sm_count=sm_count)
+    return min(pred, key=lambda name: (pred[name], config_index(kind, name)))
+
+
+def flops(counts: Sequence[int], N: int, K: int) -> float:
+    """Useful FLOPs of one grouped GEMM (any of the three kinds): 2 * sum(M_g) * N * K."""
+    return 2.0 * float(_as_counts(counts).sum()) * N * K
+
+
+def tuning_table(kind: str) -> list[float]:
+    """Constants flattened for the device selector: [peak TF/s, HBM TB/s, then per config
+    eta, bw_frac, tau_sw_us, tau0_us] in CONFIGS[kind] order (layout of selector.cuh)."""
+    _check_kind(kind)
+    out = [float(gemm_tuning.PEAK_TFLOPS), float(gemm_tuning.HBM_TBPS)]
+    for cfg in CONFIGS[kind]:
+        out.extend(_constants(kind, cfg.name))
+    return out

@@ -1,0 +1,582 @@
+"""MoE grouped GEMM ops: forward, dgrad and wgrad over 2*epn groups of token rows.
+
+Legend (shape suffixes):
+  M   rows of the token buffer (received rows, padding included)   B = epn  experts per rank
+  G   2*epn groups: 0..epn-1 use w_local_BNK[g], epn..2epn-1 use w_slot_BNK[g - epn]
+  N   output features of the weight (nn.Linear "out")    K  input features (nn.Linear "in")
+
+  cu_seqlens_G  int32 inclusive END offsets (torch._grouped_mm's ``offs``): group g owns rows
+                [cu_seqlens_G[g-1], cu_seqlens_G[g]) (start 0 for g = 0).  Rows at or past
+                cu_seqlens_G[-1] are padding: the outputs there are ZERO.
+
+  forward  y_MN[rows g]  = x_MK[rows g] @ W_g^T        bf16 in, fp32 accumulate, bf16 out
+  dgrad    dx_MK[rows g] = dy_MN[rows g] @ W_g
+  wgrad    dW_g (fp32 [N, K]) = dy_MN[rows g]^T @ x_MK[rows g]
+
+Ops (namespace ``moonep``; schemas, fakes and autograd are pure Python, so they exist without the
+compiled library):
+  grouped_mm(x, w_local, w_slot, cu_seqlens, config=-1) -> y            (differentiable)
+  grouped_mm_dgrad(dy, w_local, w_slot, cu_seqlens, config=-1) -> dx
+  grouped_mm_wgrad(dy, x, cu_seqlens, epn, config=-1, out_dtype=None) -> (dW_local, dW_slot)
+      fp32 by default; out_dtype=bf16 writes bf16 directly (4x fewer output bytes than fp32
+      read-modify-write; what autograd uses for bf16 weights, like torch._grouped_mm does);
+  grouped_mm_wgrad_accumulate(dy, x, cu_seqlens, grad_local!, grad_slot!, config=-1) -> ()
+      adds dW into given fp32 [epn, N, K] tensors (e.g. main grads), the kernel's epilogue does
+      the += (beta = 1), so no temporary of the weights' size is made.
+
+Backends, picked per call from the device and dtype (never from data, so no host sync):
+  CUDA, bf16, libmoonep_gemm.so loaded  -> CUTLASS sm90 grouped kernels (cutlass_kernels/), with
+      the configuration chosen on the device from cu_seqlens by the cost model
+      (moonep_ops.gemm_cost_model) unless ``config`` forces one;
+  CUDA, bf16, no library                -> torch._grouped_mm (the weights are concatenated first,
+      and wgrad comes back in bf16 before it is added to the fp32 grads);
+  CPU, or another dtype                 -> reference loop over groups (reads cu_seqlens on the
+      host; on CUDA that is a sync, so it is only the path for non-bf16 dtypes).
+``config``: -1 = automatic, otherwise an index into gemm_cost_model.CONFIGS[kind] (CUTLASS only).
+Env MOONEP_GEMM_BACKEND = auto (default) | torch | reference forces a backend (tests, bisecting).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+import torch
+
+from . import _native, gemm_cost_model
+from .config import should_validate
+
+__all__ = [
+    "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate",
+    "reference_grouped_mm", "backend_for",
+]
+
+_KIND_ID = {"fwd": 0, "dgrad": 1, "wgrad": 2, "wgrad_lp": 3}
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks: shape / dtype / device only (they read no data, so they never sync).
+# --------------------------------------------------------------------------------------------
+
+def _check_weights(w_local: torch.Tensor, w_slot: torch.Tensor) -> tuple[int, int, int]:
+    for name, w in (("w_local_BNK", w_local), ("w_slot_BNK", w_slot)):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(w).__name__}")
+        if w.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [epn, N, K], got shape {tuple(w.shape)}")
+        if not w.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating tensor, got {w.dtype}")
+    if w_local.shape != w_slot.shape:
+        raise ValueError(f"w_local_BNK {tuple(w_local.shape)} and w_slot_BNK "
+                         f"{tuple(w_slot.shape)} must have the same shape [epn, N, K]")
+    if w_local.dtype != w_slot.dtype:
+        raise TypeError(f"w_local_BNK ({w_local.dtype}) and w_slot_BNK ({w_slot.dtype}) differ")
+    if w_local.device != w_slot.device:
+        raise ValueError("w_local_BNK and w_slot_BNK are on different devices")
+    epn, N, K = w_local.shape
+    if epn < 1:
+        raise ValueError("epn (w_local_BNK.shape[0]) must be >= 1")
+    return epn, N, K
+
+
+def _check_rows(name: str, t: torch.Tensor, cols: int, cols_name: str, like: torch.Tensor):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.shape[1] != cols:
+        raise ValueError(f"{name} has {t.shape[1]} columns, expected {cols_name}={cols}")
+    if t.dtype != like.dtype:
+        raise TypeError(f"{name} dtype {t.dtype} differs from the weights' {like.dtype}")
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device}, the weights on {like.device}")
+
+
+def _check_cu(cu: torch.Tensor, G: int, M: int, device: torch.device, values: bool) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"cu_seqlens_G must be a Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens_G must be int32 (like torch._grouped_mm's offs), got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] != G:
+        raise ValueError(f"cu_seqlens_G must be 1-D of length G = 2*epn = {G}, "
+                         f"got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"cu_seqlens_G is on {cu.device}, the data on {device}")
+    # Value checks read the data: real kernels only (never in fakes), CPU by default.
+    if values and should_validate(cu) and G > 0:
+        c = cu.tolist()
+        if c[0] < 0 or any(b < a for a, b in zip(c, c[1:])) or c[-1] > M:
+            raise ValueError(f"cu_seqlens_G must be non-decreasing inclusive end offsets in "
+                             f"[0, M={M}], got {c}")
+
+
+def _check_config(config: int, kind: str) -> None:
+    n = len(gemm_cost_model.CONFIGS[kind])
+    if isinstance(config, torch.SymInt):
+        return
+    if not isinstance(config, int) or isinstance(config, bool):
+        raise TypeError(f"config must be an int, got {type(config).__name__}")
+    if not -1 <= config < n:
+        raise ValueError(f"config must be -1 (automatic) or in [0, {n}) for {kind}, got {config}")
+
+
+def _check_fwd(x, w_local, w_slot, cu, config, values=True):
+    epn, N, K = _check_weights(w_local, w_slot)
+    _check_rows("x_MK", x, K, "K", w_local)
+    _check_cu(cu, 2 * epn, x.shape[0], x.device, values)
+    _check_config(config, "fwd")
+    return epn, N, K
+
+
+def _check_dgrad(dy, w_local, w_slot, cu, config, values=True):
+    epn, N, K = _check_weights(w_local, w_slot)
+    _check_rows("dy_MN", dy, N, "N", w_local)
+    _check_cu(cu, 2 * epn, dy.shape[0], dy.device, values)
+    _check_config(config, "dgrad")
+    return epn, N, K
+
+
+def _check_wgrad(dy, x, cu, epn, config, values=True):
+    # (a SymInt under dynamic-shape tracing: its value is checked by the real kernel's call)
+    if not isinstance(epn, torch.SymInt) and (
+            not isinstance(epn, int) or isinstance(epn, bool) or epn < 1):
+        raise ValueError(f"epn must be an int >= 1, got {epn!r}")
+    for name, t in (("dy_MN", dy), ("x_MK", x)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating, got {t.dtype}")
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"dy_MN has {dy.shape[0]} rows, x_MK {x.shape[0]}")
+    if dy.dtype != x.dtype:
+        raise TypeError(f"dy_MN ({dy.dtype}) and x_MK ({x.dtype}) dtypes differ")
+    if dy.device != x.device:
+        raise ValueError("dy_MN and x_MK are on different devices")
+    if not isinstance(epn, torch.SymInt):
+        _check_cu(cu, 2 * epn, x.shape[0], x.device, values)
+    _check_config(config, "wgrad")
+    return dy.shape[1], x.shape[1]
+
+
+def _check_grads(grad_local, grad_slot, epn, N, K, device):
+    for name, g in (("grad_local", grad_local), ("grad_slot", grad_slot)):
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(g).__name__}")
+        if tuple(g.shape) != (epn, N, K):
+            raise ValueError(f"{name} must have shape {(epn, N, K)}, got {tuple(g.shape)}")
+        if g.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32 (the accumulation dtype), got {g.dtype}")
+        if g.device != device:
+            raise ValueError(f"{name} is on {g.device}, the data on {device}")
+        if not g.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+# --------------------------------------------------------------------------------------------
+# Backend choice (from device and dtype only)
+# --------------------------------------------------------------------------------------------
+
+def _aligned(*dims: int) -> bool:
+    # 16-byte rows for TMA / torch._grouped_mm: bf16 dims must be multiples of 8.
+    return all(d % 8 == 0 and d > 0 for d in dims)
+
+
+def backend_for(t: torch.Tensor, *dims: int) -> str:
+    """'cutlass', 'torch' or 'reference' for data like ``t`` with these feature dims."""
+    forced = os.environ.get("MOONEP_GEMM_BACKEND", "auto").lower()
+    if t.device.type != "cuda" or t.dtype != torch.bfloat16 or not _aligned(*dims):
+        return "reference"
+    if forced in ("torch", "reference"):
+        return forced
+    if forced == "cutlass" or _native.gemm_lib() is not None:
+        return "cutlass"
+    return "torch"
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (any device, any float dtype; reads cu_seqlens on the host)
+# --------------------------------------------------------------------------------------------
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _bounds(cu: torch.Tensor):
+    start = 0
+    for g, end in enumerate(cu.tolist()):
+        yield g, start, end
+        start = max(start, end)
+
+
+def _weight(w_local, w_slot, g):
+    epn = w_local.shape[0]
+    return w_local[g] if g < epn else w_slot[g - epn]
+
+
+def _ref_fwd(x, w_local, w_slot, cu):
+    acc = _acc_dtype(x.dtype)
+    y = x.new_zeros(x.shape[0], w_local.shape[1])
+    for g, s, e in _bounds(cu):
+        if e > s:
+            y[s:e] = (x[s:e].to(acc) @ _weight(w_local, w_slot, g).to(acc).t()).to(y.dtype)
+    return y
+
+
+def _ref_dgrad(dy, w_local, w_slot, cu):
+    acc = _acc_dtype(dy.dtype)
+    dx = dy.new_zeros(dy.shape[0], w_local.shape[2])
+    for g, s, e in _bounds(cu):
+        if e > s:
+            dx[s:e] = (dy[s:e].to(acc) @ _weight(w_local, w_slot, g).to(acc)).to(dx.dtype)
+    return dx
+
+
+def _ref_wgrad_acc(dy, x, cu, grad_local, grad_slot):
+    epn = grad_local.shape[0]
+    acc = _acc_dtype(dy.dtype)
+    for g, s, e in _bounds(cu):
+        if e > s:
+            dw = dy[s:e].to(acc).t() @ x[s:e].to(acc)
+            tgt = grad_local[g] if g < epn else grad_slot[g - epn]
+            tgt += dw.to(tgt.dtype)
+
+
+def reference_grouped_mm(x_MK, w_local_BNK, w_slot_BNK, cu_seqlens_G):
+    """Plain per-group loop (fp32 accumulation, fp64 for fp64 inputs); the tests' oracle."""
+    _check_fwd(x_MK, w_local_BNK, w_slot_BNK, cu_seqlens_G, -1)
+    return _ref_fwd(x_MK, w_local_BNK, w_slot_BNK, cu_seqlens_G)
+
+
+# --------------------------------------------------------------------------------------------
+# torch._grouped_mm fallback (CUDA bf16 without the library); sync-free
+# --------------------------------------------------------------------------------------------
+
+def _zero_tail_rows(out: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    # torch._grouped_mm leaves rows past offs[-1] undefined; our contract says zero.
+    rows = torch.arange(out.shape[0], device=out.device, dtype=torch.int32)
+    return out.masked_fill_((rows >= cu[-1])[:, None], 0)
+
+
+def _torch_fwd(x, w_local, w_slot, cu):
+    w = torch.cat([w_local, w_slot])                       # [G, N, K]
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=cu)
+    return _zero_tail_rows(y, cu)
+
+
+def _torch_dgrad(dy, w_local, w_slot, cu):
+    w = torch.cat([w_local, w_slot])
+    dx = torch._grouped_mm(dy, w, offs=cu)
+    return _zero_tail_rows(dx, cu)
+
+
+def _torch_wgrad_acc(dy, x, cu, grad_local, grad_slot):
+    # dy^T as a column-major view: the layout for which empty groups are allowed.
+    dw = torch._grouped_mm(dy.t(), x, offs=cu)              # [G, N, K] bf16
+    epn = grad_local.shape[0]
+    grad_local += dw[:epn]
+    grad_slot += dw[epn:]
+
+
+# --------------------------------------------------------------------------------------------
+# CUTLASS (libmoonep_gemm.so)
+# --------------------------------------------------------------------------------------------
+
+_sm_counts: dict[int, int] = {}
+_tables: dict[str, ctypes.Array] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_counts[idx]
+
+
+def _tuning_table(kind: str):
+    # Built once per process from gemm_tuning (the file the calibration rewrites).
+    if kind not in _tables:
+        vals = gemm_cost_model.tuning_table(kind)
+        _tables[kind] = (ctypes.c_float * len(vals))(*vals)
+    return _tables[kind]
+
+
+def candidate_mask(kind: str, M: int = 0, G: int = 1) -> int:
+    """Configs the device selector chooses among (bit i = CONFIGS[kind][i]).
+
+    Every candidate is launched; the non-chosen ones find zero tiles and exit at once, so each
+    extra candidate costs one empty persistent launch (~10 µs measured on the H200).  So the set
+    is pruned on the host from what the host knows without a sync, the buffer's rows per group
+    M / G (padding included): 64-row tiles only pay off when groups are small, so they are
+    dropped when M / G >= 256.  Env MOONEP_GEMM_CANDIDATES (comma-separated names) overrides."""
+    names = os.environ.get("MOONEP_GEMM_CANDIDATES", "")
+    cfgs = gemm_cost_model.CONFIGS[kind]
+    if not names:
+        mask = (1 << len(cfgs)) - 1
+        if M >= 256 * G:
+            mask &= ~sum(1 << i for i, c in enumerate(cfgs) if c.BM < 128)
+        return mask
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    mask = sum(1 << i for i, c in enumerate(cfgs) if c.name in wanted)
+    return mask or (1 << len(cfgs)) - 1
+
+
+def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
+            raster: int = 0, workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run one CUTLASS grouped GEMM on the current stream; returns the workspace it used."""
+    lib = _native.require_gemm_lib()
+    dev = a.device
+    G = 2 * epn
+    sm = _sm_count(dev)
+    kid = _KIND_ID[kind]
+    nbytes = lib.moonep_gemm_workspace_bytes(kid, G, sm)
+    if workspace is None or workspace.numel() < nbytes:
+        workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    with torch.cuda.device(dev):
+        rc = lib.moonep_grouped_gemm(
+            kid, config, raster,
+            a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
+            d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
+            cu.data_ptr(), G, epn, M, N, K,
+            _tuning_table(kind), candidate_mask(kind, M, G),
+            workspace.data_ptr(), nbytes, sm, stream)
+    if rc != 0:
+        raise RuntimeError(f"moonep grouped GEMM ({kind}) failed: {_native.gemm_last_error()}")
+    return workspace
+
+
+def _cutlass_fwd(x, w_local, w_slot, cu, config):
+    M, K = x.shape
+    epn, N, _ = w_local.shape
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        _launch("fwd", config, x.contiguous(), w_local.contiguous(), w_slot.contiguous(),
+                y, None, cu.contiguous(), epn, M, N, K)
+    return y
+
+
+def _cutlass_dgrad(dy, w_local, w_slot, cu, config):
+    M, N = dy.shape
+    epn, _, K = w_local.shape
+    dx = torch.empty(M, K, dtype=dy.dtype, device=dy.device)
+    if M:
+        _launch("dgrad", config, dy.contiguous(), w_local.contiguous(), w_slot.contiguous(),
+                dx, None, cu.contiguous(), epn, M, N, K)
+    return dx
+
+
+def _cutlass_wgrad_acc(dy, x, cu, grad_local, grad_slot, config):
+    M, N = dy.shape
+    K = x.shape[1]
+    epn = grad_local.shape[0]
+    if M:
+        _launch("wgrad", config, dy.contiguous(), x.contiguous(), None, grad_local, grad_slot,
+                cu.contiguous(), epn, M, N, K)
+
+
+def _cutlass_wgrad_lp(dy, x, cu, epn, config):
+    M, N = dy.shape
+    K = x.shape[1]
+    if M == 0:
+        z = torch.zeros(epn, N, K, dtype=dy.dtype, device=dy.device)
+        return z, torch.zeros_like(z)
+    gl = torch.empty(epn, N, K, dtype=dy.dtype, device=dy.device)
+    gs = torch.empty_like(gl)
+    _launch("wgrad_lp", config, dy.contiguous(), x.contiguous(), None, gl, gs, cu.contiguous(),
+            epn, M, N, K)
+    return gl, gs
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------------
+
+# Explicit schemas: `int` (not the inferred SymInt) so epn and config are static in traces.
+@torch.library.custom_op(
+    "moonep::grouped_mm", mutates_args=(),
+    schema="(Tensor x, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1) -> Tensor")
+def _grouped_mm_op(x: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
+                   cu_seqlens: torch.Tensor, config: int = -1) -> torch.Tensor:
+    epn, N, K = _check_fwd(x, w_local, w_slot, cu_seqlens, config)
+    backend = backend_for(x, N, K)
+    if backend == "cutlass":
+        return _cutlass_fwd(x, w_local, w_slot, cu_seqlens, config)
+    if backend == "torch":
+        return _torch_fwd(x, w_local, w_slot, cu_seqlens)
+    return _ref_fwd(x, w_local, w_slot, cu_seqlens)
+
+
+@_grouped_mm_op.register_fake
+def _(x, w_local, w_slot, cu_seqlens, config=-1):
+    _, N, _ = _check_fwd(x, w_local, w_slot, cu_seqlens, config, values=False)
+    return x.new_empty(x.shape[0], N)
+
+
+@torch.library.custom_op(
+    "moonep::grouped_mm_dgrad", mutates_args=(),
+    schema="(Tensor dy, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1) -> Tensor")
+def _grouped_mm_dgrad_op(dy: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
+                         cu_seqlens: torch.Tensor, config: int = -1) -> torch.Tensor:
+    epn, N, K = _check_dgrad(dy, w_local, w_slot, cu_seqlens, config)
+    backend = backend_for(dy, N, K)
+    if backend == "cutlass":
+        return _cutlass_dgrad(dy, w_local, w_slot, cu_seqlens, config)
+    if backend == "torch":
+        return _torch_dgrad(dy, w_local, w_slot, cu_seqlens)
+    return _ref_dgrad(dy, w_local, w_slot, cu_seqlens)
+
+
+@_grouped_mm_dgrad_op.register_fake
+def _(dy, w_local, w_slot, cu_seqlens, config=-1):
+    _, _, K = _check_dgrad(dy, w_local, w_slot, cu_seqlens, config, values=False)
+    return dy.new_empty(dy.shape[0], K)
+
+
+def _wgrad_acc_impl(dy, x, cu, grad_local, grad_slot, config):
+    N, K = dy.shape[1], x.shape[1]
+    backend = backend_for(dy, N, K)
+    if backend == "cutlass":
+        _cutlass_wgrad_acc(dy, x, cu, grad_local, grad_slot, config)
+    elif backend == "torch":
+        _torch_wgrad_acc(dy, x, cu, grad_local, grad_slot)
+    else:
+        _ref_wgrad_acc(dy, x, cu, grad_local, grad_slot)
+
+
+@torch.library.custom_op(
+    "moonep::grouped_mm_wgrad_accumulate", mutates_args=("grad_local", "grad_slot"),
+    schema="(Tensor dy, Tensor x, Tensor cu_seqlens, Tensor(a!) grad_local, "
+           "Tensor(b!) grad_slot, int config=-1) -> ()")
+def _grouped_mm_wgrad_acc_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
+                             grad_local: torch.Tensor, grad_slot: torch.Tensor,
+                             config: int = -1) -> None:
+    N, K = _check_wgrad(dy, x, cu_seqlens, grad_local.shape[0], config)
+    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device)
+    _wgrad_acc_impl(dy, x, cu_seqlens, grad_local, grad_slot, config)
+
+
+@_grouped_mm_wgrad_acc_op.register_fake
+def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
+    N, K = _check_wgrad(dy, x, cu_seqlens, grad_local.shape[0], config, values=False)
+    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device)
+
+
+def _check_out_dtype(out_dtype, dy):
+    if out_dtype is not None and out_dtype not in (torch.float32, dy.dtype):
+        raise TypeError(f"out_dtype must be None/float32 or the input dtype {dy.dtype}, "
+                        f"got {out_dtype}")
+    return torch.float32 if out_dtype is None else out_dtype
+
+
+@torch.library.custom_op(
+    "moonep::grouped_mm_wgrad", mutates_args=(),
+    schema="(Tensor dy, Tensor x, Tensor cu_seqlens, int epn, int config=-1, "
+           "ScalarType? out_dtype=None) -> (Tensor, Tensor)")
+def _grouped_mm_wgrad_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor, epn: int,
+                         config: int = -1, out_dtype: Optional[torch.dtype] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    N, K = _check_wgrad(dy, x, cu_seqlens, epn, config)
+    dtype = _check_out_dtype(out_dtype, dy)
+    if dtype != torch.float32:
+        backend = backend_for(dy, N, K)
+        if backend == "cutlass":
+            return _cutlass_wgrad_lp(dy, x, cu_seqlens, epn, config)
+        if backend == "torch":
+            dw = torch._grouped_mm(dy.t(), x, offs=cu_seqlens)          # [G, N, K] bf16
+            dw = dw.masked_fill_(
+                (cu_seqlens.diff(prepend=cu_seqlens.new_zeros(1)) <= 0)[:, None, None], 0)
+            return dw[:epn].clone(), dw[epn:].clone()
+    gl = torch.zeros(epn, N, K, dtype=torch.float32, device=x.device)
+    gs = torch.zeros(epn, N, K, dtype=torch.float32, device=x.device)
+    _wgrad_acc_impl(dy, x, cu_seqlens, gl, gs, config)
+    return gl.to(dtype), gs.to(dtype)
+
+
+@_grouped_mm_wgrad_op.register_fake
+def _(dy, x, cu_seqlens, epn, config=-1, out_dtype=None):
+    N, K = _check_wgrad(dy, x, cu_seqlens, epn, config, values=False)
+    dtype = _check_out_dtype(out_dtype, dy)
+    return (x.new_empty(epn, N, K, dtype=dtype), x.new_empty(epn, N, K, dtype=dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_local, w_slot, cu_seqlens, config = inputs
+    ctx.save_for_backward(x, w_local, w_slot, cu_seqlens)
+
+
+def _backward(ctx, dy):
+    x, w_local, w_slot, cu = ctx.saved_tensors
+    dy = dy.contiguous()
+    dx = dwl = dws = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.moonep.grouped_mm_dgrad(dy, w_local, w_slot, cu)
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        # Written straight in the weights' dtype (bf16: one bf16 store per element instead of an
+        # fp32 zero-fill, read-modify-write and cast).
+        gl, gs = torch.ops.moonep.grouped_mm_wgrad(dy, x, cu, w_local.shape[0], -1, w_local.dtype)
+        dwl = gl if ctx.needs_input_grad[1] else None
+        dws = gs if ctx.needs_input_grad[2] else None
+    return dx, dwl, dws, None, None
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+def _require_tensors(**named) -> None:
+    # torch.ops would reject a non-tensor with a RuntimeError; say TypeError and which argument.
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+
+
+def _config_arg(config, kind: str) -> int:
+    if config is None:
+        return -1
+    if isinstance(config, str):
+        return gemm_cost_model.config_index(kind, config)
+    return config
+
+
+def grouped_mm(x_MK: torch.Tensor, w_local_BNK: torch.Tensor, w_slot_BNK: torch.Tensor,
+               cu_seqlens_G: torch.Tensor, *, config: int | str | None = None) -> torch.Tensor:
+    """y_MN[rows of g] = x_MK[rows of g] @ W_g^T; padding rows of y are zero.  Differentiable
+    in x and both weight tensors (weight grads come back in the weights' dtype).
+
+    ``config``: None (automatic) or a name / index from gemm_cost_model.CONFIGS["fwd"].
+    """
+    _require_tensors(x_MK=x_MK, w_local_BNK=w_local_BNK, w_slot_BNK=w_slot_BNK,
+                     cu_seqlens_G=cu_seqlens_G)
+    return torch.ops.moonep.grouped_mm(x_MK, w_local_BNK, w_slot_BNK, cu_seqlens_G,
+                                       _config_arg(config, "fwd"))
+
+
+def grouped_mm_dgrad(dy_MN, w_local_BNK, w_slot_BNK, cu_seqlens_G, *, config=None):
+    """dx_MK[rows of g] = dy_MN[rows of g] @ W_g; padding rows are zero."""
+    _require_tensors(dy_MN=dy_MN, w_local_BNK=w_local_BNK, w_slot_BNK=w_slot_BNK,
+                     cu_seqlens_G=cu_seqlens_G)
+    return torch.ops.moonep.grouped_mm_dgrad(dy_MN, w_local_BNK, w_slot_BNK, cu_seqlens_G,
+                                             _config_arg(config, "dgrad"))
+
+
+def grouped_mm_wgrad(dy_MN, x_MK, cu_seqlens_G, epn: int, *, config=None, out_dtype=None):
+    """(dW_local [epn, N, K], dW_slot [epn, N, K]): dW_g = dy[rows g]^T @ x[rows g], fp32
+    accumulation; output fp32 (default) or ``out_dtype`` = the input dtype (bf16 written once)."""
+    _require_tensors(dy_MN=dy_MN, x_MK=x_MK, cu_seqlens_G=cu_seqlens_G)
+    kind = "wgrad" if out_dtype in (None, torch.float32) else "wgrad_lp"
+    return torch.ops.moonep.grouped_mm_wgrad(dy_MN, x_MK, cu_seqlens_G, epn,
+                                             _config_arg(config, kind), out_dtype)
+
+
+def grouped_mm_wgrad_accumulate(dy_MN, x_MK, cu_seqlens_G, grad_local_BNK, grad_slot_BNK, *,
+                                config=None) -> None:
+    """grad_local_BNK[g] += dW_g (g < epn), grad_slot_BNK[g - epn] += dW_g; fp32 grads."""
+    _require_tensors(dy_MN=dy_MN, x_MK=x_MK, cu_seqlens_G=cu_seqlens_G,
+                     grad_local_BNK=grad_local_BNK, grad_slot_BNK=grad_slot_BNK)
+    torch.ops.moonep.grouped_mm_wgrad_accumulate(dy_MN, x_MK, cu_seqlens_G, grad_local_BNK,
+                                                 grad_slot_BNK, _config_arg(config, "wgrad"))

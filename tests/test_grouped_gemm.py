@@ -1,0 +1,435 @@
+"""CPU tests of the MoE grouped GEMM ops (moonep_ops.grouped_gemm) and its cost model.
+
+The oracle is an independent row-by-row loop (`naive_*`): each row finds its group by scanning
+cu_seqlens and multiplies with that group's weight in float64.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.library import opcheck
+
+from moonep_ops import _native, gemm_cost_model, gemm_tuning
+from moonep_ops import grouped_gemm as gg
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------
+
+def make_cu(counts, dtype=torch.int32):
+    return torch.tensor(np.cumsum(counts), dtype=dtype)
+
+
+def group_of_rows(cu, M):
+    """Group of each row (len(cu) for padding rows), by a plain scan."""
+    out, g = [], 0
+    cu = cu.tolist()
+    for r in range(M):
+        while g < len(cu) and r >= cu[g]:
+            g += 1
+        out.append(g)
+    return out
+
+
+def weight(wl, ws, g):
+    return wl[g] if g < wl.shape[0] else ws[g - wl.shape[0]]
+
+
+def naive_fwd(x, wl, ws, cu):
+    y = torch.zeros(x.shape[0], wl.shape[1], dtype=torch.float64)
+    for r, g in enumerate(group_of_rows(cu, x.shape[0])):
+        if g < len(cu):
+            y[r] = weight(wl, ws, g).double() @ x[r].double()
+    return y
+
+
+def naive_dgrad(dy, wl, ws, cu):
+    dx = torch.zeros(dy.shape[0], wl.shape[2], dtype=torch.float64)
+    for r, g in enumerate(group_of_rows(cu, dy.shape[0])):
+        if g < len(cu):
+            dx[r] = dy[r].double() @ weight(wl, ws, g).double()
+    return dx
+
+
+def naive_wgrad(dy, x, cu, epn):
+    N, K = dy.shape[1], x.shape[1]
+    dw = torch.zeros(2 * epn, N, K, dtype=torch.float64)
+    for r, g in enumerate(group_of_rows(cu, x.shape[0])):
+        if g < len(cu):
+            dw[g] += torch.outer(dy[r].double(), x[r].double())
+    return dw[:epn], dw[epn:]
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def inputs(counts, N=16, K=24, pad=3, dtype=torch.float32, seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    epn = len(counts) // 2
+    M = int(sum(counts)) + pad
+    x = torch.randn(M, K, generator=gen, dtype=torch.float64).to(dtype)
+    wl = torch.randn(epn, N, K, generator=gen, dtype=torch.float64).to(dtype)
+    ws = torch.randn(epn, N, K, generator=gen, dtype=torch.float64).to(dtype)
+    cu = make_cu(counts)
+    if requires_grad:
+        for t in (x, wl, ws):
+            t.requires_grad_(True)
+    return x, wl, ws, cu
+
+
+COUNTS = {
+    "skewed": [5, 0, 1, 9, 0, 3],
+    "one_group": [0, 0, 17, 0],
+    "ones": [1, 1, 1, 1, 1, 1, 1, 1],
+    "all_empty": [0, 0],
+    "balanced": [4, 4, 4, 4],
+}
+
+
+# ------------------------------------------------------------------------------------------
+# numerics against the naive loop
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5),
+                                       (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("case", list(COUNTS))
+def test_forward_matches_naive(case, dtype, tol):
+    x, wl, ws, cu = inputs(COUNTS[case], dtype=dtype, seed=1)
+    y = gg.grouped_mm(x, wl, ws, cu)
+    assert y.dtype == dtype and y.shape == (x.shape[0], wl.shape[1])
+    ref = naive_fwd(x, wl, ws, cu)
+    if ref.norm() > 0:
+        assert rel_err(y, ref) < tol
+    end = int(cu[-1])
+    assert torch.all(y[end:] == 0), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("case", ["skewed", "one_group", "ones"])
+def test_dgrad_wgrad_match_naive(case, dtype, tol):
+    counts = COUNTS[case]
+    epn = len(counts) // 2
+    x, wl, ws, cu = inputs(counts, dtype=dtype, seed=2)
+    dy = torch.randn(x.shape[0], wl.shape[1], dtype=dtype)
+    dx = gg.grouped_mm_dgrad(dy, wl, ws, cu)
+    assert rel_err(dx, naive_dgrad(dy, wl, ws, cu)) < tol
+    assert torch.all(dx[int(cu[-1]):] == 0)
+    gl, gs = gg.grouped_mm_wgrad(dy, x, cu, epn)
+    rl, rs = naive_wgrad(dy, x, cu, epn)
+    assert gl.dtype == torch.float32 and gs.dtype == torch.float32
+    assert rel_err(torch.cat([gl, gs]), torch.cat([rl, rs])) < max(tol, 1e-6)
+    # empty groups get an exactly zero gradient
+    for g, c in enumerate(counts):
+        if c == 0:
+            assert torch.all((gl if g < epn else gs)[g % epn] == 0)
+
+
+@pytest.mark.parametrize("case", ["skewed", "one_group"])
+def test_wgrad_out_dtype(case):
+    counts = COUNTS[case]
+    epn = len(counts) // 2
+    x, wl, ws, cu = inputs(counts, dtype=torch.bfloat16, seed=13)
+    dy = torch.randn(x.shape[0], wl.shape[1]).to(torch.bfloat16)
+    gl, gs = gg.grouped_mm_wgrad(dy, x, cu, epn, out_dtype=torch.bfloat16)
+    assert gl.dtype == torch.bfloat16 and gs.dtype == torch.bfloat16
+    rl, rs = naive_wgrad(dy, x, cu, epn)
+    assert rel_err(torch.cat([gl, gs]), torch.cat([rl, rs])) < 1e-2
+    with pytest.raises(TypeError, match="out_dtype"):
+        gg.grouped_mm_wgrad(dy, x, cu, epn, out_dtype=torch.float16)
+    opcheck(torch.ops.moonep.grouped_mm_wgrad.default, (dy, x, cu, epn, -1, torch.bfloat16))
+
+
+def test_wgrad_accumulates():
+    counts = COUNTS["skewed"]
+    epn = len(counts) // 2
+    x, wl, ws, cu = inputs(counts, seed=3)
+    dy = torch.randn(x.shape[0], wl.shape[1])
+    base_l = torch.randn(epn, wl.shape[1], wl.shape[2])
+    base_s = torch.randn(epn, wl.shape[1], wl.shape[2])
+    gl, gs = base_l.clone(), base_s.clone()
+    gg.grouped_mm_wgrad_accumulate(dy, x, cu, gl, gs)
+    rl, rs = naive_wgrad(dy, x, cu, epn)
+    assert rel_err(gl, base_l.double() + rl) < 1e-6
+    assert rel_err(gs, base_s.double() + rs) < 1e-6
+    gg.grouped_mm_wgrad_accumulate(dy, x, cu, gl, gs)   # twice: += again
+    assert rel_err(gl, base_l.double() + 2 * rl) < 1e-6
+
+
+def test_padding_rows_not_read():
+    x, wl, ws, cu = inputs(COUNTS["skewed"], pad=5, seed=4)
+    x2 = x.clone()
+    x2[int(cu[-1]):] = float("nan")
+    y = gg.grouped_mm(x2, wl, ws, cu)
+    assert torch.equal(y, gg.grouped_mm(x, wl, ws, cu))
+
+
+# ------------------------------------------------------------------------------------------
+# autograd
+# ------------------------------------------------------------------------------------------
+
+def test_autograd_matches_naive():
+    counts = COUNTS["skewed"]
+    epn = len(counts) // 2
+    x, wl, ws, cu = inputs(counts, dtype=torch.float64, seed=5, requires_grad=True)
+    dy = torch.randn(x.shape[0], wl.shape[1], dtype=torch.float64)
+    gg.grouped_mm(x, wl, ws, cu).backward(dy)
+    assert rel_err(x.grad, naive_dgrad(dy, wl.detach(), ws.detach(), cu)) < 1e-12
+    rl, rs = naive_wgrad(dy, x.detach(), cu, epn)
+    assert wl.grad.dtype == wl.dtype
+    assert rel_err(wl.grad, rl) < 1e-6 and rel_err(ws.grad, rs) < 1e-6   # fp32 accumulation
+
+
+def test_gradcheck_small():
+    x, wl, ws, cu = inputs([2, 0, 1, 3], N=3, K=4, pad=1, dtype=torch.float64, seed=6,
+                           requires_grad=True)
+    # weight grads are accumulated in fp32 (the kernels' contract), so loosen the tolerance
+    assert torch.autograd.gradcheck(lambda a, b, c: gg.grouped_mm(a, b, c, cu), (x, wl, ws),
+                                    eps=1e-6, atol=1e-4, rtol=1e-3)
+
+
+def test_partial_requires_grad():
+    x, wl, ws, cu = inputs(COUNTS["skewed"], seed=7)
+    wl.requires_grad_(True)
+    y = gg.grouped_mm(x, wl, ws, cu)
+    y.sum().backward()
+    assert wl.grad is not None and x.grad is None and ws.grad is None
+
+
+# ------------------------------------------------------------------------------------------
+# opcheck, fake / meta, compile
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["skewed", "all_empty"])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_forward(case, requires_grad):
+    x, wl, ws, cu = inputs(COUNTS[case], seed=8, requires_grad=requires_grad)
+    opcheck(torch.ops.moonep.grouped_mm.default, (x, wl, ws, cu, -1))
+
+
+def test_opcheck_backward_ops():
+    counts = COUNTS["skewed"]
+    epn = len(counts) // 2
+    x, wl, ws, cu = inputs(counts, seed=9)
+    dy = torch.randn(x.shape[0], wl.shape[1])
+    opcheck(torch.ops.moonep.grouped_mm_dgrad.default, (dy, wl, ws, cu, -1))
+    opcheck(torch.ops.moonep.grouped_mm_wgrad.default, (dy, x, cu, epn, -1))
+    gl = torch.zeros(epn, wl.shape[1], wl.shape[2])
+    opcheck(torch.ops.moonep.grouped_mm_wgrad_accumulate.default,
+            (dy, x, cu, gl, torch.zeros_like(gl), -1))
+
+
+def test_meta_and_fake_cuda_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(100, 64, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(4, 32, 64, dtype=torch.bfloat16, device="cuda")
+        cu = torch.empty(8, dtype=torch.int32, device="cuda")
+        y = gg.grouped_mm(x, w, w, cu)
+        assert y.shape == (100, 32) and y.device.type == "cuda" and y.dtype == torch.bfloat16
+        dx = gg.grouped_mm_dgrad(y, w, w, cu)
+        assert dx.shape == (100, 64)
+        gl, gs = gg.grouped_mm_wgrad(y, x, cu, 4)
+        assert gl.shape == (4, 32, 64) and gl.dtype == torch.float32
+    xm = torch.empty(10, 8, device="meta")
+    wm = torch.empty(2, 16, 8, device="meta")
+    cum = torch.empty(4, dtype=torch.int32, device="meta")
+    assert gg.grouped_mm(xm, wm, wm, cum).shape == (10, 16)
+
+
+def test_compile_fullgraph_aot_eager():
+    torch._dynamo.reset()
+    x, wl, ws, cu = inputs(COUNTS["skewed"], seed=10, requires_grad=True)
+
+    def f(a, b, c, d):
+        return gg.grouped_mm(a, b, c, d).square().sum()
+
+    loss = torch.compile(f, backend="aot_eager", fullgraph=True)(x, wl, ws, cu)
+    loss.backward()
+    ref_x = x.grad.clone()
+    x.grad = None
+    f(x, wl, ws, cu).backward()
+    assert torch.allclose(ref_x, x.grad, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# bad input: clear errors before any kernel runs
+# ------------------------------------------------------------------------------------------
+
+def _bad_cases():
+    x, wl, ws, cu = inputs(COUNTS["skewed"], seed=11)
+    return [
+        ("cu int64", (x, wl, ws, cu.long()), TypeError, "int32"),
+        ("cu length", (x, wl, ws, cu[:-1]), ValueError, "length"),
+        ("cu 2-D", (x, wl, ws, cu[None]), ValueError, "1-D"),
+        ("cu decreasing", (x, wl, ws, torch.tensor([5, 4, 6, 7, 8, 9], dtype=torch.int32)),
+         ValueError, "non-decreasing"),
+        ("cu past M", (x, wl, ws, cu + 100), ValueError, "non-decreasing"),
+        ("x cols", (x[:, :-1], wl, ws, cu), ValueError, "columns"),
+        ("x 3-D", (x[None], wl, ws, cu), ValueError, "2-D"),
+        ("w shapes differ", (x, wl, ws[:, :-1], cu), ValueError, "same shape"),
+        ("w 2-D", (x, wl[0], ws, cu), ValueError, "3-D"),
+        ("w dtype", (x, wl.double(), ws, cu), TypeError, "differ"),
+        ("x dtype", (x.double(), wl, ws, cu), TypeError, "dtype"),
+        ("int weights", (x, wl.int(), ws.int(), cu), TypeError, "floating"),
+        ("not a tensor", (x.tolist(), wl, ws, cu), TypeError, "Tensor"),
+    ]
+
+
+@pytest.mark.parametrize("name,args,exc,msg", _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_bad_input_forward(name, args, exc, msg):
+    with pytest.raises(exc, match=msg):
+        gg.grouped_mm(*args)
+
+
+def test_bad_input_other_ops():
+    counts = COUNTS["skewed"]
+    epn = len(counts) // 2
+    x, wl, ws, cu = inputs(counts, seed=12)
+    dy = torch.randn(x.shape[0], wl.shape[1])
+    with pytest.raises(ValueError, match="columns"):
+        gg.grouped_mm_dgrad(dy[:, 1:], wl, ws, cu)
+    with pytest.raises(ValueError, match="rows"):
+        gg.grouped_mm_wgrad(dy[1:], x, cu, epn)
+    with pytest.raises(ValueError, match="length"):
+        gg.grouped_mm_wgrad(dy, x, cu, epn + 1)
+    with pytest.raises(ValueError, match="epn"):
+        gg.grouped_mm_wgrad(dy, x, cu, 0)
+    gl = torch.zeros(epn, wl.shape[1], wl.shape[2])
+    with pytest.raises(TypeError, match="float32"):
+        gg.grouped_mm_wgrad_accumulate(dy, x, cu, gl.double(), gl.double())
+    with pytest.raises(ValueError, match="shape"):
+        gg.grouped_mm_wgrad_accumulate(dy, x, cu, gl[:, 1:], gl)
+    with pytest.raises(ValueError, match="config"):
+        gg.grouped_mm(x, wl, ws, cu, config=99)
+    with pytest.raises(ValueError, match="unknown"):
+        gg.grouped_mm(x, wl, ws, cu, config="nope")
+    with pytest.raises(ValueError, match="length"):   # also from the fake (meta) path
+        gg.grouped_mm(x.to("meta"), wl.to("meta"), ws.to("meta"), cu[:-1].to("meta"))
+
+
+# ------------------------------------------------------------------------------------------
+# backend selection and the native loader (no GPU here)
+# ------------------------------------------------------------------------------------------
+
+def test_backend_choice_on_cpu():
+    assert gg.backend_for(torch.empty(1, dtype=torch.bfloat16), 16, 16) == "reference"
+
+
+def test_native_loader_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOONEP_LIB_DIR", str(tmp_path))
+    mod = importlib.reload(_native)
+    try:
+        assert mod.gemm_lib() is None
+        assert "not found" in mod.gemm_load_error()
+        with pytest.raises(mod.NativeLibraryMissing, match="build"):
+            mod.require_gemm_lib()
+    finally:
+        monkeypatch.delenv("MOONEP_LIB_DIR")
+        importlib.reload(_native)
+
+
+def test_candidate_mask_prunes_small_tiles_for_big_groups(monkeypatch):
+    monkeypatch.delenv("MOONEP_GEMM_CANDIDATES", raising=False)
+    small = [i for i, c in enumerate(gemm_cost_model.CONFIGS["fwd"]) if c.BM < 128]
+    assert small
+    full = (1 << len(gemm_cost_model.CONFIGS["fwd"])) - 1
+    assert gg.candidate_mask("fwd", M=100 * 64, G=64) == full
+    assert gg.candidate_mask("fwd", M=512 * 64, G=64) == full & ~sum(1 << i for i in small)
+
+
+def test_candidate_mask_env(monkeypatch):
+    monkeypatch.setenv("MOONEP_GEMM_CANDIDATES", "p64x256, c128x256")
+    assert gg.candidate_mask("fwd") == 0b011
+    monkeypatch.setenv("MOONEP_GEMM_CANDIDATES", "")
+    assert gg.candidate_mask("wgrad") == 0b111
+
+
+def test_cxx_config_table_matches_python():
+    text = (ROOT / "cutlass_kernels" / "configs.h").read_text()
+    rows = re.findall(r"X\((\w+), (\w+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", text)
+    from_cxx = {}
+    for kind, name, *nums in rows:
+        from_cxx.setdefault(kind, []).append((name, *map(int, nums)))
+    for kind, cfgs in gemm_cost_model.CONFIGS.items():
+        assert [(c.name, c.BM, c.BN, c.BK, c.CM, c.CN, int(c.pingpong)) for c in cfgs] == \
+            from_cxx[kind]
+        assert set(gemm_tuning.EFFICIENCY[kind]) == {c.name for c in cfgs}
+    units = sorted(p.name for p in (ROOT / "cutlass_kernels").glob("kernel_*.cu"))
+    assert units == sorted(f"kernel_{k}_{c.name}.cu" for k, cfgs in gemm_cost_model.CONFIGS.items()
+                           for c in cfgs)
+
+
+# ------------------------------------------------------------------------------------------
+# cost model
+# ------------------------------------------------------------------------------------------
+
+def _zipf_counts(G, total, s, seed=0):
+    rng = np.random.default_rng(seed)
+    w = 1.0 / np.arange(1, G + 1) ** s
+    rng.shuffle(w)
+    c = np.floor(w / w.sum() * total).astype(int)
+    c[0] += total - c.sum()
+    return c
+
+
+@pytest.mark.parametrize("kind", gemm_cost_model.KINDS)
+def test_cost_model_basic(kind):
+    N, K = 4096, 7168
+    counts = _zipf_counts(64, 32768, 0.8)
+    pred = gemm_cost_model.predict(counts, N, K, kind)
+    assert set(pred) == {c.name for c in gemm_cost_model.CONFIGS[kind]}
+    assert gemm_cost_model.select(counts, N, K, kind) == min(pred, key=pred.get)
+    max_eta = max(v[0] for v in gemm_tuning.EFFICIENCY[kind].values())
+    floor_us = gemm_cost_model.flops(counts, N, K) / (gemm_tuning.PEAK_TFLOPS * 1e6 * max_eta)
+    for name, t in pred.items():
+        assert np.isfinite(t) and t >= floor_us, (name, t, floor_us)
+    # more rows never predicts less time
+    more = counts.copy()
+    more[3] += 500
+    pred2 = gemm_cost_model.predict(more, N, K, kind)
+    assert all(pred2[n] >= pred[n] for n in pred)
+    # nothing to do: launch cost only
+    empty = gemm_cost_model.predict([0] * 64, N, K, kind)
+    assert all(empty[c] == gemm_tuning.EFFICIENCY[kind][c][3] for c in empty)
+
+
+def test_cost_model_tile_waste_and_memory_bound():
+    N, K = 4096, 7168
+    # 129-row groups: a 128-row tile wastes almost a whole second tile, a 64-row tile does not
+    pred = gemm_cost_model.predict([129] * 64, N, K, "fwd")
+    eta = {n: v[0] for n, v in gemm_tuning.EFFICIENCY["fwd"].items()}
+    ratio = (pred["c128x256"] / pred["p64x256"]) * (eta["c128x256"] / eta["p64x256"])
+    assert ratio > 1.2
+    # one row per group: bound by streaming the weights, ~ G*N*K*2 bytes at the HBM rate
+    G = 128
+    t = min(gemm_cost_model.predict([1] * G, 2048, 7168, "fwd").values())
+    weights_us = G * 2048 * 7168 * 2 / (gemm_tuning.HBM_TBPS * 1e6)
+    assert weights_us <= t <= 3 * weights_us + 50
+
+
+def test_cost_model_wgrad_lpt_order_invariant():
+    counts = _zipf_counts(64, 65536, 1.5, seed=3)
+    a = gemm_cost_model.predict(counts, 2048, 7168, "wgrad")
+    b = gemm_cost_model.predict(counts[::-1].copy(), 2048, 7168, "wgrad")
+    assert a == b     # the kernel sorts groups largest first, so input order does not matter
+
+
+def test_cost_model_bad_input():
+    with pytest.raises(ValueError):
+        gemm_cost_model.predict([], 16, 16)
+    with pytest.raises(ValueError):
+        gemm_cost_model.predict([1, -1], 16, 16)
+    with pytest.raises(ValueError):
+        gemm_cost_model.predict([1, 1], 16, 16, kind="bwd")
+    assert len(gemm_cost_model.tuning_table("fwd")) == 2 + 4 * len(gemm_cost_model.CONFIGS["fwd"])

@@ -1,0 +1,305 @@
+"""GPU tests of the grouped GEMM (CUTLASS library and the torch._grouped_mm fallback).
+
+Skips without CUDA; the CUTLASS tests also skip without moonep_ops/lib/libmoonep_gemm.so.
+Every check draws fresh random inputs, poisons outputs (NaN) before the run, and compares with
+an fp32 per-group reference: ||out - ref|| / ||ref|| < 1e-2 (bf16 operands).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.library import opcheck
+
+from moonep_ops import _native, gemm_cost_model
+from moonep_ops import grouped_gemm as gg
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_lib = pytest.mark.skipif(_native.gemm_lib() is None,
+                               reason=f"CUTLASS library not loaded: {_native.gemm_load_error()}")
+
+TOL = 1e-2
+KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2, "wgrad_lp": 3}
+_seed = [1000]
+
+
+def fresh_gen():
+    _seed[0] += 1
+    return torch.Generator(device="cuda").manual_seed(_seed[0])
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten poisoned element?)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+COUNTS = {
+    "skewed_empty": [700, 0, 3, 1, 0, 2000, 129, 0, 64, 65, 1, 0, 300, 9, 0, 128],
+    "ones": [1] * 16,
+    "one_group": [0] * 5 + [3001] + [0] * 10,
+    "all_empty": [0] * 16,
+    "balanced": [256] * 16,
+}
+
+
+def make(counts, N, K, pad=37, gen=None):
+    gen = gen or fresh_gen()
+    epn = len(counts) // 2
+    M = int(sum(counts)) + pad
+    r = lambda *s: (torch.randn(*s, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+    x, wl, ws = r(M, K), r(epn, N, K), r(epn, N, K)
+    cu = torch.tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
+    return x, wl, ws, cu
+
+
+def ref_fwd(x, wl, ws, cu):
+    return gg._ref_fwd(x.float(), wl.float(), ws.float(), cu)
+
+
+def ref_dgrad(dy, wl, ws, cu):
+    return gg._ref_dgrad(dy.float(), wl.float(), ws.float(), cu)
+
+
+def ref_wgrad(dy, x, cu, epn):
+    N, K = dy.shape[1], x.shape[1]
+    gl = torch.zeros(epn, N, K, device="cuda")
+    gs = torch.zeros_like(gl)
+    gg._ref_wgrad_acc(dy.float(), x.float(), cu, gl, gs)
+    return gl, gs
+
+
+def poisoned(*shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+# ------------------------------------------------------------------------------------------
+# CUTLASS kernels, every config, through the raw launcher with poisoned outputs
+# ------------------------------------------------------------------------------------------
+
+def _configs(kind):
+    return [-1] + list(range(len(gemm_cost_model.CONFIGS[kind])))
+
+
+@needs_lib
+@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize("config", _configs("fwd"))
+@pytest.mark.parametrize("raster", [0, 1])
+def test_cutlass_fwd_dgrad(case, config, raster):
+    counts = COUNTS[case]
+    epn = len(counts) // 2
+    N, K = 384, 512                     # N not a multiple of 256: partial N tiles too
+    x, wl, ws, cu = make(counts, N, K)
+    M = x.shape[0]
+    end = int(sum(counts))
+    y = poisoned(M, N, dtype=torch.bfloat16)
+    gg._launch("fwd", config, x, wl, ws, y, None, cu, epn, M, N, K, raster=raster)
+    assert torch.all(y[end:] == 0)
+    if end:
+        assert rel_err(y, ref_fwd(x, wl, ws, cu)) < TOL
+    else:
+        assert torch.all(y == 0)
+    dy = torch.randn(M, N, device="cuda", generator=fresh_gen()).to(torch.bfloat16)
+    dx = poisoned(M, K, dtype=torch.bfloat16)
+    gg._launch("dgrad", config, dy, wl, ws, dx, None, cu, epn, M, N, K, raster=raster)
+    assert torch.all(dx[end:] == 0)
+    if end:
+        assert rel_err(dx, ref_dgrad(dy, wl, ws, cu)) < TOL
+
+
+@needs_lib
+@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize("config", _configs("wgrad"))
+def test_cutlass_wgrad_accumulates(case, config):
+    counts = COUNTS[case]
+    epn = len(counts) // 2
+    N, K = 384, 512
+    x, wl, ws, cu = make(counts, N, K)
+    M = x.shape[0]
+    dy = torch.randn(M, N, device="cuda", generator=fresh_gen()).to(torch.bfloat16)
+    base_l = torch.randn(epn, N, K, device="cuda", generator=fresh_gen())
+    base_s = torch.randn(epn, N, K, device="cuda", generator=fresh_gen())
+    gl, gs = base_l.clone(), base_s.clone()
+    gg._launch("wgrad", config, dy, x, None, gl, gs, cu, epn, M, N, K)
+    rl, rs = ref_wgrad(dy, x, cu, epn)
+    for g, c in enumerate(counts):
+        got, base, r = (gl, base_l, rl) if g < epn else (gs, base_s, rs)
+        if c == 0:
+            assert torch.equal(got[g % epn], base[g % epn]), f"empty group {g} changed"
+        else:
+            assert rel_err(got[g % epn] - base[g % epn], r[g % epn]) < TOL, f"group {g}"
+
+
+@needs_lib
+@pytest.mark.parametrize("case", list(COUNTS))
+@pytest.mark.parametrize("config", _configs("wgrad_lp"))
+def test_cutlass_wgrad_lp_bf16_out(case, config):
+    counts = COUNTS[case]
+    epn = len(counts) // 2
+    N, K = 384, 512
+    x, wl, ws, cu = make(counts, N, K)
+    M = x.shape[0]
+    dy = torch.randn(M, N, device="cuda", generator=fresh_gen()).to(torch.bfloat16)
+    gl = poisoned(epn, N, K, dtype=torch.bfloat16)
+    gs = poisoned(epn, N, K, dtype=torch.bfloat16)
+    gg._launch("wgrad_lp", config, dy, x, None, gl, gs, cu, epn, M, N, K)
+    rl, rs = ref_wgrad(dy, x, cu, epn)
+    for g, c in enumerate(counts):
+        got, r = (gl, rl) if g < epn else (gs, rs)
+        if c == 0:
+            assert torch.all(got[g % epn] == 0), f"empty group {g} not zeroed"
+        else:
+            assert rel_err(got[g % epn], r[g % epn]) < TOL, f"group {g}"
+
+
+@needs_lib
+@pytest.mark.parametrize("skew", ["zipf1.5", "hot", "tiny"])
+def test_cutlass_large_shapes(skew):
+    """MoE-sized problem (G=64, N=2048, K=7168) in all configs."""
+    G, total = 64, 32768
+    rng = np.random.default_rng(_seed[0])
+    if skew == "zipf1.5":
+        w = 1 / np.arange(1, G + 1) ** 1.5
+    elif skew == "hot":
+        w = np.ones(G); w[5] = 20
+    else:
+        w = np.ones(G); w[:4] = 100
+    rng.shuffle(w)
+    counts = np.floor(w / w.sum() * total).astype(int)
+    counts[rng.integers(G, size=4)] = 0          # some empty groups
+    N, K = 2048, 7168
+    x, wl, ws, cu = make(counts.tolist(), N, K)
+    M = x.shape[0]
+    epn = G // 2
+    ref = ref_fwd(x, wl, ws, cu)
+    for config in _configs("fwd"):
+        y = poisoned(M, N, dtype=torch.bfloat16)
+        gg._launch("fwd", config, x, wl, ws, y, None, cu, epn, M, N, K)
+        assert rel_err(y, ref) < TOL, config
+    dy = (torch.randn(M, N, device="cuda", generator=fresh_gen()) * 0.5).to(torch.bfloat16)
+    rl, rs = ref_wgrad(dy, x, cu, epn)
+    for config in _configs("wgrad"):
+        gl = torch.zeros(epn, N, K, device="cuda")
+        gs = torch.zeros_like(gl)
+        gg._launch("wgrad", config, dy, x, None, gl, gs, cu, epn, M, N, K)
+        assert rel_err(torch.cat([gl, gs]), torch.cat([rl, rs])) < TOL, config
+
+
+@needs_lib
+def test_library_config_table_matches_python():
+    lib = _native.gemm_lib()
+    import ctypes
+    for kind, kid in KINDS.items():
+        cfgs = gemm_cost_model.CONFIGS[kind]
+        assert lib.moonep_gemm_num_configs(kid) == len(cfgs)
+        for i, c in enumerate(cfgs):
+            info = (ctypes.c_int * 8)()
+            assert lib.moonep_gemm_config_info(kid, i, info) == 0
+            assert list(info)[:6] == [c.BM, c.BN, c.BK, c.CM, c.CN, int(c.pingpong)]
+
+
+@needs_lib
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_device_selector_agrees_with_python_model(kind):
+    """The config picked on the GPU is (up to float32 rounding) the Python model's argmin."""
+    rng = np.random.default_rng(7)
+    N, K = 2048, 7168
+    for trial in range(4):
+        G = 64
+        counts = np.floor(rng.lognormal(0, 1.5, G) / 1.0).astype(int) * (trial + 1) * 20
+        counts[rng.integers(G, size=3)] = 0
+        x, wl, ws, cu = make(counts.tolist(), N, K, pad=0)
+        M, epn = x.shape[0], G // 2
+        if kind in ("wgrad", "wgrad_lp"):
+            dy = torch.randn(M, N, device="cuda").to(torch.bfloat16)
+            gl = torch.zeros(epn, N, K, device="cuda",
+                             dtype=torch.float32 if kind == "wgrad" else torch.bfloat16)
+            wsp = gg._launch(kind, -1, dy, x, None, gl, torch.zeros_like(gl), cu, epn, M, N, K)
+        elif kind == "fwd":
+            y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            wsp = gg._launch(kind, -1, x, wl, ws, y, None, cu, epn, M, N, K)
+        else:
+            dy = torch.randn(M, N, device="cuda").to(torch.bfloat16)
+            dx = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+            wsp = gg._launch(kind, -1, dy, wl, ws, dx, None, cu, epn, M, N, K)
+        chosen = int(wsp[:4].view(torch.int32).item())
+        mask = gg.candidate_mask(kind, M, G)
+        pred = gemm_cost_model.predict(counts, N, K, kind, configs=[
+            c.name for i, c in enumerate(gemm_cost_model.CONFIGS[kind]) if (mask >> i) & 1])
+        name = gemm_cost_model.CONFIGS[kind][chosen].name
+        assert pred[name] <= min(pred.values()) * (1 + 1e-3), (pred, name)
+
+
+# ------------------------------------------------------------------------------------------
+# Public ops (auto backend) and the torch._grouped_mm fallback
+# ------------------------------------------------------------------------------------------
+
+def _poison_allocator():
+    # Fill freed cache blocks with NaN so that an op's torch.empty output starts poisoned.
+    t = torch.full((64 << 20,), float("nan"), device="cuda")
+    del t
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("case", ["skewed_empty", "ones", "one_group"])
+def test_public_ops_autograd(backend, case, monkeypatch):
+    if backend == "torch":
+        monkeypatch.setenv("MOONEP_GEMM_BACKEND", "torch")
+    counts = COUNTS[case]
+    epn = len(counts) // 2
+    N, K = 256, 384
+    x, wl, ws, cu = make(counts, N, K)
+    for t in (x, wl, ws):
+        t.requires_grad_(True)
+    _poison_allocator()
+    y = gg.grouped_mm(x, wl, ws, cu)
+    end = int(sum(counts))
+    assert torch.all(y[end:] == 0)
+    assert rel_err(y, ref_fwd(x.detach(), wl.detach(), ws.detach(), cu)) < TOL
+    dy = torch.randn_like(y)
+    _poison_allocator()
+    y.backward(dy)
+    assert rel_err(x.grad, ref_dgrad(dy, wl.detach(), ws.detach(), cu)) < TOL
+    rl, rs = ref_wgrad(dy, x.detach(), cu, epn)
+    assert wl.grad.dtype == torch.bfloat16
+    assert rel_err(torch.cat([wl.grad, ws.grad]), torch.cat([rl, rs])) < TOL
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_opcheck_cuda(backend, monkeypatch):
+    if backend == "torch":
+        monkeypatch.setenv("MOONEP_GEMM_BACKEND", "torch")
+    counts = COUNTS["skewed_empty"]
+    epn = len(counts) // 2
+    x, wl, ws, cu = make(counts, 128, 256)
+    dy = torch.randn(x.shape[0], 128, device="cuda").to(torch.bfloat16)
+    opcheck(torch.ops.moonep.grouped_mm.default, (x, wl, ws, cu, -1))
+    xr, wlr, wsr = (t.clone().requires_grad_(True) for t in (x, wl, ws))
+    opcheck(torch.ops.moonep.grouped_mm.default, (xr, wlr, wsr, cu, -1))
+    opcheck(torch.ops.moonep.grouped_mm_dgrad.default, (dy, wl, ws, cu, -1))
+    opcheck(torch.ops.moonep.grouped_mm_wgrad.default, (dy, x, cu, epn, -1))
+    opcheck(torch.ops.moonep.grouped_mm_wgrad.default, (dy, x, cu, epn, -1, torch.bfloat16))
+    gl = torch.zeros(epn, 128, 256, device="cuda")
+    opcheck(torch.ops.moonep.grouped_mm_wgrad_accumulate.default,
+            (dy, x, cu, gl, torch.zeros_like(gl), -1))
+
+
+@needs_lib
+def test_cuda_graph_capture_reads_sizes_on_device():
+    """Capture once, then change cu_seqlens in place: replays follow the new sizes."""
+    N, K, G = 256, 512, 16
+    epn = G // 2
+    counts0 = [100] * G
+    x, wl, ws, cu = make(counts0, N, K, pad=500)
+    y = gg.grouped_mm(x, wl, ws, cu)           # warm-up (lazy init outside capture)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = gg.grouped_mm(x, wl, ws, cu)
+    for counts in ([0, 1, 700, 3, 0, 2, 129, 64] * 2, [2100] + [0] * 15):
+        cu.copy_(torch.tensor(np.cumsum(counts), dtype=torch.int32))
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.all(y[sum(counts):] == 0)
+        assert rel_err(y, ref_fwd(x, wl, ws, cu)) < TOL
