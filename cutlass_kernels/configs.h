@@ -1,0 +1,65 @@
+// The compiled configurations: one translation unit per (kind, config), listed here in the
+// order of the config index of the C ABI and of moonep_ops/gemm_cost_model.py::CONFIGS.
+// Clusters are along N only: a cluster along M rounds every group's M-tile count up to the
+// cluster size, and those padding tiles run the full mainloop (see docs/grouped_gemm.md).
+#pragma once
+
+namespace moonep {
+
+constexpr int kNumKinds = 4;  // fwd, dgrad, wgrad (fp32 +=), wgrad_lp (bf16 out)
+constexpr int kMaxConfigs = 8;
+
+struct ConfigGeom {
+  int BM, BN, BK, CM, CN, pingpong;
+};
+
+// X(kind, name, BM, BN, BK, CM, CN, pingpong)
+#define MOONEP_GEMM_CONFIGS(X)                  \
+  X(fwd, c128x256, 128, 256, 64, 1, 2, 0)       \
+  X(fwd, p64x256, 64, 256, 64, 1, 2, 1)         \
+  X(fwd, p128x128, 128, 128, 64, 1, 2, 1)       \
+  X(dgrad, c128x256, 128, 256, 64, 1, 2, 0)     \
+  X(dgrad, p64x256, 64, 256, 64, 1, 2, 1)       \
+  X(dgrad, p128x128, 128, 128, 64, 1, 2, 1)     \
+  X(wgrad, c128x256, 128, 256, 64, 1, 2, 0)     \
+  X(wgrad, c128x128, 128, 128, 64, 1, 2, 0)     \
+  X(wgrad, p128x128, 128, 128, 64, 1, 2, 1)     \
+  X(wgrad_lp, c128x256, 128, 256, 64, 1, 2, 0)  \
+  X(wgrad_lp, c128x128, 128, 128, 64, 1, 2, 0)  \
+  X(wgrad_lp, p128x128, 128, 128, 64, 1, 2, 1)
+
+// Everything one kernel launch needs; the arrays live in the call's device workspace and are
+// filled by the prep kernel (prep.cu) from cu_seqlens, so nothing about group sizes is on the host.
+struct RunArgs {
+  int G;
+  void* shapes;            // cute::Shape<int,int,int>[G] (M, N, K per group)
+  const void** ptr_A;
+  const void** ptr_B;
+  const void** ptr_C;      // wgrad only (== ptr_D: accumulate in place)
+  void** ptr_D;
+  void* stride_A;
+  void* stride_B;
+  void* stride_C;
+  void* stride_D;
+  void* cutlass_ws;
+  size_t cutlass_ws_bytes;
+  int sm_count;
+  int raster;              // 0 along M (co-resident CTAs share a weight slice), 1 along N
+  void* stream;
+};
+
+// Host-computed strides of one kind (same for all groups), as raw bytes for the prep kernel.
+struct StrideBytes {
+  unsigned char a[32], b[32], c[32], d[32];
+  int size_a, size_b, size_c, size_d;
+};
+
+struct ConfigEntry {
+  const char* name;
+  ConfigGeom geom;
+  int (*run)(RunArgs const&, char* err, int err_len);
+  size_t (*workspace_bytes)(int G, int sm_count);
+  void (*strides)(int M, int N, int K, StrideBytes* out);  // problem (M, N, K) of the kernel
+};
+
+}  // namespace moonep

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything that needs the H200, in one call (device tool):  bash scripts/gpu_check.sh
+#   1. install carried wheels (expecttest) and the package; print the environment
+#   2. the whole test suite on the GPU box (CPU tests on torch 2.11 + every CUDA test)
+#   3. MoE layer step benchmark (eager vs compiled vs reduce-overhead)
+#   4. grouped GEMM: scripts/gpu_check_gemm.sh (build if needed, CUDA tests, calibrate, bench)
+# Results land in $OUT; a short table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PY:-python3}
+STAGES=${STAGES:-tests,moe,gemm}
+[ -d .gpu_carry/wheels ] && $PY -m pip install -q --no-index --no-deps .gpu_carry/wheels/*.whl 2>&1 | tail -1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+$PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
+summary=()
+if [[ $STAGES == *tests* ]]; then
+  timeout ${T_TESTS:-300} $PY -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest_all.log" | tail -15
+  summary+=("tests: $(tail -1 "$OUT/pytest_all.log")")
+fi
+if [[ $STAGES == *moe* ]]; then
+  timeout ${T_MOE:-200} $PY benchmarks/bench_moe_step.py 2>&1 | tee "$OUT/bench_moe_step.log" | tail -12
+  summary+=("moe: $(tail -1 "$OUT/bench_moe_step.log")")
+fi
+if [[ $STAGES == *gemm* ]]; then
+  OUT=$OUT bash scripts/gpu_check_gemm.sh 2>&1 | tee "$OUT/gemm.log" | tail -40
+fi
+echo "==== summary ===="
+printf '%s\n' "${summary[@]}"
