@@ -7,12 +7,14 @@ from .geometry import Geometry, align_up
 from .planner import Plan, GroupResult, plan, plan_all_ranks, POLICIES
 from .buffer import Buffer
 from .backends import Backend, CollectiveBackend, TorchDistBackend, SingleRankBackend
-from .grouped_gemm import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+from .grouped_gemm import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad, grouped_mm_wgrad_accumulate
+from . import gemm_cost_model
 from .router import Router
 from .moe import MoonEPMoE, ExpertPool
 
 __all__ = ["Geometry", "align_up", "Plan", "GroupResult", "plan", "plan_all_ranks", "POLICIES",
            "Buffer", "Backend", "CollectiveBackend", "TorchDistBackend", "SingleRankBackend",
-           "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "Router", "MoonEPMoE",
+           "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate",
+           "gemm_cost_model", "Router", "MoonEPMoE",
            "ExpertPool"]
 __version__ = "0.1.0"

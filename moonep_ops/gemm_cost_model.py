@@ -14,7 +14,8 @@ What the kernels do (cutlass_kernels/), and hence what the model counts:
 
 fwd / dgrad (all tiles cost the same; the ragged dimension only changes how many there are):
   tiles_g = ceil(M_g/BM) * roundup(ceil(n_out/BN), CN)     (0 when M_g == 0; no M-cluster)
-  tau     = 2*BM*BN*k_red / (PEAK/NUM_SMS * eta_c)           full tile even when M_g < BM
+  tau     = 2*BM*BN*k_red / (PEAK/NUM_SMS * eta_c) + tau_epi  full tile even when M_g < BM;
+            tau_epi is the epilogue time a tile adds (~0 when ping-pong overlaps it)
   The linear tile order is cut into rounds of P tiles.  A group's first-touch HBM bytes
   (weights N*K*2 + its activation rows in and out) are spread evenly over its tiles (with M-fastest
   raster each weight N-slice is first read at the start of its column of M tiles).
@@ -26,7 +27,7 @@ wgrad (every non-empty group has the same tile count, but a tile costs ~ M_g):
   N*K*8 (fp32 grad read + write; N*K*2 for wgrad_lp); CTA p's time is the sum over its tiles (+tau_sw per group it
   enters), and T(c) = tau0 + max_p.
 
-The constants (eta, bw_frac, tau_sw, tau0 per config) live in moonep_ops/gemm_tuning.py and
+The constants (eta, bw_frac, tau_sw, tau0, tau_epi per config) live in moonep_ops/gemm_tuning.py and
 are fitted on the H200 by benchmarks/calibrate_grouped_gemm.py.  The same formulas run on the
 GPU inside the prep kernel (cutlass_kernels/selector.cuh), which is how the op selects a config
 from device-resident counts without a host sync; this module is the reference and the API a user
@@ -102,19 +103,19 @@ def _cdiv(a, b):
 
 
 def _constants(kind: str, name: str):
-    eta, bw_frac, tau_sw, tau0 = gemm_tuning.EFFICIENCY[kind][name]
-    return float(eta), float(bw_frac), float(tau_sw), float(tau0)
+    eta, bw_frac, tau_sw, tau0, tau_epi = gemm_tuning.EFFICIENCY[kind][name]
+    return float(eta), float(bw_frac), float(tau_sw), float(tau0), float(tau_epi)
 
 
 def _predict_rows(counts: np.ndarray, n_out: int, k_red: int, cfg: GemmConfig, kind: str,
                   P: int, peak: float, hbm: float) -> float:
-    eta, bw_frac, tau_sw, tau0 = _constants(kind, cfg.name)
+    eta, bw_frac, tau_sw, tau0, tau_epi = _constants(kind, cfg.name)
     n_tiles = _cdiv(_cdiv(n_out, cfg.BN), cfg.CN) * cfg.CN
     tiles = _cdiv(counts, cfg.BM) * n_tiles                    # [G]
     T = int(tiles.sum())
     if T == 0:
         return tau0
-    tau = 2.0 * cfg.BM * cfg.BN * k_red / (peak * 1e6 / P * eta)     # µs (peak in TF/s)
+    tau = 2.0 * cfg.BM * cfg.BN * k_red / (peak * 1e6 / P * eta) + tau_epi  # µs (peak: TF/s)
     bytes_g = np.where(counts > 0, n_out * k_red * 2.0 + counts * (n_out + k_red) * 2.0, 0.0)
     # cumulative bytes as a piecewise-linear function of the linear tile index
     ends = np.cumsum(tiles)
@@ -134,13 +135,13 @@ def _predict_rows(counts: np.ndarray, n_out: int, k_red: int, cfg: GemmConfig, k
 
 def _predict_wgrad(counts: np.ndarray, N: int, K: int, cfg: GemmConfig, P: int, peak: float,
                    hbm: float, kind: str) -> float:
-    eta, bw_frac, tau_sw, tau0 = _constants(kind, cfg.name)
+    eta, bw_frac, tau_sw, tau0, tau_epi = _constants(kind, cfg.name)
     out_bytes = 8.0 if kind == "wgrad" else 2.0
     order = np.sort(counts[counts > 0])[::-1]                       # LPT: largest group first
     if order.size == 0:
         return tau0
     t_w = _cdiv(N, cfg.BM) * _cdiv(_cdiv(K, cfg.BN), cfg.CN) * cfg.CN
-    comp = 2.0 * cfg.BM * cfg.BN * order / (peak * 1e6 / P * eta)
+    comp = 2.0 * cfg.BM * cfg.BN * order / (peak * 1e6 / P * eta) + tau_epi
     mem = (order * (N + K) * 2.0 + N * K * out_bytes) / t_w / (hbm * 1e6 * bw_frac / P)
     tile_cost = np.maximum(comp, mem)                               # [G'] per tile of group j
     # CTA p runs the linear tiles p, p+P, ...; group j owns tiles [j*t_w, (j+1)*t_w).
@@ -200,7 +201,7 @@ def flops(counts: Sequence[int], N: int, K: int) -> float:
 
 def tuning_table(kind: str) -> list[float]:
     """Constants flattened for the device selector: [peak TF/s, HBM TB/s, then per config
-    eta, bw_frac, tau_sw_us, tau0_us] in CONFIGS[kind] order (layout of selector.cuh)."""
+    eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us] in CONFIGS[kind] order (selector.cuh)."""
     _check_kind(kind)
     out = [float(gemm_tuning.PEAK_TFLOPS), float(gemm_tuning.HBM_TBPS)]
     for cfg in CONFIGS[kind]:

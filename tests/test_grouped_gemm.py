@@ -328,6 +328,7 @@ def test_backend_choice_on_cpu():
 
 def test_native_loader_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("MOONEP_LIB_DIR", str(tmp_path))
+    monkeypatch.delenv("MOONEP_DISABLE_NATIVE", raising=False)
     mod = importlib.reload(_native)
     try:
         assert mod.gemm_lib() is None
@@ -335,7 +336,7 @@ def test_native_loader_missing(tmp_path, monkeypatch):
         with pytest.raises(mod.NativeLibraryMissing, match="build"):
             mod.require_gemm_lib()
     finally:
-        monkeypatch.delenv("MOONEP_LIB_DIR")
+        monkeypatch.undo()
         importlib.reload(_native)
 
 
@@ -432,4 +433,4 @@ def test_cost_model_bad_input():
         gemm_cost_model.predict([1, -1], 16, 16)
     with pytest.raises(ValueError):
         gemm_cost_model.predict([1, 1], 16, 16, kind="bwd")
-    assert len(gemm_cost_model.tuning_table("fwd")) == 2 + 4 * len(gemm_cost_model.CONFIGS["fwd"])
+    assert len(gemm_cost_model.tuning_table("fwd")) == 2 + 5 * len(gemm_cost_model.CONFIGS["fwd"])
