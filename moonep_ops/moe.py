@@ -109,7 +109,12 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
         raise ValueError(f"experts_to_copy must be int32 [R, epn={B}]")
 
 
-@torch.library.custom_op("moonep::moe_experts", mutates_args=())
+# The slots are staged with prefetch_weight and the grads reduced with reduce_grad, whose
+# torch.distributed backend reads split sizes on the host: not capturable in a CUDA graph.
+_TAGS = (torch.Tag.cudagraph_unsafe,)
+
+
+@torch.library.custom_op("moonep::moe_experts", mutates_args=(), tags=_TAGS)
 def _moe_experts(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Tensor, w3: Tensor,
                  w2: Tensor, pool: str) -> tuple[Tensor, Tensor, Tensor]:
     """SwiGLU over 2*epn groups; stages the redundant slots first.  Returns (y, gate, up)."""
@@ -128,7 +133,7 @@ def _(h, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
     return h.new_empty(M, w2.shape[1]), h.new_empty(M, Fd), h.new_empty(M, Fd)
 
 
-@torch.library.custom_op("moonep::moe_experts_backward", mutates_args=())
+@torch.library.custom_op("moonep::moe_experts_backward", mutates_args=(), tags=_TAGS)
 def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlens: Tensor,
                           experts_to_copy: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, pool: str
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:

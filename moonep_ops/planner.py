@@ -73,17 +73,19 @@ def rank_quotas(balance_R: Tensor, donor_rule: str) -> Tensor:
     z_RR = torch.zeros(R, R, dtype=bal.dtype, device=bal.device)
     # At most R-1 rounds: each retires one receiver for good, and the last donor is never one.
     for _ in range(R - 1):
-        u = torch.argmin(bal)                      # largest deficit, ties -> lowest rank
-        need = -bal[u]
+        # [1]-shaped indices and gather/index_add only: indexing with a 0-d tensor is an .item()
+        # (a host sync on CUDA).
+        u = torch.argmin(bal).view(1)              # largest deficit, ties -> lowest rank
+        need = -bal.gather(0, u)
         if donor_rule == "max":
-            h = torch.argmax(bal)                  # largest surplus, ties -> lowest rank
+            h = torch.argmax(bal).view(1)          # largest surplus, ties -> lowest rank
         else:                                      # best fit: smallest surplus that covers need
             fits = bal >= need
-            h = torch.where(fits.any(), _first_min_where(bal, fits), torch.argmax(bal))
-        m = torch.where(bal[h] > 0, need, torch.zeros_like(need))   # 0 once balanced
-        z_RR.view(-1).index_add_(0, (h * R + u).view(1), m.view(1))
-        bal.index_add_(0, h.view(1), -m.view(1))
-        bal.index_add_(0, u.view(1), m.view(1))
+            h = torch.where(fits.any(), _first_min_where(bal, fits), torch.argmax(bal)).view(1)
+        m = torch.where(bal.gather(0, h) > 0, need, torch.zeros_like(need))   # 0 once balanced
+        z_RR.view(-1).index_add_(0, h * R + u, m)
+        bal.index_add_(0, h, -m)
+        bal.index_add_(0, u, m)
     return z_RR
 
 
@@ -234,9 +236,10 @@ def plan_group(tpe_RE: Tensor, total_entries: int, token_padding: int, policy: s
 def replication_cost(alloc_ER: Tensor) -> tuple[Tensor, Tensor]:
     """(replicated experts, token copies computed off their home rank) of an allocation."""
     E, R = alloc_ER.shape
-    home_E = torch.arange(E, device=alloc_ER.device) // (E // R)
-    away = alloc_ER.clone()
-    away[torch.arange(E, device=alloc_ER.device), home_E] = 0
+    dev = alloc_ER.device
+    home_E = torch.arange(E, device=dev) // (E // R)
+    # a mask product, not an index_put of a Python 0 (which stages a host scalar on CUDA)
+    away = alloc_ER * (home_E[:, None] != torch.arange(R, device=dev)[None, :])
     return (away > 0).sum(), away.sum()
 
 
@@ -252,8 +255,9 @@ def _leanest(cnt_E: Tensor, balance_R: Tensor) -> tuple[Tensor, Tensor]:
             allocs.append(alloc_ER)
             # moved <= total entries < 2**40, so this orders by (replicated, moved)
             scores.append(replicated * (1 << 40) + moved)
-    best = torch.argmin(torch.stack(scores))                  # first minimum: MoonEP on ties
-    return torch.stack(zs)[best], torch.stack(allocs)[best]
+    best = torch.argmin(torch.stack(scores)).view(1)          # first minimum: MoonEP on ties
+    return (torch.stack(zs).index_select(0, best).squeeze(0),
+            torch.stack(allocs).index_select(0, best).squeeze(0))
 
 
 # ---------------------------------------------------------------------------------------------
