@@ -15,16 +15,11 @@ import sys
 import torch
 
 from moonep_ops.planner import plan_group, replication_cost
-from moonep_ops.router import Router, load_per_expert, maxvio_of
+from moonep_ops.router import load_per_expert, maxvio_of, skewed_router
 
 
 def run(rate: float, steps: int, D: int, E: int, K: int, R: int, s: int, seed: int):
-    torch.manual_seed(seed)
-    router = Router(D, E, K, balance_rate=rate)
-    mu = torch.randn(D) * 0.5
-    with torch.no_grad():
-        router.gate.weight.normal_(0, 0.3)
-        router.gate.weight += torch.outer(torch.linspace(-1, 1, E) * 2, mu / mu.norm() ** 2)
+    router, mu = skewed_router(D, E, K, rate, seed)
     g = torch.Generator().manual_seed(seed + 1)
     rows = []
     for _ in range(steps):

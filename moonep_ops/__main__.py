@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .planner import POLICIES, plan_all_ranks
+from .planner import POLICIES, plan_all_ranks, replication_cost
 from .routing import histogram, maxvio, routing_for_maxvio
 
 
@@ -68,8 +68,7 @@ def main(argv=None) -> int:
             res = plan_all_ranks(tk, E, tp, policy=policy)
             ms = (time.perf_counter() - t0) * 1e3
             recv = res.group.alloc_ER.sum(0)
-            redundant = int((res.plans[0].experts_to_copy >= 0).sum())
-            moved = int(res.group.z_RR.sum())
+            redundant, moved = (int(v) for v in replication_cost(res.group.alloc_ER))
             print(f"{'':7} {policy:>8} {int(recv.max()):9d} {float(recv.float().mean()):9.0f} "
                   f"{float(recv.max() / recv.float().mean()):8.2f} {redundant:9d} {moved:8d} "
                   f"{lower:8d} {ms:8.1f}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import importlib
 import json
 import os
@@ -133,3 +134,26 @@ def run_cases(R: int, module: str, cases: Sequence[str], *, timeout_s: float = 3
                                    + "\n".join(w for w in worker if w))
     return out
 
+
+
+# MOONEP_TEST_DIST=nccl runs the same cases with one GPU per rank (R <= visible GPUs).
+DIST_BACKEND = os.environ.get("MOONEP_TEST_DIST", "gloo")
+
+
+def multi_rank_cases(namespace: dict, only_at: dict | None = None, ranks=(1, 2, 4)):
+    """[(R, case name)] for every ``case_*`` function in a test module's namespace; a case
+    named in ``only_at`` runs only at the R listed there."""
+    only_at = only_at or {}
+    usable = tuple(R for R in ranks
+                   if DIST_BACKEND == "gloo" or R <= torch.cuda.device_count())
+    return [(R, n) for R in usable for n in sorted(namespace)
+            if n.startswith("case_") and R in only_at.get(n, usable)]
+
+
+def cached_runner(module: str, multi_rank, **run_kw):
+    """R -> {case: CaseResult}: one spawn of R ranks runs all of that R's cases, once."""
+    @functools.lru_cache(maxsize=None)
+    def results(R):
+        return run_cases(R, module, [n for r, n in multi_rank if r == R],
+                         backend=DIST_BACKEND, **run_kw)
+    return results

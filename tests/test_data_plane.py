@@ -20,9 +20,9 @@ from moonep_ops.buffer import Buffer
 from moonep_ops.planner import plan_all_ranks
 
 try:
-    from dist_harness import run_cases
+    from dist_harness import cached_runner, multi_rank_cases
 except ImportError:                                    # imported as tests.test_data_plane
-    from tests.dist_harness import run_cases
+    from tests.dist_harness import cached_runner, multi_rank_cases
 
 # ---------------------------------------------------------------------------------------------
 # Inputs and references (pure functions of seeds: every rank can rebuild every rank's inputs)
@@ -470,18 +470,9 @@ def case_opcheck_dist(ctx):
     _opcheck_all(st.buf, *st.mine, total=-1)
 
 
-# MOONEP_TEST_DIST=nccl runs the same cases with one GPU per rank (R <= visible GPUs).
-DIST_BACKEND = os.environ.get("MOONEP_TEST_DIST", "gloo")
-RANKS = tuple(R for R in (1, 2, 4) if DIST_BACKEND == "gloo" or R <= torch.cuda.device_count())
-ONLY_AT = {"case_opcheck_dist": (2,)}          # expensive: one gloo world is enough
-MULTI_RANK = [(R, n) for R in RANKS for n in sorted(globals())
-              if n.startswith("case_") and R in ONLY_AT.get(n, RANKS)]
-
-
-@functools.lru_cache(maxsize=None)
-def _results(R):
-    return run_cases(R, __name__, [n for r, n in MULTI_RANK if r == R], timeout_s=400,
-                     pg_timeout_s=30, backend=DIST_BACKEND)
+# case_opcheck_dist is expensive: one gloo world is enough
+MULTI_RANK = multi_rank_cases(globals(), only_at={"case_opcheck_dist": (2,)})
+_results = cached_runner(__name__, MULTI_RANK, timeout_s=400, pg_timeout_s=30)
 
 
 @pytest.mark.parametrize("R,case", MULTI_RANK)

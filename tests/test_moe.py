@@ -1,9 +1,6 @@
 """The MoE layer: equivalence with a dense reference on real gloo ranks, compile, interface pins."""
 from __future__ import annotations
 
-import functools
-import os
-
 import expecttest
 import pytest
 import torch
@@ -16,9 +13,9 @@ from moonep_ops.moe import MoonEPMoE, check_backend_dims, reference_moe
 from moonep_ops.planner import plan_all_ranks
 
 try:
-    from dist_harness import run_cases
+    from dist_harness import cached_runner, multi_rank_cases
 except ImportError:                                    # imported as tests.test_moe
-    from tests.dist_harness import run_cases
+    from tests.dist_harness import cached_runner, multi_rank_cases
 
 D, F, E, K, TP = 32, 16, 8, 3, 4
 
@@ -182,17 +179,9 @@ def case_compile_layer_and_step(ctx):
         torch.testing.assert_close(p.detach(), q, rtol=1e-4, atol=1e-5)
 
 
-DIST_BACKEND = os.environ.get("MOONEP_TEST_DIST", "gloo")
-RANKS = tuple(R for R in (1, 2, 4) if DIST_BACKEND == "gloo" or R <= torch.cuda.device_count())
-ONLY_AT = {"case_compile_layer_and_step": (2,), "case_bad_config": (2, 4)}
-MULTI_RANK = [(R, n) for R in RANKS for n in sorted(globals())
-              if n.startswith("case_") and R in ONLY_AT.get(n, RANKS)]
-
-
-@functools.lru_cache(maxsize=None)
-def _results(R):
-    return run_cases(R, __name__, [n for r, n in MULTI_RANK if r == R], timeout_s=600,
-                     pg_timeout_s=60, backend=DIST_BACKEND)
+MULTI_RANK = multi_rank_cases(globals(), only_at={"case_compile_layer_and_step": (2,),
+                                                  "case_bad_config": (2, 4)})
+_results = cached_runner(__name__, MULTI_RANK, timeout_s=600, pg_timeout_s=60)
 
 
 @pytest.mark.parametrize("R,case", MULTI_RANK)

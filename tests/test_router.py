@@ -3,22 +3,11 @@ import pytest
 import torch
 
 from moonep_ops.planner import plan_group, replication_cost
-from moonep_ops.router import Router, load_per_expert, maxvio_of
-
-
-def _skewed_router(D, E, K, rate, seed=0):
-    torch.manual_seed(seed)
-    r = Router(D, E, K, balance_rate=rate)
-    mu = torch.randn(D) * 0.5
-    with torch.no_grad():
-        r.gate.weight.normal_(0, 0.3)
-        # a rank-one component aligned with the input mean: later experts win most tokens
-        r.gate.weight += torch.outer(torch.linspace(-1, 1, E) * 2, mu / mu.norm() ** 2)
-    return r, mu
+from moonep_ops.router import Router, load_per_expert, maxvio_of, skewed_router
 
 
 def _run(rate, steps=16, D=32, E=64, K=8, T=2048, R=8):
-    r, mu = _skewed_router(D, E, K, rate)
+    r, mu = skewed_router(D, E, K, rate)
     g = torch.Generator().manual_seed(1)
     hist = []
     for _ in range(steps):
@@ -46,7 +35,7 @@ def test_quantile_balancing_reduces_imbalance_and_replication():
 
 
 def test_bias_steers_selection_not_weights():
-    r, mu = _skewed_router(16, 8, 2, 0.5)
+    r, mu = skewed_router(16, 8, 2, 0.5)
     x = torch.randn(64, 16) + mu
     with torch.no_grad():
         r.expert_bias.copy_(torch.linspace(3, -3, 8))
