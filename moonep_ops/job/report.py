@@ -1,0 +1,182 @@
+"""The main job's output: the sweep table (stdout, sweep.md), results.json and PNG plots."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from typing import Optional
+
+LABEL = {"baseline": "plain EP", "moonep": "MoonEP"}
+COLOR = {"baseline": "#d62728", "moonep": "#1f77b4"}
+
+HEADER = ("| maxvio | model | recv max | recv mean | max/mean | redundant | tokens MB | "
+          "weights MB | wire MB | step ms | loss first → last |")
+
+
+def _mb(b: float) -> str:
+    return f"{b / 1e6:.2f}"
+
+
+def table(res: dict) -> str:
+    """The sweep as a Markdown table (also readable as plain text)."""
+    lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
+    for row in res["rows"]:
+        first = row["model"] == "baseline"
+        mv = f"{row['maxvio']:.2f}" if first else ""
+        lines.append(
+            f"| {mv} | {LABEL[row['model']]} | {row['recv_max']:.0f} | {row['recv_mean']:.0f} | "
+            f"{row['recv_max'] / row['recv_mean']:.2f} | {row['redundant']:.1f} | "
+            f"{_mb(row['token_bytes'])} | {_mb(row['weight_bytes'])} | {_mb(row['wire_bytes'])} | "
+            f"{row['step_ms_median']:.1f} | {row['loss'][0]:.4f} → {row['loss'][-1]:.4f} |")
+    return "\n".join(lines)
+
+
+def step0_loss_gap(res: dict) -> float:
+    """max over maxvio of |loss_moonep - loss_baseline| / |loss_baseline| at step 0."""
+    by = {}
+    for row in res["rows"]:
+        by.setdefault(row["maxvio_target"], {})[row["model"]] = row["loss"][0]
+    return max(abs(d["moonep"] - d["baseline"]) / abs(d["baseline"]) for d in by.values())
+
+
+def header(res: dict) -> str:
+    c = res["config"]
+    return (f"MoonEP vs plain all-to-all EP: R={res['R']} ranks ({res['device']}, {res['dtype']}), "
+            f"E={c['E']} (epn={c['E'] // res['R']}), K={c['K']}, H={c['H']}, F={c['F']}, "
+            f"{c['layers']} layers (+1 shared expert each), {c['tokens']} tokens/rank, "
+            f"{c['steps']} SGD steps per maxvio, compile={'on' if c['compile'] else 'off'}, "
+            f"policy={c['policy']}, torch {res['torch']}")
+
+
+def footer(res: dict) -> str:
+    w = res["warmup"]
+    lines = ["recv: token copies a rank's experts compute per layer (mean over steps and layers); "
+             "MoonEP's target is tokens*K on every rank.",
+             "redundant: experts run away from home per layer (MoonEP slots); tokens/weights MB: "
+             "off-rank bytes per training step (fwd+bwd, all layers and ranks, docs/architecture.md); "
+             "wire MB: every all-to-all/all-gather byte measured.",
+             "step ms: median over steps of the slowest rank's step (forward, backward, grad "
+             "all-reduce, SGD)."]
+    for kind in ("baseline", "moonep"):
+        lines.append(f"warm-up {LABEL[kind]}: {w[kind]['seconds']:.1f} s (compile), "
+                     f"{w[kind]['graphs']} graph(s), {w[kind]['graph_breaks']} graph break(s)")
+    sweep = {k: sum(r["recompiles"] for r in res["rows"] if r["model"] == k) for k in LABEL}
+    lines.append(f"graphs compiled during the sweep (new routing every step): "
+                 f"{LABEL['baseline']} {sweep['baseline']}, {LABEL['moonep']} {sweep['moonep']}")
+    lines.append(f"step-0 loss, MoonEP vs plain EP (same weights, data and routing): max relative "
+                 f"difference {step0_loss_gap(res):.2e}")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    try:
+        import torch
+        cores = torch.get_num_threads()
+        cpu = platform.processor() or platform.machine()
+        if os.path.exists("/proc/cpuinfo"):
+            for ln in open("/proc/cpuinfo"):
+                if ln.startswith("model name"):
+                    cpu = ln.split(":", 1)[1].strip()
+                    break
+        return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+    except Exception:                                   # noqa: BLE001 - informational only
+        return platform.platform()
+
+
+def git_commit() -> Optional[str]:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
+                              capture_output=True, timeout=5).stdout.strip() or None
+    except Exception:                                   # noqa: BLE001
+        return None
+
+
+def plots(res: dict, out: str) -> list[str]:
+    """load_per_rank.png, step_time.png, loss.png in ``out``; returns the paths written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    targets = sorted({r["maxvio_target"] for r in rows})
+    by = {(r["maxvio_target"], r["model"]): r for r in rows}
+    R = res["R"]
+    c = res["config"]
+    cap = c["tokens"] * c["K"]
+    paths = []
+
+    fig, axes = plt.subplots(1, len(targets), figsize=(3.2 * len(targets) + 1, 3.6), sharey=True,
+                             squeeze=False)
+    for ax, v in zip(axes[0], targets):
+        xs = list(range(R))
+        wdt = 0.4
+        for j, kind in enumerate(("baseline", "moonep")):
+            r = by[(v, kind)]
+            ax.bar([x + (j - 0.5) * wdt for x in xs], r["recv_per_rank"], wdt,
+                   color=COLOR[kind], label=LABEL[kind])
+        ax.axhline(cap, color="k", ls="--", lw=1, label="tokens·K")
+        ax.set_title(f"maxvio {by[(v, 'baseline')]['maxvio']:.1f}")
+        ax.set_xlabel("EP rank")
+        ax.set_xticks(xs)
+    axes[0][0].set_ylabel("token copies received per layer")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Per-rank load: plain EP vs MoonEP (R={R}, E={c['E']}, K={c['K']})")
+    fig.tight_layout()
+    paths.append(os.path.join(out, "load_per_rank.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for kind in ("baseline", "moonep"):
+        mv = [by[(v, kind)]["maxvio"] for v in targets]
+        med = [by[(v, kind)]["step_ms_median"] for v in targets]
+        lo = [m - min(by[(v, kind)]["step_ms"]) for m, v in zip(med, targets)]
+        hi = [max(by[(v, kind)]["step_ms"]) - m for m, v in zip(med, targets)]
+        ax.errorbar(mv, med, yerr=[lo, hi], marker="o", capsize=3, color=COLOR[kind],
+                    label=LABEL[kind])
+    ax.set_xlabel("router imbalance maxvio")
+    ax.set_ylabel("training step (ms, median; bars: min-max)")
+    ax.set_title(f"Step time vs imbalance ({res['device']}, {R} ranks)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(out, "step_time.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for v in targets:
+        for kind, ls in (("baseline", "-"), ("moonep", "--")):
+            r = by[(v, kind)]
+            ax.plot(range(len(r["loss"])), r["loss"], ls, marker=".",
+                    label=f"{LABEL[kind]}, maxvio {r['maxvio']:.1f}")
+    ax.set_xlabel("SGD step")
+    ax.set_ylabel("loss (global MSE)")
+    ax.set_title("Training loss (the two builds compute the same function)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths.append(os.path.join(out, "loss.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write(res: dict, out: str, command: str) -> list[str]:
+    """results.json, sweep.md and the plots; returns the files written."""
+    import datetime
+    os.makedirs(out, exist_ok=True)
+    res = dict(res, command=command, commit=git_commit(), machine=machine(),
+               date=datetime.date.today().isoformat())
+    paths = [os.path.join(out, "results.json"), os.path.join(out, "sweep.md")]
+    with open(paths[0], "w") as f:
+        json.dump(res, f, indent=1)
+    with open(paths[1], "w") as f:
+        f.write(f"- Date {res['date']}, commit {res['commit']}, {res['machine']}\n"
+                f"- Command: `{command}`\n- {header(res)}\n\n{table(res)}\n\n{footer(res)}\n")
+    try:
+        paths += plots(res, out)
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+    return paths
