@@ -1,7 +1,7 @@
 # The two set-up commands of the README.  Each installs what it needs first (idempotent).
 PY ?= python3
 
-.PHONY: install demo test
+.PHONY: install demo test web
 install:
 	bash scripts/install.sh
 
@@ -10,3 +10,7 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# the web demo (not a set-up command): http://127.0.0.1:8765/
+web: install
+	$(PY) demo/app.py

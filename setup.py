@@ -17,7 +17,8 @@ setup(
     # Upper bound keeps pip from resolving a newer (CUDA, multi-GB) torch on CPU machines.
     install_requires=["torch>=2.11,<2.15", "numpy"],
     extras_require={
-        "test": ["pytest", "expecttest"],
+        "test": ["pytest", "expecttest", "selenium"],   # + Debian chromium, chromium-driver
+        "demo": ["matplotlib", "tqdm"],                  # the main job's plots and progress bar
         "gpu": ["triton", "nvidia-cutlass", "cuda-python"],
     },
     include_package_data=True,

@@ -92,7 +92,8 @@ class AllToAllEPMoE(nn.Module):
                  group: Optional[dist.ProcessGroup] = None, score_func: str = "softmax",
                  route_norm: bool = False, route_scale: float = 1.0,
                  num_shared_experts: int = 0, shared_hidden_dim: Optional[int] = None,
-                 dtype: torch.dtype = torch.float32, device=None, init_std: float = 0.02):
+                 dtype: torch.dtype = torch.float32, device=None, init_std: float = 0.02,
+                 token_padding: int = 1):
         super().__init__()
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
@@ -108,6 +109,9 @@ class AllToAllEPMoE(nn.Module):
             raise ValueError("hidden sizes must be >= 1")
         dev = torch.device(device) if device is not None else torch.device("cpu")
         check_backend_dims(dev.type, dtype, D, hidden_dim)
+        if token_padding < 1:
+            raise ValueError(f"token_padding must be >= 1, got {token_padding}")
+        self.token_padding = token_padding
         B = E // R
         self.D, self.F, self.E, self.K, self.R, self.B = D, hidden_dim, E, K, R, B
         self.router = Router(D, E, K, score_func=score_func, route_norm=route_norm,
@@ -142,12 +146,23 @@ class AllToAllEPMoE(nn.Module):
         recv_RB, recv_l, in_splits, out_splits = _exchange_counts(counts_RB, self.group)
         rows = x_sD.index_select(0, order // K)
         h = _a2a(rows, out_splits, in_splits, self.group)
-        perm = _chunk_order(recv_RB, sum(out_splits))
+        total = sum(out_splits)
+        perm = _chunk_order(recv_RB, total)
         h = h.index_select(0, perm)
+        tp = self.token_padding
         per_expert = recv_RB.sum(0)
-        cu_B = torch.cumsum(per_expert, 0)
+        padded = (per_expert + tp - 1) // tp * tp if tp > 1 else per_expert
+        cu_B = torch.cumsum(padded, 0)
         cu = torch.cat([cu_B, cu_B[-1:].expand(B)]).to(torch.int32)
-        y = self.experts(h, cu)
+        if tp > 1:              # each expert's segment padded to tp rows (zero rows)
+            rows_pad = sum(-(-sum(r[e] for r in recv_l) // tp) * tp for e in range(B))
+            shift = (cu_B - padded) - (torch.cumsum(per_expert, 0) - per_expert)
+            at = torch.repeat_interleave(shift, per_expert, output_size=total) + \
+                torch.arange(total, device=h.device)
+            y = self.experts(h.new_zeros(rows_pad, self.D).index_copy(0, at, h), cu)
+            y = y.index_select(0, at)
+        else:
+            y = self.experts(h, cu)
         back = torch.empty_like(y).index_copy(0, perm, y)       # inverse of the chunk sort
         y_N = _a2a(back, in_splits, out_splits, self.group)
         y_sorted = torch.empty_like(y_N).index_copy(0, order, y_N)   # entry order (t, k)

@@ -6,4 +6,4 @@ PY=${PY:-python3}
 if ! $PY -c "import torch" >/dev/null 2>&1; then
   $PY -m pip install -q "torch==2.13.0"
 fi
-$PY -m pip install -q -e ".[test]"
+$PY -m pip install -q -e ".[test,demo]"

@@ -40,11 +40,11 @@ def _tokens(r, s, seed=5):
     return x, torch.randn(s, D, generator=g)
 
 
-def _check_against_reference(ctx, sizes, forced_maxvio=None):
+def _check_against_reference(ctx, sizes, forced_maxvio=None, tp=1):
     R, r = ctx.R, ctx.rank
     B = E // R
     w1, w3, w2, gate = _weights()
-    layer = AllToAllEPMoE(D, F, E, K, group=ctx.group)
+    layer = AllToAllEPMoE(D, F, E, K, group=ctx.group, token_padding=tp)
     sl = slice(r * B, (r + 1) * B)
     with torch.no_grad():
         layer.w1.copy_(w1[sl])
@@ -101,6 +101,11 @@ def case_baseline_vs_reference(ctx):
 def case_baseline_vs_reference_ragged(ctx):
     """Different token counts per rank, one rank with a single token."""
     _check_against_reference(ctx, [(5, 12, 1, 9)[q % 4] for q in range(ctx.R)])
+
+
+def case_baseline_vs_reference_padded(ctx):
+    """Expert segments padded to 4 rows (as on GPUs): padding rows never reach an output."""
+    _check_against_reference(ctx, [(5, 12, 1, 9)[q % 4] for q in range(ctx.R)], tp=4)
 
 
 def case_baseline_vs_reference_duplicates(ctx):
@@ -162,3 +167,5 @@ def test_bad_configuration():
         AllToAllEPMoE(D, F, 8, 9)
     with pytest.raises(ValueError, match="hidden sizes"):
         AllToAllEPMoE(D, 0, 8, 2)
+    with pytest.raises(ValueError, match="token_padding"):
+        AllToAllEPMoE(D, F, 8, 2, token_padding=0)

@@ -124,14 +124,16 @@ def load_weights(model: MoEStack, weights: list[dict], rank: int) -> None:
 
 def build_model(kind: str, *, L: int, E: int, K: int, D: int, F: int, s: int, dtype: torch.dtype,
                 device: torch.device, group=None, buffer: Optional[Buffer] = None) -> MoEStack:
-    """kind "moonep" (needs ``buffer``) or "baseline"; one shared expert per layer."""
+    """kind "moonep" (needs ``buffer``) or "baseline"; one shared expert per layer.  The
+    baseline pads its expert segments like the Buffer (``buffer.token_padding``) when given."""
+    tp = buffer.token_padding if buffer is not None else 1
     layers = []
     for _ in range(L):
         if kind == "moonep":
             layer = MoonEPMoE(buffer, F, num_shared_experts=1, side_stream=False, **ROUTER_KW)
         elif kind == "baseline":
             layer = AllToAllEPMoE(D, F, E, K, group=group, num_shared_experts=1, dtype=dtype,
-                                  device=device, **ROUTER_KW)
+                                  device=device, token_padding=tp, **ROUTER_KW)
         else:
             raise ValueError(f"unknown model kind {kind!r}")
         layer.router = ForcedRouter(layer.router, s, device=device)

@@ -53,6 +53,9 @@ def footer(res: dict) -> str:
     w = res["warmup"]
     lines = ["recv: token copies a rank's experts compute per layer (mean over steps and layers); "
              "MoonEP's target is tokens*K on every rank.",
+             "On a CPU box the ranks share cores and the data plane runs on gloo, so step time "
+             "measures total host work (MoonEP issues more, smaller collectives); the recv "
+             "columns are what an accelerator run turns into time.",
              "redundant: experts run away from home per layer (MoonEP slots); tokens/weights MB: "
              "off-rank bytes per training step (fwd+bwd, all layers and ranks, docs/architecture.md); "
              "wire MB: every all-to-all/all-gather byte measured.",
@@ -118,7 +121,7 @@ def plots(res: dict, out: str) -> list[str]:
                    color=COLOR[kind], label=LABEL[kind])
         ax.axhline(cap, color="k", ls="--", lw=1, label="tokens·K")
         ax.set_title(f"maxvio {by[(v, 'baseline')]['maxvio']:.1f}")
-        ax.set_xlabel("EP rank")
+        ax.set_xlabel("EP rank, heaviest first")
         ax.set_xticks(xs)
     axes[0][0].set_ylabel("token copies received per layer")
     axes[0][0].legend(fontsize=8)

@@ -242,8 +242,10 @@ def _summarise(v, kind, stats, got, losses, counters, cfg) -> dict:
     steps = len(losses)
     step_ms = [1e3 * max(g["times"][i] for g in got) for i in range(steps)]
     key = "moonep_recv" if kind == "moonep" else "base_recv"
-    per_rank = [statistics.fmean(st[l][key][r] for st in stats for l in range(len(st)))
-                for r in range(R)]
+    # ranks sorted by load in every (step, layer), heaviest first, then averaged: the hot
+    # expert's home rank changes from step to step, a plain per-rank mean would hide it
+    per_rank = [statistics.fmean(sorted(st[l][key], reverse=True)[r]
+                                 for st in stats for l in range(len(st))) for r in range(R)]
     recv_max = statistics.fmean(max(st[l][key]) for st in stats for l in range(len(st)))
     recv_mean = statistics.fmean(per_rank)
     flat = [x for st in stats for x in st]
@@ -361,6 +363,8 @@ def run_torchrun(cfg: JobConfig) -> Optional[dict]:
         kw = dict(device_id=device) if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s), **kw)
     try:
-        return rank_main(cfg, dist.get_rank(), dist.get_world_size(), device)
+        res = rank_main(cfg, dist.get_rank(), dist.get_world_size(), device)
+        dist.barrier()                 # no rank tears the group down while a peer still uses it
+        return res
     finally:
         dist.destroy_process_group()
