@@ -19,6 +19,7 @@ from pathlib import Path
 # Bumped whenever an exported signature changes; the library reports its own value and a
 # mismatch is treated as "not loadable" rather than risking a call with the wrong arguments.
 GEMM_ABI_VERSION = 3
+EP_ABI_VERSION = 1          # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 
 _LIB_DIR = Path(__file__).resolve().parent / "lib"
 _gemm = None
@@ -107,3 +108,62 @@ def gemm_last_error() -> str:
         return str(_gemm_error)
     msg = lib.moonep_gemm_last_error()
     return msg.decode() if msg else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# libmoonep_ep.so: the GPU data plane (csrc/).  Each Python module that calls into it declares
+# the argtypes of its own functions (declare_ep); this loader only checks the ABI version.
+# ---------------------------------------------------------------------------------------------
+_ep = None
+_ep_error: str | None = None
+_ep_tried = False
+
+
+def ep_lib():
+    """The loaded ``libmoonep_ep.so`` (a ``ctypes.CDLL``), or ``None``."""
+    global _ep, _ep_error, _ep_tried
+    if _ep_tried:
+        return _ep
+    _ep_tried = True
+    if os.environ.get("MOONEP_DISABLE_NATIVE", "0") not in ("", "0"):
+        _ep_error = "disabled by MOONEP_DISABLE_NATIVE"
+        return None
+    path = lib_dir() / "libmoonep_ep.so"
+    if not path.exists():
+        _ep_error = f"{path} not found (build it with `python -m moonep_ops.build`)"
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.moonep_ep_abi_version.restype = ctypes.c_int
+        lib.moonep_ep_last_error.restype = ctypes.c_char_p
+        version = lib.moonep_ep_abi_version()
+    except (OSError, AttributeError) as e:
+        _ep_error = f"could not load {path}: {e}"
+        return None
+    if version != EP_ABI_VERSION:
+        _ep_error = f"{path} has ABI version {version}, this package expects {EP_ABI_VERSION}"
+        return None
+    _ep = lib
+    return _ep
+
+
+def require_ep_lib():
+    lib = ep_lib()
+    if lib is None:
+        raise NativeLibraryMissing("moonep GPU data plane: libmoonep_ep.so is not available: "
+                                   + str(_ep_error))
+    return lib
+
+
+def declare_ep(name: str, restype, argtypes):
+    """Declare one exported function of libmoonep_ep.so and return it."""
+    fn = getattr(require_ep_lib(), name)
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn
+
+
+def ep_check(rc: int, what: str) -> None:
+    """Raise a RuntimeError for a non-zero launcher return code."""
+    if rc != 0:
+        msg = ep_lib().moonep_ep_last_error()
+        raise RuntimeError(f"{what} failed (CUDA error {rc}): {msg.decode() if msg else ''}")

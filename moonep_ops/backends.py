@@ -4,14 +4,18 @@ The custom ops (dispatch_combine.py, expert_weights.py) validate their arguments
 ``Buffer`` by name and call one of the five methods of :class:`Backend` below.  A backend sees
 only tensors and Python ints; every layout decision has already been made by the planner.
 
-  Backend (abstract seam: the later symmetric-memory CUDA backend implements these five)
+  Backend (abstract seam)
     CollectiveBackend  implements all five with two primitives, all_gather and all_to_all_v
       TorchDistBackend   torch.distributed process group (gloo on CPU, NCCL on GPU)
       SingleRankBackend  R = 1: the primitives are local copies, nothing is communicated
+    SymmBackend        (symm_backend.py) CUDA kernels over symmetric memory, no host reads;
+                       the default on CUDA devices when libmoonep_ep.so is built
 
-CollectiveBackend reads split sizes on the host (``tolist``), so the ops built on it are
-tagged ``torch.Tag.cudagraph_unsafe``.  Every collective it issues is issued by every rank in
-the same order with the same count, whatever the routing (split sizes may be zero).
+CollectiveBackend reads split sizes on the host (``tolist``): fine on CPU and in eager CUDA
+code, but it cannot run inside CUDA-graph capture and says so (``_no_capture``).  The ops carry
+no ``cudagraph_unsafe`` tag, because with SymmBackend they are capturable.  Every collective it
+issues is issued by every rank in the same order with the same count, whatever the routing
+(split sizes may be zero).
 
 Shape legend as in geometry.py: R ranks, B = epn, s tokens, K top-k, N = s*K entries,
 H hidden, NvS receive rows at capacity, nvs_s receive rows this call.
@@ -97,6 +101,14 @@ class CollectiveBackend(Backend):
                      in_splits: list[int]) -> None:
         """Row-wise all-to-all: inp rows [sum in_splits] -> out rows [sum out_splits]."""
 
+    @staticmethod
+    def _no_capture(t: Tensor) -> None:
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "moonep: the torch.distributed backend reads split sizes on the host and cannot "
+                "be captured in a CUDA graph; use the CUDA symmetric-memory backend "
+                "(Buffer(..., backend='symm'), the default on GPUs when libmoonep_ep.so is built)")
+
     def _exchange_counts(self, counts_RC: Tensor) -> Tensor:
         """counts[d, :] sent to rank d -> received[src, :] from every src (int64 [R, C])."""
         out = torch.empty_like(counts_RC)
@@ -109,9 +121,11 @@ class CollectiveBackend(Backend):
 
     # -- the data plane ----------------------------------------------------------------------
     def gather_rows(self, row: Tensor) -> Tensor:
+        self._no_capture(row)
         return self.all_gather(row.contiguous())
 
     def scatter(self, buf, x_sH, w_sK, dst_N, nvs_s):
+        self._no_capture(x_sH)
         R, K, NvS = self.world_size, buf.K, buf.NvS
         s, H = x_sH.shape
         N = s * K
@@ -153,6 +167,7 @@ class CollectiveBackend(Backend):
         return h, w.view(torch.float32)
 
     def gather(self, buf, h_rH, w_r, dst_N):
+        self._no_capture(h_rH)
         R, K, NvS = self.world_size, buf.K, buf.NvS
         N = dst_N.numel()
         s, H = N // K, h_rH.shape[1]
@@ -218,6 +233,7 @@ class CollectiveBackend(Backend):
     def push_weights(self, buf, etc_RB, local, slots):
         if not local:
             return
+        self._no_capture(local[0])
         dev = local[0].device
         etc, out, inc = self._slot_routes(etc_RB, buf.epn)
         src_rows = torch.tensor([le for lst in out for _, le in lst], dtype=torch.long, device=dev)
@@ -231,6 +247,7 @@ class CollectiveBackend(Backend):
     def reduce_grads(self, buf, etc_RB, local, slots):
         if not local:
             return
+        self._no_capture(local[0])
         dev = local[0].device
         epn, me = buf.epn, self.rank
         etc, _, _ = self._slot_routes(etc_RB, epn)
@@ -290,14 +307,27 @@ class SingleRankBackend(CollectiveBackend):
         out.copy_(inp)
 
 
-def make_backend(kind: str, group: Optional[dist.ProcessGroup]) -> Backend:
-    """kind: "auto" (single rank when there is no group or it has one rank), "torch", "single"."""
+def make_backend(kind: str, group: Optional[dist.ProcessGroup], device=None) -> Backend:
+    """kind: "auto", "symm", "torch" or "single".
+
+    "auto": on a CUDA device (``device``, or the current GPU when the group is NCCL) with
+    libmoonep_ep.so built -> "symm" (CUDA kernels over symmetric memory); otherwise a single
+    rank when there is no group or it has one rank, else "torch"."""
+    if kind not in ("auto", "symm", "torch", "single"):
+        raise ValueError(f"backend must be 'auto', 'symm', 'torch' or 'single', got {kind!r}")
     if kind == "single":
         return SingleRankBackend()
     if kind == "torch":
         return TorchDistBackend(group)
-    if kind != "auto":
-        raise ValueError(f"backend must be 'auto', 'torch' or 'single', got {kind!r}")
+    dev = resolve_device(device, group)
+    if kind == "symm" or dev.type == "cuda":
+        from . import _native
+        if kind == "symm" or _native.ep_lib() is not None:
+            if dev.type != "cuda":
+                raise ValueError(f"backend='symm' needs a CUDA device, got {dev}")
+            from .symm_backend import SymmBackend, default_heap
+            with torch.cuda.device(dev):
+                return SymmBackend(default_heap(group, dev))
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise RuntimeError("a process group was given but torch.distributed is not initialised")
@@ -305,3 +335,16 @@ def make_backend(kind: str, group: Optional[dist.ProcessGroup]) -> Backend:
     if dist.get_world_size(group if group is not None else dist.group.WORLD) == 1:
         return SingleRankBackend()
     return TorchDistBackend(group)
+
+
+def resolve_device(device, group: Optional[dist.ProcessGroup]) -> torch.device:
+    """The Buffer's device: ``device`` if given, else the current GPU for an NCCL group, else CPU."""
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+    if (dist.is_available() and dist.is_initialized() and torch.cuda.is_available()
+            and "nccl" in str(dist.get_backend(group if group is not None else dist.group.WORLD))):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .backends import Backend, TorchDistBackend, make_backend
+from .backends import Backend, make_backend, resolve_device
 from .geometry import Geometry
 from .planner import POLICIES, Plan
 
@@ -55,7 +55,12 @@ class Buffer:
     def __init__(self, S: int, H: int, K: int, E: int, *, group: Optional[dist.ProcessGroup] = None,
                  token_padding: int = 1, dtype: torch.dtype = torch.bfloat16,
                  device=None, policy: str = "moonep", backend: str | Backend = "auto"):
-        self.backend = backend if isinstance(backend, Backend) else make_backend(backend, group)
+        if isinstance(backend, Backend):
+            self.backend = backend
+        elif isinstance(backend, str):
+            self.backend = make_backend(backend, group, device)
+        else:
+            raise TypeError(f"backend must be a str or a Backend, got {type(backend).__name__}")
         R = self.backend.world_size
         self.geo = Geometry(R=R, E=E, S=S, K=K, token_padding=token_padding)
         if not isinstance(H, int) or isinstance(H, bool) or H < 1:
@@ -64,18 +69,24 @@ class Buffer:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if device is None:
-            nccl = (isinstance(self.backend, TorchDistBackend) and torch.cuda.is_available()
-                    and "nccl" in str(dist.get_backend(self.backend.group)))
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-        self.device = torch.device(device)
+        be_dev = getattr(self.backend, "device", None)
+        if device is None and be_dev is not None:
+            device = be_dev
+        self.device = resolve_device(device, getattr(self.backend, "group", None))
+        if be_dev is not None and torch.device(be_dev) != self.device:
+            raise ValueError(f"the backend lives on {be_dev} but device={self.device} was given")
         self.H, self.dtype, self.policy = H, dtype, policy
         NvS = self.geo.NvS
-        self.recv_rows = torch.zeros((NvS, H), dtype=dtype, device=self.device)
-        self.recv_meta = torch.zeros((NvS, 3), dtype=torch.long, device=self.device)
-        self.recv_weights = torch.zeros((NvS,), dtype=torch.float32, device=self.device)
+        # Landing areas of the collective backends (device backends own symmetric regions).
+        self.recv_rows = self.recv_meta = self.recv_weights = None
+        if not getattr(self.backend, "device_side", False):
+            self.recv_rows = torch.zeros((NvS, H), dtype=dtype, device=self.device)
+            self.recv_meta = torch.zeros((NvS, 3), dtype=torch.long, device=self.device)
+            self.recv_weights = torch.zeros((NvS,), dtype=torch.float32, device=self.device)
         self.name = f"moonep_buffer_{next(_IDS)}"
         _REGISTRY[self.name] = self
+        if hasattr(self.backend, "attach"):
+            self.backend.attach(self)          # device backends allocate their regions here
 
     # -- geometry (Python ints) ---------------------------------------------------------------
     R = property(lambda self: self.geo.R)
@@ -96,6 +107,29 @@ class Buffer:
         else:
             cap = (total_num_tokens * K + R - 1) // R
         return (cap + (tp - 1) * self.G + tp - 1) // tp * tp
+
+    @property
+    def capturable(self) -> bool:
+        """True when the data plane never reads device memory on the host (CUDA graphs)."""
+        return bool(getattr(self.backend, "device_side", False))
+
+    def symmetric_zeros(self, shape, dtype: torch.dtype) -> Tensor:
+        """Collective: a zeroed tensor the peers can address (slot weights / slot grads for
+        prefetch_weight / reduce_grad).  A plain tensor on backends that need none."""
+        if hasattr(self.backend, "symmetric_zeros"):
+            return self.backend.symmetric_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def check_errors(self) -> None:
+        """Raise if a device kernel flagged an error (bad ids, histograms that disagree, a
+        barrier timeout).  Reads one int from the device: a host sync, so call it at logging
+        points, not inside captured code.  No-op for host backends (they raise eagerly)."""
+        if hasattr(self.backend, "error_word"):
+            word = self.backend.error_word()
+            if word:
+                from .symm_backend import describe_errors
+                raise RuntimeError(f"moonep data plane error on rank {self.rank}: "
+                                   f"{describe_errors(word)} (error word {word:#x})")
 
     def destroy(self) -> None:
         """Unregister and drop the persistent tensors (idempotent)."""

@@ -1,14 +1,17 @@
 """Build the GPU shared libraries: ``python -m moonep_ops.build [--check] [-j N] [--only PAT]``.
 
-Compiles ``cutlass_kernels/*.cu`` (and ``csrc/*.cu`` when present) with nvcc for sm_90a into
-``moonep_ops/lib/libmoonep_gemm.so`` (CUDA runtime linked statically, plain C ABI: no torch,
-so one binary serves every torch / Python version).  Installing the package never runs this.
+Compiles with nvcc for sm_90a into two libraries (CUDA runtime linked statically, plain C ABI:
+no torch, so one binary serves every torch / Python version).  Installing the package never
+runs this.
+  ``cutlass_kernels/*.cu`` -> ``moonep_ops/lib/libmoonep_gemm.so``  (CUTLASS grouped GEMMs)
+  ``csrc/*.cu``            -> ``moonep_ops/lib/libmoonep_ep.so``    (the GPU data plane)
 
   --check      compile every translation unit to a temporary directory and link nothing
                (the CI compile check: catches a broken kernel build without a GPU);
   -j N         parallel nvcc jobs (default 1: each CUTLASS unit takes ~1 min and ~2 GB);
   --only PAT   compile only units whose file name contains PAT (the link still takes every
-               unit's cached object).
+               unit's cached object);
+  --lib NAME   build only one library: gemm or ep (default: both).
 
 CUTLASS headers: ``$CUTLASS_INCLUDE`` (a CUTLASS ``include`` directory; ``tools/util/include``
 is looked up beside it), else the ``nvidia-cutlass`` pip package
@@ -57,12 +60,12 @@ def nvcc() -> str:
     return exe
 
 
-def sources(only: str | None) -> list[Path]:
-    srcs = sorted((ROOT / "cutlass_kernels").glob("*.cu"))
-    srcs += sorted((ROOT / "csrc").glob("*.cu")) if (ROOT / "csrc").is_dir() else []
-    if only:
-        srcs = [s for s in srcs if only in s.name]
-    return srcs
+LIBS = {"gemm": ("cutlass_kernels", "libmoonep_gemm.so"), "ep": ("csrc", "libmoonep_ep.so")}
+
+
+def sources(lib: str) -> list[Path]:
+    folder = ROOT / LIBS[lib][0]
+    return sorted(folder.glob("*.cu")) if folder.is_dir() else []
 
 
 def _stale(src: Path, obj: Path) -> bool:
@@ -92,21 +95,30 @@ def main(argv=None) -> int:
     ap.add_argument("-j", type=int, default=1)
     ap.add_argument("--only", default=None)
     ap.add_argument("--verbose", action="store_true", help="ptxas resource usage")
+    ap.add_argument("--lib", choices=sorted(LIBS), default=None)
     args = ap.parse_args(argv)
 
-    includes = cutlass_includes()
-    srcs = sources(None)
-    if not srcs:
-        raise SystemExit("no sources")
+    libs = [args.lib] if args.lib else sorted(LIBS)
+    includes = cutlass_includes() if "gemm" in libs else []
     tmp = tempfile.TemporaryDirectory() if args.check else None
     obj_dir = Path(tmp.name) if tmp else ROOT / "build" / "moonep_gpu"
     obj_dir.mkdir(parents=True, exist_ok=True)
+    rc = 0
+    for lib in libs:
+        rc = rc or _build(lib, args, includes, obj_dir)
+    return rc
+
+
+def _build(lib: str, args, includes: list[Path], obj_dir: Path) -> int:
+    srcs = sources(lib)
+    if not srcs:
+        raise SystemExit(f"no sources for {lib}")
     jobs = [(s, obj_dir / (s.stem + ".o")) for s in srcs]
     todo = [(s, o) for s, o in jobs if (args.check or _stale(s, o))
             and (not args.only or args.only in s.name)]
     t0 = time.time()
-    print(f"nvcc: {nvcc()}  CUTLASS: {includes[0]}  units: {len(todo)}/{len(jobs)}  -j{args.j}",
-          flush=True)
+    inc = f"CUTLASS: {includes[0]}  " if includes else ""
+    print(f"[{lib}] nvcc: {nvcc()}  {inc}units: {len(todo)}/{len(jobs)}  -j{args.j}", flush=True)
     try:
         with ThreadPoolExecutor(max_workers=max(1, args.j)) as ex:
             futs = [ex.submit(compile_one, s, o, includes, args.verbose) for s, o in todo]
@@ -117,10 +129,10 @@ def main(argv=None) -> int:
         print(e, file=sys.stderr)
         return 1
     if args.check:
-        print(f"compile check OK ({time.time() - t0:.0f} s)")
+        print(f"[{lib}] compile check OK ({time.time() - t0:.0f} s)")
         return 0
     LIB_DIR.mkdir(parents=True, exist_ok=True)
-    out = LIB_DIR / "libmoonep_gemm.so"
+    out = LIB_DIR / LIBS[lib][1]
     cmd = [nvcc(), "-shared", *ARCH, "-cudart", "static", "-o", str(out), *[str(o) for _, o in jobs]]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:

@@ -33,7 +33,9 @@ from torch import Tensor
 from . import config
 from .buffer import lookup
 
-_TAGS = (torch.Tag.cudagraph_unsafe,)   # the collective backend reads split sizes on the host
+# No cudagraph_unsafe tag: with the CUDA symmetric-memory backend every op is capturable; the
+# host-reading collective backend refuses to run under capture with a clear error instead.
+_TAGS = ()
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks (shape / dtype / device only: safe in fake kernels, run before any write)
@@ -149,6 +151,15 @@ def _dispatch(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], buff
     buf = lookup(buffer)
     s = check_dispatch_args(x, topk_ids, route_weights, buf, total_num_tokens)
     be, E = buf.backend, buf.E
+    if getattr(be, "device_side", False):
+        # Histogram exchange, planning and the input checks all run on the device; bad input
+        # sets the Buffer's error word (Buffer.check_errors) instead of a host read.
+        if config.should_validate(topk_ids) and topk_ids.numel():
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < 0 or hi >= E:
+                raise ValueError(f"moonep dispatch: expert ids must lie in [0, E={E}); got "
+                                 f"values in [{lo}, {hi}]")
+        return be.dispatch_fresh(buf, x, topk_ids, route_weights, total_num_tokens)
     # One all-gather carries the histogram plus (bad-input flag, s, total) of every rank, so a
     # rank with bad ids makes every rank raise instead of leaving its peers in a collective.
     bad = ""

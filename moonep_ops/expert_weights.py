@@ -24,7 +24,7 @@ from torch import Tensor
 from . import config
 from .buffer import lookup
 
-_TAGS = (torch.Tag.cudagraph_unsafe,)   # experts_to_copy is read on the host
+_TAGS = ()   # capturable on the CUDA backend (see dispatch_combine.py)
 
 
 def check_pool_args(etc, local, slots, buf, op: str, fp32: bool) -> None:

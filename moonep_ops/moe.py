@@ -58,12 +58,14 @@ class ExpertPool:
         B, dev = buffer.epn, buffer.device
         self.buffer_name = buffer.name
         self.D, self.F, self.dtype = D, F, dtype
-        self.w1 = torch.zeros(B, F, D, dtype=dtype, device=dev)
-        self.w3 = torch.zeros(B, F, D, dtype=dtype, device=dev)
-        self.w2 = torch.zeros(B, D, F, dtype=dtype, device=dev)
-        self.g1 = torch.zeros(B, F, D, dtype=torch.float32, device=dev)
-        self.g3 = torch.zeros(B, F, D, dtype=torch.float32, device=dev)
-        self.g2 = torch.zeros(B, D, F, dtype=torch.float32, device=dev)
+        # symmetric on the CUDA backend: owners push weights into / pull grads from the slots
+        z = buffer.symmetric_zeros
+        self.w1 = z((B, F, D), dtype)
+        self.w3 = z((B, F, D), dtype)
+        self.w2 = z((B, D, F), dtype)
+        self.g1 = z((B, F, D), torch.float32)
+        self.g3 = z((B, F, D), torch.float32)
+        self.g2 = z((B, D, F), torch.float32)
         self.name = f"moonep_pool_{next(_POOL_IDS)}"
         _POOLS[self.name] = self
 
@@ -109,9 +111,9 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
         raise ValueError(f"experts_to_copy must be int32 [R, epn={B}]")
 
 
-# The slots are staged with prefetch_weight and the grads reduced with reduce_grad, whose
-# torch.distributed backend reads split sizes on the host: not capturable in a CUDA graph.
-_TAGS = (torch.Tag.cudagraph_unsafe,)
+# Capturable when the Buffer's backend is (the CUDA symmetric-memory one); the host-reading
+# torch.distributed backend raises under capture.
+_TAGS = ()
 
 
 @torch.library.custom_op("moonep::moe_experts", mutates_args=(), tags=_TAGS)

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Everything that needs the H200, in one call (device tool):  bash scripts/gpu_check.sh
 #   1. install carried wheels (expecttest) and the package; print the environment
-#   2. the whole test suite on the GPU box (CPU tests on torch 2.11 + every CUDA test)
-#   3. MoE layer step benchmark (eager vs compiled vs reduce-overhead)
-#   4. grouped GEMM: scripts/gpu_check_gemm.sh (build if needed, CUDA tests, calibrate, bench)
+#   2. tests: the whole suite on the GPU box (CPU tests on torch 2.11 + every CUDA test);
+#      cuda: only the CUDA test files (tests/*_cuda.py)
+#   3. dataplane: device planner latency, dispatch/combine bandwidth, eager vs CUDA-graph steps,
+#      the 1000-step soak
+#   4. moe: MoE layer step benchmark (eager vs compiled vs reduce-overhead)
+#   5. gemm: scripts/gpu_check_gemm.sh (build if needed, CUDA tests, calibrate, bench)
+# The libraries are built on the CPU machine (python -m moonep_ops.build) and carried:
+#   run(command="bash scripts/gpu_check.sh", carry=["moonep_ops/lib", ".gpu_carry"])
 # Results land in $OUT; a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +16,7 @@ OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
-STAGES=${STAGES:-tests,moe,gemm}
+STAGES=${STAGES:-tests,dataplane,moe,gemm}
 [ -d .gpu_carry/wheels ] && $PY -m pip install -q --no-index --no-deps .gpu_carry/wheels/*.whl 2>&1 | tail -1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
@@ -19,6 +24,16 @@ summary=()
 if [[ $STAGES == *tests* ]]; then
   timeout ${T_TESTS:-300} $PY -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest_all.log" | tail -15
   summary+=("tests: $(tail -1 "$OUT/pytest_all.log")")
+fi
+if [[ $STAGES == *cuda* ]]; then
+  timeout ${T_CUDA:-300} $PY -m pytest -q -rs -x tests/*_cuda.py 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
+  summary+=("cuda tests: $(tail -1 "$OUT/pytest_cuda.log")")
+fi
+if [[ $STAGES == *dataplane* ]]; then
+  [ -f benchmarks/bench_plan_device.py ] && timeout ${T_PLAN:-120} $PY benchmarks/bench_plan_device.py 2>&1 | tee "$OUT/bench_plan_device.log" | tail -12
+  timeout ${T_DP:-240} $PY benchmarks/bench_data_plane_cuda.py 2>&1 | tee "$OUT/bench_data_plane.log" | tail -16
+  timeout ${T_SOAK:-240} $PY benchmarks/soak_cuda.py 2>&1 | tee "$OUT/soak.log" | tail -3
+  summary+=("soak: $(tail -1 "$OUT/soak.log")")
 fi
 if [[ $STAGES == *moe* ]]; then
   timeout ${T_MOE:-200} $PY benchmarks/bench_moe_step.py 2>&1 | tee "$OUT/bench_moe_step.log" | tail -12

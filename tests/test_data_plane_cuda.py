@@ -43,7 +43,7 @@ def test_cuda_matches_cpu(nccl_world, dtype):
     S, H, K, E, tp = 64, 256, 4, 8, 8
     gpu = Buffer(S, H, K, E, group=nccl_world, token_padding=tp, dtype=dtype, backend="torch",
                  device="cuda")
-    cpu = Buffer(S, H, K, E, token_padding=tp, dtype=dtype)
+    cpu = Buffer(S, H, K, E, token_padding=tp, dtype=dtype, device="cpu")
     for s in (1, 37, S):
         x, w, t = _inputs(s, H, K, E, dtype, seed=s)
         hg, wg, cug, pg = gpu.dispatch(x.cuda(), t.cuda(), w.cuda())

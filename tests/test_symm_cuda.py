@@ -1,0 +1,355 @@
+"""The CUDA symmetric-memory data plane (moonep_ops/symm_backend.py, csrc/ep_kernels.cu).
+
+R > 1 runs as virtual ranks on the one GPU (tests/virtual_ranks.py); R = 1 also through
+torch.distributed._symmetric_memory with a one-rank NCCL group.  References are the CPU planner
+(plan_all_ranks) and the data-plane semantics the gloo tests pin (tests/test_data_plane.py), so
+"bitwise equal to the CPU/gloo path" is checked entry by entry.  Skipped without a GPU or
+without libmoonep_ep.so.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+from moonep_ops import _native
+from moonep_ops.buffer import Buffer
+from moonep_ops.planner import plan_all_ranks
+
+from test_data_plane import SCATTER_CONFIGS, fixed_order_sum, routing, token_inputs, _random_table
+from virtual_ranks import run_threads
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or _native.ep_lib() is None,
+                                reason="needs a CUDA device and libmoonep_ep.so")
+
+
+def _setup(R, E=8, K=3, H=16, S=12, tp=1, kind="uniform", s=None, dtype=torch.bfloat16, seed=0,
+           per_rank=False):
+    if per_rank:
+        sizes = tuple(max(1, S - 3 * r) if r % 2 == 0 else 1 + r for r in range(R))
+    else:
+        sizes = (s or S,) * R
+    total = sum(sizes) if per_rank else None
+    xs, ws, ts = [], [], []
+    for r in range(R):
+        x, w = token_inputs(r, sizes[r], H, K, dtype, seed)
+        xs.append(x), ws.append(w), ts.append(routing(kind, r, R, sizes[r], K, E, seed))
+    group = plan_all_ranks(ts, E, tp, capacity=S, total_num_tokens=total)
+    c = dict(R=R, E=E, K=K, H=H, S=S, tp=tp, dtype=dtype, xs=xs, ws=ws, ts=ts, total=total,
+             group=group)
+    c["expected"] = [_expected_scatter(c, d) for d in range(R)]
+    return c
+
+
+def _expected_scatter(c, rank, xs=None):
+    xs = xs or c["xs"]
+    p_me = c["group"].plans[rank]
+    h = torch.zeros(p_me.nvs_s, c["H"], dtype=c["dtype"])
+    w = torch.zeros(p_me.nvs_s)
+    for r, p in enumerate(c["group"].plans):
+        n = (p.dest_rank == rank).nonzero().squeeze(1)
+        h[p.slot[n]] = xs[r][n // c["K"]]
+        w[p.slot[n]] = c["ws"][r].reshape(-1)[n]
+    return h, w
+
+
+def _check_rank(c, vg, r, combine="auto"):
+    K, dt = c["K"], c["dtype"]
+    buf = Buffer(c["S"], c["H"], K, c["E"], token_padding=c["tp"], dtype=dt, device=vg.device,
+                 backend=vg.backend(r, combine=combine))
+    assert buf.backend.direct == (combine != "stage")
+    dev = buf.device
+    x, w_in, t = c["xs"][r].to(dev), c["ws"][r].to(dev), c["ts"][r].to(dev)
+    ref = c["group"].plans[r]
+    h, w, cu, plan = buf.dispatch(x, t, w_in, total_num_tokens=c["total"])
+    for name, a, b in (("dst", plan.dst, ref.dst), ("cu_seqlens", cu, ref.cu_seqlens),
+                       ("experts_to_copy", plan.experts_to_copy, ref.experts_to_copy),
+                       ("zero_fill", plan.zero_fill_ranges, ref.zero_fill_ranges),
+                       ("remote_stats", plan.remote_stats, ref.remote_stats)):
+        assert torch.equal(a.cpu(), b), f"rank {r}: {name} differs from the CPU planner"
+    eh, ew = c["expected"][r]
+    assert torch.equal(h.cpu(), eh), f"rank {r}: dispatched rows differ"
+    assert torch.equal(w.cpu().view(torch.int32), ew.view(torch.int32)), f"rank {r}: weights differ"
+    y, wk = buf.combine(plan, h, w)
+    assert torch.equal(y.cpu(), fixed_order_sum([c["xs"][r]] * K, dt)), f"rank {r}: combine"
+    assert torch.equal(wk.cpu(), c["ws"][r]), f"rank {r}: gathered weights"
+    # per-row scaling, and the NvS-row form of combine
+    scale = (torch.arange(h.shape[0], device=dev) % 5 + 1).float()
+    hs = (h.float() * scale[:, None]).to(dt)
+    hfull = torch.cat([hs, hs.new_zeros(buf.NvS - hs.shape[0], c["H"])])
+    ys, none = buf.combine(plan, hfull)
+    assert none is None
+    hs_c, slot = hs.cpu(), ref.slot.view(-1, K)
+    # rows this rank's tokens landed in live on other ranks: rebuild from those ranks' scatter
+    parts = []
+    for k in range(K):
+        rows = []
+        for tok in range(x.shape[0]):
+            d, sl = int(ref.dest_rank.view(-1, K)[tok, k]), int(slot[tok, k])
+            ed = c["expected"][d][0]
+            sc = float(sl % 5 + 1)
+            rows.append((ed[sl].float() * sc).to(dt))
+        parts.append(torch.stack(rows))
+    assert torch.equal(ys.cpu(), fixed_order_sum(parts, dt)), f"rank {r}: scaled combine"
+    # plan reuse
+    x2 = (x.float() * 3 - 1).to(dt)
+    h2, w2, _, _ = buf.dispatch(x2, route_weights_sK=w_in, plan=plan)
+    eh2, _ = _expected_scatter(c, r, [(xx.float() * 3 - 1).to(dt) for xx in c["xs"]])
+    assert torch.equal(h2.cpu(), eh2) and torch.equal(w2, w)
+    # autograd: dispatch backward = combine, combine backward = dispatch (both on the device)
+    xg = x.clone().requires_grad_()
+    wg = w_in.clone().requires_grad_()
+    hh, ww, _, pl = buf.dispatch(xg, t, wg, total_num_tokens=c["total"])
+    yy, wkk = buf.combine(pl, (hh.float() * 1.5).to(dt), ww)
+    gy = torch.ones_like(yy)
+    torch.autograd.backward([yy, wkk], [gy, torch.full_like(wkk, 2.0)])
+    exp_gx = fixed_order_sum([(gy.float() * 1.5).to(dt).cpu()] * K, dt)
+    assert torch.equal(xg.grad.cpu(), exp_gx), f"rank {r}: grad x"
+    assert torch.equal(wg.grad.cpu(), torch.full_like(c["ws"][r], 2.0)), f"rank {r}: grad w"
+    buf.check_errors()
+    return True
+
+
+CONFIGS = dict(SCATTER_CONFIGS)
+CONFIGS["skewed_large"] = dict(kind="zipf", E=32, K=8, H=256, S=64, tp=8)
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_virtual_dispatch_combine(R, name):
+    """Direct combine (virtual ranks share an address space: h's address is published)."""
+    from moonep_ops.symm_backend import VirtualGroup
+    cfg = dict(CONFIGS[name])
+    if cfg.get("E", 8) % R:
+        pytest.skip("E not divisible by R")
+    c = _setup(R, **cfg)
+    vg = VirtualGroup(R)
+    assert all(run_threads(R, lambda r: _check_rank(c, vg, r)))
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("name", ["dup", "per_rank_s", "larger_zipf_tp8", "uniform_fp32_tp4"])
+def test_virtual_dispatch_combine_staged(R, name):
+    """Staged combine: h copied into the symmetric y_stage (the multi-process path)."""
+    from moonep_ops.symm_backend import VirtualGroup
+    c = _setup(R, **CONFIGS[name])
+    vg = VirtualGroup(R)
+    assert all(run_threads(R, lambda r: _check_rank(c, vg, r, combine="stage")))
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_prefetch_reduce_virtual(R):
+    from moonep_ops.symm_backend import VirtualGroup
+    E, epn = 4 * R, 4
+    etc = _random_table(R, epn, seed=R)
+    vg = VirtualGroup(R)
+
+    def owner(o, shape, dtype, tag):
+        g = torch.Generator().manual_seed(1000 * tag + o)
+        return torch.randn(epn, *shape, generator=g).to(dtype)
+
+    def rank_fn(r):
+        buf = Buffer(8, 16, 2, E, dtype=torch.bfloat16, device=vg.device, backend=vg.backend(r))
+        dev = buf.device
+        local = [owner(r, (3, 5), torch.bfloat16, 1).to(dev), owner(r, (7,), torch.float32, 2).to(dev)]
+        slots = [buf.symmetric_zeros((epn, 3, 5), torch.bfloat16),
+                 buf.symmetric_zeros((epn, 7), torch.float32)]
+        slots[0].fill_(-3)
+        torch.ops.moonep.prefetch_weight(etc.to(dev), local, slots, buf.name)
+        for b in range(epn):
+            e = int(etc[r, b])
+            for i, (shape, dt) in enumerate((((3, 5), torch.bfloat16), ((7,), torch.float32))):
+                got = slots[i][b].cpu()
+                if e < 0:
+                    exp = torch.full(shape, -3.0 if i == 0 else 0.0, dtype=dt)
+                else:
+                    exp = owner(e // epn, shape, dt, i + 1)[e % epn]
+                assert torch.equal(got, exp), f"rank {r} slot {b} tensor {i}"
+        # reduce_grad: fp32, fixed order, consumed slots zeroed
+        lg = [owner(r, (6,), torch.float32, 3).to(dev)]
+        sg = [buf.symmetric_zeros((epn, 6), torch.float32)]
+        sg[0].copy_(owner(r, (6,), torch.float32, 4).to(dev))
+        torch.ops.moonep.reduce_grad(etc.to(dev), lg, sg, buf.name)
+        exp = owner(r, (6,), torch.float32, 3).clone()
+        for src in range(R):
+            for b in range(epn):
+                e = int(etc[src, b])
+                if e >= 0 and e // epn == r:
+                    exp[e % epn] += owner(src, (6,), torch.float32, 4)[b]
+        assert torch.equal(lg[0].cpu(), exp), f"rank {r}: reduced grads"
+        mine = owner(r, (6,), torch.float32, 4)
+        for b in range(epn):
+            exp_slot = torch.zeros(6) if int(etc[r, b]) >= 0 else mine[b]
+            assert torch.equal(sg[0][b].cpu(), exp_slot), f"rank {r}: slot {b} after reduce"
+        with pytest.raises(ValueError, match="symmetric_zeros"):
+            torch.ops.moonep.prefetch_weight(etc.to(dev), local, [torch.zeros_like(t) for t in local],
+                                             buf.name)
+        buf.check_errors()
+        return True
+
+    assert all(run_threads(R, rank_fn))
+
+
+def _step_inputs(R, s, H, K, E, seed, skew):
+    xs, ws, ts = [], [], []
+    for r in range(R):
+        x, w = token_inputs(r, s, H, K, torch.bfloat16, seed)
+        xs.append(x), ws.append(w), ts.append(routing("zipf" if skew else "uniform", r, R, s, K, E, seed))
+    return xs, ws, ts
+
+
+@pytest.mark.parametrize("R", [1, 2])
+def test_no_host_sync_and_cuda_graph_replay(R):
+    """A whole dispatch -> combine forward + backward of every virtual rank is queued from ONE
+    thread under sync_debug_mode("error"); then captured in CUDA graphs and replayed with new
+    routing copied into the static inputs, with correct results each time."""
+    from moonep_ops.symm_backend import VirtualGroup
+    S, H, K, E, tp = 32, 64, 4, 8 * R, 4
+    vg = VirtualGroup(R)
+    bufs = [Buffer(S, H, K, E, token_padding=tp, dtype=torch.bfloat16, device=vg.device,
+                   backend=vg.backend(r)) for r in range(R)]
+    dev = bufs[0].device
+    streams = [torch.cuda.Stream() for _ in range(R)]
+    xs_s = [torch.zeros(S, H, dtype=torch.bfloat16, device=dev, requires_grad=True) for _ in range(R)]
+    ws_s = [torch.zeros(S, K, device=dev) for _ in range(R)]
+    ts_s = [torch.zeros(S, K, dtype=torch.int32, device=dev) for _ in range(R)]
+    gy_s = [torch.zeros(S, H, dtype=torch.bfloat16, device=dev) for _ in range(R)]
+
+    def step(r):
+        h, w, cu, plan = bufs[r].dispatch(xs_s[r], ts_s[r], ws_s[r])
+        z = (h.float() * w[:, None]).to(torch.bfloat16)
+        y, _ = bufs[r].combine(plan, z)
+        gx, = torch.autograd.grad(y, xs_s[r], gy_s[r])
+        return y, gx, cu
+
+    def load(seed, skew):
+        xs, ws, ts = _step_inputs(R, S, H, K, E, seed, skew)
+        with torch.no_grad():
+            for r in range(R):
+                xs_s[r].copy_(xs[r]), ws_s[r].copy_(ws[r]), ts_s[r].copy_(ts[r])
+                gy_s[r].copy_(torch.ones(S, H) * (r + 1))
+        torch.cuda.synchronize()
+        return xs, ws, ts
+
+    def expected(xs, ws, ts):
+        grp = plan_all_ranks(ts, E, tp, capacity=S)
+        out = []
+        for r in range(R):
+            p = grp.plans[r]
+            parts = [(xs[r].float() * ws[r][:, k:k + 1]).to(torch.bfloat16) for k in range(K)]
+            y = fixed_order_sum(parts, torch.bfloat16)
+            gparts = [(gy_s[r].cpu().float() * ws[r][:, k:k + 1]).to(torch.bfloat16) for k in range(K)]
+            out.append((y, fixed_order_sum(gparts, torch.bfloat16), p.cu_seqlens))
+        return out
+
+    # 1) eager, every rank queued from this thread, no host sync allowed
+    xs, ws, ts = load(0, skew=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = []
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                outs.append(step(r))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for r, ((y, gx, cu), (ey, egx, ecu)) in enumerate(zip(outs, expected(xs, ws, ts))):
+        assert torch.equal(y.cpu(), ey) and torch.equal(gx.cpu(), egx) and torch.equal(cu.cpu(), ecu)
+    # 2) capture every rank's step in its own graph (thread-local capture mode), replay
+    graphs = [torch.cuda.CUDAGraph() for _ in range(R)]
+    static = [None] * R
+    for r in range(R):               # warm-up on the side streams (allocator pools)
+        with torch.cuda.stream(streams[r]):
+            step(r)
+    torch.cuda.synchronize()
+    for r in range(R):
+        with torch.cuda.graph(graphs[r], stream=streams[r]):
+            static[r] = step(r)
+    torch.cuda.synchronize()
+    for seed, skew in ((1, False), (2, True), (3, True)):
+        xs, ws, ts = load(seed, skew)
+        for r in range(R):
+            with torch.cuda.stream(streams[r]):
+                graphs[r].replay()
+        torch.cuda.synchronize()
+        for r, ((y, gx, cu), (ey, egx, ecu)) in enumerate(zip(static, expected(xs, ws, ts))):
+            assert torch.equal(cu.cpu(), ecu), f"replay {seed} rank {r}: cu_seqlens"
+            assert torch.equal(y.cpu(), ey), f"replay {seed} rank {r}: y"
+            assert torch.equal(gx.cpu(), egx), f"replay {seed} rank {r}: grad x"
+    for b in bufs:
+        b.check_errors()
+
+
+def test_barrier_timeout_sets_flag_without_hanging():
+    from moonep_ops.symm_backend import VirtualGroup
+    vg = VirtualGroup(2)
+    b0 = Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=vg.backend(0, timeout_s=0.2))
+    Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=vg.backend(1))  # never calls
+    b0.check_errors()
+    b0.backend.barrier()             # rank 1 never arrives
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="timed out"):
+        b0.check_errors()
+    # the group is broken now: later ops return quickly with zeros instead of hanging
+    x = torch.randn(4, 8, device=vg.device)
+    t = torch.zeros(4, 2, dtype=torch.int32, device=vg.device)
+    h, w, cu, plan = b0.dispatch(x, t)
+    torch.cuda.synchronize()
+    assert not h.any()
+
+
+def test_bad_ids_flag_on_device(monkeypatch):
+    from moonep_ops.symm_backend import VirtualGroup
+    vg = VirtualGroup(1)
+    buf = Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=vg.backend(0))
+    x = torch.randn(4, 8, device=vg.device)
+    t = torch.tensor([[0, 1], [2, 9], [1, 1], [3, 0]], dtype=torch.int32, device=vg.device)
+    monkeypatch.setenv("MOONEP_VALIDATE", "1")       # host check: clear error, nothing runs
+    with pytest.raises(ValueError, match="expert ids"):
+        buf.dispatch(x, t)
+    buf.check_errors()
+    monkeypatch.setenv("MOONEP_VALIDATE", "auto")    # CUDA default: checked on the device
+    h, w, cu, plan = buf.dispatch(x, t)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="expert ids outside"):
+        buf.check_errors()
+    assert not h.any() and not w.any()
+
+
+@pytest.fixture(scope="module")
+def nccl_world():
+    import torch.distributed as dist
+    created = False
+    if not dist.is_initialized():
+        path = os.path.join(tempfile.mkdtemp(prefix="moonep_symm_"), "store")
+        dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        created = True
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()
+
+
+def test_torch_symmetric_memory_r1_matches_cpu(nccl_world):
+    """R = 1 through torch.distributed._symmetric_memory (the multi-GPU heap), chosen by
+    backend="auto" on a CUDA device, bitwise equal to the CPU single-rank path."""
+    from moonep_ops.symm_backend import SymmBackend, TorchSymmetricHeap
+    S, H, K, E, tp = 64, 256, 4, 8, 8
+    gpu = Buffer(S, H, K, E, group=nccl_world, token_padding=tp, dtype=torch.bfloat16, device="cuda")
+    assert isinstance(gpu.backend, SymmBackend) and isinstance(gpu.backend.heap, TorchSymmetricHeap)
+    assert gpu.capturable
+    cpu = Buffer(S, H, K, E, token_padding=tp, dtype=torch.bfloat16, device="cpu")
+    for s in (1, 37, S):
+        x, w = token_inputs(0, s, H, K, torch.bfloat16, s)
+        t = routing("dup", 0, 1, s, K, E, s)
+        hg, wg, cug, pg = gpu.dispatch(x.cuda(), t.cuda(), w.cuda())
+        hc, wc, cuc, pc = cpu.dispatch(x, t, w)
+        assert torch.equal(hg.cpu(), hc) and torch.equal(wg.cpu(), wc)
+        assert torch.equal(cug.cpu(), cuc) and torch.equal(pg.dst.cpu(), pc.dst)
+        z = (hg.float() * 1.5).to(torch.bfloat16)
+        yg, wkg = gpu.combine(pg, z, wg)
+        yc, wkc = cpu.combine(pc, z.cpu(), wc)
+        assert torch.equal(yg.cpu(), yc) and torch.equal(wkg.cpu(), wkc)
+    gpu.check_errors()
