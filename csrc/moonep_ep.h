@@ -22,3 +22,5 @@ namespace moonep_ep {
 // Set the thread-local last-error message and return the code (used by every launcher).
 int fail(cudaError_t e, const char* where);
 }
+
+// The device planner (moonep_plan, moonep_plan_group) is declared in plan_kernels.h.

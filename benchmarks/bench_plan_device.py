@@ -1,0 +1,167 @@
+"""Device planner latency: moonep_plan (csrc/plan_kernels.cu) against the torch planner on CUDA.
+
+    PYTHONPATH=$PWD python benchmarks/bench_plan_device.py [--launches 100] [--reps 7]
+
+group  = moonep_plan_group: steps 1-3 only, the one-block planning kernel (one launch);
+plan   = moonep_plan: the whole plan (group kernel fused with the per-chunk topk histograms,
+         then the slot assignment: two launches);
+both timed as a CUDA graph of --launches back-to-back launches (CUDA events around a replay,
+divided by the launch count; the best and the median of --reps replays).
+torch  = torch.ops.moonep.plan on CUDA tensors, policy "moonep": eager (host launch bound), and
+         in a second table replayed as a CUDA graph of one call.
+A second table times the group kernel's stages by difference (moonep_plan_debug_stop).
+Routings: zipf (alpha 1.0, sampled with replacement), hot (one expert at 8x the mean load, the
+rest uniform), one_group (every entry to rank 0's experts: the longest greedy loops).
+token_padding 128, s = S.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import moonep_ops  # noqa: F401
+from moonep_ops import plan_device as pdv
+from moonep_ops.geometry import Geometry
+from moonep_ops.routing import histogram, make_routing, maxvio
+
+CONFIGS = [(8, 64, 512, 8, "hot"),
+           (8, 384, 8192, 8, "zipf"), (8, 384, 8192, 8, "hot"), (8, 384, 8192, 8, "one_group"),
+           (64, 1024, 8192, 8, "zipf"), (64, 1024, 8192, 8, "hot"), (64, 1024, 8192, 8, "one_group")]
+
+
+def routing(kind, R, E, s, K, seed=0):
+    if kind != "zipf":
+        return make_routing(kind, R, E, s, K, seed=seed, hot_factor=8.0)
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(E, generator=g)
+    p = torch.empty(E)
+    p[perm] = 1.0 / (torch.arange(E, dtype=torch.float64) + 1).float()
+    return [torch.multinomial(p, s * K, replacement=True, generator=g).view(s, K).to(torch.int32)
+            for _ in range(R)]
+
+
+def _clock():
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # noqa: BLE001  (needs pynvml)
+        return "?"
+
+
+def time_graph(fn, launches, reps):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / launches)
+    return min(ts), statistics.median(ts)
+
+
+def time_eager(fn, iters):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / iters
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--launches", type=int, default=100)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--torch-iters", type=int, default=3)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available() or not pdv.available():
+        print("needs a CUDA device and libmoonep_ep.so (python -m moonep_ops.build --lib ep)")
+        return 1
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
+          f"graph of {a.launches} launches, best/median of {a.reps} replays (us per plan)")
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(300):                                  # ~0.4 s of matmuls: clocks up
+        x @ x
+    torch.cuda.synchronize()
+    del x
+    print(f"SM clock after warm-up: {_clock()} MHz")
+    print("| R | E | s | K | routing | maxvio | group best | group med | plan best | plan med "
+          "| torch eager | err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    tp, rank = 128, 1
+    later, stages = [], []
+    for R, E, s, K, kind in CONFIGS:
+        tk = routing(kind, R, E, s, K)
+        tpe = histogram(tk, E)
+        geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp)
+        hist = pdv.make_hist_rx(tpe, s).cuda()
+        topk = tk[rank].cuda()
+        err = torch.zeros(1, dtype=torch.int32, device="cuda")
+        bufs = pdv.allocate(hist, s, K, R)
+        def run_group(hist=hist, topk=topk, R=R, s=s, NvS=geo.NvS, err=err, bufs=bufs):
+            pdv.plan_into(hist, topk, rank, R, s, tp, NvS, err, bufs, group_only=True)
+        grp = time_graph(run_group, a.launches, a.reps)
+        full = time_graph(lambda: pdv.plan_into(hist, topk, rank, R, s, tp, geo.NvS, err, bufs),
+                          a.launches, a.reps)
+        if (R, E) != (8, 64) and kind != "zipf":
+            stages.append((R, E, s, K, kind, run_group))
+        tpe_c = tpe.cuda()
+        torch_fn = (lambda t_=tpe_c, k_=topk, R_=R, s_=s:                         # noqa: E731
+                    torch.ops.moonep.plan(t_, k_, rank, R_, s_, tp, -1, "moonep"))
+        eager = time_eager(torch_fn, a.torch_iters)
+        ref = torch_fn()
+        same = all(torch.equal(x, y) for x, y in zip(ref, bufs[:5]))
+        later.append((R, E, s, K, kind, torch_fn))
+        print(f"| {R} | {E} | {s} | {K} | {kind} | {maxvio(tpe):.2f} | {grp[0]:.1f} | {grp[1]:.1f} "
+              f"| {full[0]:.1f} | {full[1]:.1f} | {eager:.0f} | {int(err.item())}"
+              f"{'' if same else ' MISMATCH vs torch'} |", flush=True)
+    # Stage costs of the group kernel by difference (block 0 returns after stage k).
+    print("\n| R | E | routing | launch+set-up | load+validate | rank quotas | split | layout "
+          "| pieces+writes | total |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for R, E, s, K, kind, fn in stages:
+        ts = []
+        for stop in (0, 1, 2, 3, 4, 99):
+            pdv.debug_stop(stop)
+            try:
+                ts.append(time_graph(fn, a.launches, a.reps)[0])
+            finally:
+                pdv.debug_stop(99)
+        diffs = [ts[0]] + [ts[i] - ts[i - 1] for i in range(1, len(ts))]
+        print(f"| {R} | {E} | {kind} | " + " | ".join(f"{x:.1f}" for x in diffs)
+              + f" | {ts[-1]:.1f} |", flush=True)
+    print(f"SM clock at the end: {_clock()} MHz")
+
+    # The torch planner replayed as a CUDA graph (its GPU-side time), last: a failed capture
+    # could leave the device unusable for the rows above.
+    print("\n| R | E | s | K | routing | torch planner as a CUDA graph, us |")
+    print("|---|---|---|---|---|---|")
+    for R, E, s, K, kind, fn in later:
+        if kind == "one_group" or (R, E) == (8, 64):
+            continue
+        try:
+            tg = f"{time_graph(fn, 1, 3)[0]:.0f}"
+        except Exception as e:  # noqa: BLE001
+            tg = f"n/a ({type(e).__name__}: {str(e)[:80]})"
+        print(f"| {R} | {E} | {s} | {K} | {kind} | {tg} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,912 @@
+// The MoonEP planner on the device (policy "moonep"), bit-exact with moonep::plan
+// (moonep_ops/planner.py: plan_group with floor/ceil caps, rank_quotas "max", split_quotas "max",
+// layout, assign_slots, _rank_outputs).  docs/planner.md has the algorithm.
+//
+// Launch 1, plan_group_kernel, grid 1 + nchunks, 1024 threads:
+//   block 0   steps 1-3 for the whole group from the [R, E+3] histogram (validation included):
+//     0. load + validate the histogram (column sums cnt[e], this rank's prefix over source ranks,
+//        row sums, s_r, total, bad flags); an invalid histogram is replaced by an empty one
+//        (nothing moves), so the outputs stay in range whatever the input;
+//     1. rank_quotas: one warp, <= R-1 rounds of (argmin, argmax) over the balances
+//        (warp reductions; ties -> lowest rank).  A receiver is refilled by a single donor, so
+//        z is kept as donor_of[u], z_of[u];
+//     2. split_quotas: one warp per donor, <= R-1+B rounds of (argmax quota, argmax expert left);
+//        every destination has one donor, so the moved counts fit a dense [R, B] table
+//        recv[d, le] (tokens of donor(d)'s local expert le computed on d);
+//     3. layout: one warp per destination (home segments, then the donor's experts with tokens in
+//        ascending id, padded to tp, scanned into cu_seqlens); expert offsets;
+//     4. per expert, its "pieces" (destinations with tokens, in rank order) with cumulative ends,
+//        as a CSR table of <= 2E pieces: the searchsorted of step 4 becomes a binary search.
+//     The greedy loops use one warp reduction per argmax/argmin on packed (value, index) keys
+//     when the values leave room for the index bits (2T < 2^(31 - log2 R)), else two.
+//   blocks 1.. per chunk of C = tpc*K entries of topk: the expert histogram of the chunk.
+// Launch 2, plan_assign_kernel, one block per chunk (the pieces table in shared memory): the
+//   stable rank of every entry among this rank's entries of its expert (ordered by flat
+//   index) = before-rank prefix + earlier chunks
+//   + earlier warps (per-warp counters) + earlier lanes (match_any); then the destination piece,
+//   the slot, and the duplicate marking within the token.
+//
+// Integer widths: the torch planner computes in int64; every value here is bounded by the total
+// number of entries T <= R*S*K < 2^31 (host-checked, and R*NvS < 2^31), or by a row offset
+// < NvS, so int32 is exact for every histogram that passes validation.  Validation sums are
+// computed without overflow (64-bit), so garbage cannot alias a valid histogram.
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cuda_runtime.h>
+
+#include "moonep_ep.h"
+#include "plan_kernels.h"
+
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kGroupThreads = 1024;
+constexpr int kAssignJ = 8;          // entries per lane in the assign kernel (and chunk sizing)
+constexpr int kMaxR = 1024;
+constexpr int kMaxK = 127;
+constexpr int kLoadBatch = 16;       // histogram loads in flight per thread
+
+inline size_t align16(size_t x) { return (x + 15) & ~size_t(15); }
+
+// ---------------------------------------------------------------------------------------------
+// Sizes shared by host and device
+// ---------------------------------------------------------------------------------------------
+
+struct Chunking {
+  int W;        // warps of the assign kernel
+  int tpc;      // tokens per chunk
+  int C;        // entries per chunk (tpc * K)
+  int nchunks;
+};
+
+inline Chunking chunking(int E, int s, int K) {
+  Chunking c;
+  c.W = 32;   // per-warp expert counters: W*E ints of shared memory, keep them <= 64 KiB
+  while (c.W > 4 && static_cast<size_t>(c.W) * E * 4 > 64 * 1024) c.W >>= 1;
+  const int cap = c.W * 32 * kAssignJ;
+  c.tpc = cap / K;
+  if (c.tpc < 1) c.tpc = 1;
+  c.C = c.tpc * K;
+  c.nchunks = (s + c.tpc - 1) / c.tpc;
+  return c;
+}
+
+struct WsLayout {
+  size_t pend, pdst, pbase, pstart, before, upto, scalars, chunkcnt, total;
+};
+
+// Pieces (destinations of an expert's tokens, in rank order) in CSR form: at most one home
+// piece per expert and one slot piece per (destination, slot), so <= 2E pieces in all.
+inline WsLayout ws_layout(int R, int E, int s, int K) {
+  (void)R;
+  WsLayout L;
+  size_t o = 0;
+  const size_t P = 2 * static_cast<size_t>(E);
+  L.pend = o;     o = align16(o + P * 4);
+  L.pdst = o;     o = align16(o + P * 4);
+  L.pbase = o;    o = align16(o + P * 4);
+  L.pstart = o;   o = align16(o + (static_cast<size_t>(E) + 1) * 4);
+  L.before = o;   o = align16(o + static_cast<size_t>(E) * 4);
+  L.upto = o;     o = align16(o + static_cast<size_t>(E) * 4);
+  L.scalars = o;  o = align16(o + 16);
+  const Chunking c = chunking(E, s, K);
+  L.chunkcnt = o; o = align16(o + static_cast<size_t>(c.nchunks) * E * 4);
+  L.total = o;
+  return L;
+}
+
+inline size_t group_smem_bytes(int R, int E) {
+  const size_t RW = (R + 31) / 32;
+  return 4 * (7 * static_cast<size_t>(E) + 1 + 8 * static_cast<size_t>(R) +
+              static_cast<size_t>(R) * RW + 48);
+}
+
+inline size_t assign_smem_bytes(int E, int W) {
+  return 4 * (2 * static_cast<size_t>(E) + static_cast<size_t>(W) * E +
+              static_cast<size_t>(W) * 32 * kAssignJ + static_cast<size_t>(E) + 1 +
+              6 * static_cast<size_t>(E)) + 16;
+}
+
+struct GroupArgs {
+  const int32_t* hist;
+  const int32_t* topk;
+  int s, K, rank, R, E, B, S, tp, NvS;
+  int32_t* cu;
+  int32_t* etc;
+  int32_t* zf;
+  int32_t* stats;
+  int32_t* pend;
+  int32_t* pdst;
+  int32_t* pbase;
+  int32_t* pstart;
+  int32_t* before;
+  int32_t* upto;
+  int32_t* scalars;
+  int32_t* chunkcnt;
+  int C, N;
+  int stop;            // benchmarks only: block 0 returns after this stage (99: full plan)
+  int32_t* err;
+};
+
+struct AssignArgs {
+  const int32_t* topk;
+  int N, K, R, E, B, NvS, C;
+  const int32_t* pend;
+  const int32_t* pdst;
+  const int32_t* pbase;
+  const int32_t* pstart;
+  const int32_t* before;
+  const int32_t* upto;
+  const int32_t* scalars;
+  const int32_t* chunkcnt;
+  int32_t* dst;
+  int32_t* err;
+};
+
+__device__ __forceinline__ int clamp_i(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+__device__ __forceinline__ int align_tp(int c, int tp) { return c > 0 ? (c + tp - 1) / tp * tp : 0; }
+
+__device__ __forceinline__ int warp_incl_scan(int v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(kFull, v, o);
+    if (lane >= o) v += n;
+  }
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch 1, blocks >= 1: expert histogram of one chunk of topk (clamped ids, like launch 2)
+// ---------------------------------------------------------------------------------------------
+
+__device__ void count_chunk(const GroupArgs& a, int* h) {
+  const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31;
+  const int c = blockIdx.x - 1;
+  const int start = c * a.C;
+  const int end = min(a.N, start + a.C);
+  int ids[kAssignJ];                                 // C <= 32*32*J <= nthr*J: all loads first
+#pragma unroll
+  for (int j = 0; j < kAssignJ; ++j) {
+    const int i = start + j * nthr + tid;
+    ids[j] = i < end ? clamp_i(__ldg(a.topk + i), 0, a.E - 1) : -1;
+  }
+  for (int e = tid; e < a.E; e += nthr) h[e] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kAssignJ; ++j) {
+    if (start + j * nthr >= end) break;              // uniform
+    const int e = ids[j];
+    const unsigned peers = __match_any_sync(kFull, e);
+    if (e >= 0 && lane == __ffs(peers) - 1) atomicAdd(&h[e], __popc(peers));
+  }
+  __syncthreads();
+  for (int e = tid; e < a.E; e += nthr) a.chunkcnt[static_cast<size_t>(c) * a.E + e] = h[e];
+}
+
+// Exclusive scan of arr[0, n) in place by the whole block; returns the total.  wsum: [34] ints.
+__device__ int block_excl_scan(int* arr, int n, int* wsum) {
+  const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = nthr >> 5;
+  int carry = 0;
+  for (int b0 = 0; b0 < n; b0 += nthr) {
+    const int i = b0 + tid;
+    const int v = i < n ? arr[i] : 0;
+    const int incl = warp_incl_scan(v, lane);
+    if (lane == 31) wsum[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+      const int w = lane < nwarps ? wsum[lane] : 0;
+      const int wi = warp_incl_scan(w, lane);
+      wsum[lane] = wi - w;
+      if (lane == 31) wsum[32] = wi;
+    }
+    __syncthreads();
+    if (i < n) arr[i] = carry + wsum[warp] + incl - v;
+    carry += wsum[32];
+    __syncthreads();
+  }
+  return carry;
+}
+
+__device__ __forceinline__ int ceil_log2(int x) { return x <= 1 ? 0 : 32 - __clz(x - 1); }
+
+// ---------------------------------------------------------------------------------------------
+// Launch 1, block 0: steps 1-3.  NJ = ceil(R/32) rounded up to a power of two (register slots of
+// the per-rank values each lane holds in the warp-level greedy loops).
+// ---------------------------------------------------------------------------------------------
+
+template <int NJ>
+__global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  if (blockIdx.x > 0) {
+    count_chunk(a, reinterpret_cast<int*>(smem_raw));
+    return;
+  }
+  const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = nthr >> 5;
+  const int R = a.R, E = a.E, B = a.B, rank = a.rank, X = E + 3, RW = (R + 31) / 32;
+  const int tp = a.tp;
+
+  int* remE = reinterpret_cast<int*>(smem_raw);      // [E]  cnt, then tokens left at home
+  int* beforeS = remE + E;                           // [E]  sum_{r < rank} hist[r, e]
+  int* ownS = beforeS + E;                           // [E]  hist[rank, e]
+  int* recv = ownS + E;                              // [R, B] tokens of donor(d)'s expert on d
+  int* offL = recv + E;                              // [E]  home segment start of e (-1: empty)
+  int* slotoff = offL + E;                           // [R, B] slot segment start on d
+  int* pcnt = slotoff + E;                           // [E+1] pieces per expert -> CSR starts
+  unsigned* rowlo = reinterpret_cast<unsigned*>(pcnt + E + 1);   // [R] row sums (low part)
+  unsigned* rowhi = rowlo + R;                       // [R] row sums (high part)
+  unsigned* rmask = rowhi + R;                       // [R, RW] receivers of each donor
+  int* donor_of = reinterpret_cast<int*>(rmask + R * RW);   // [R]
+  int* z_of = donor_of + R;                          // [R]
+  int* grp = z_of + R;                               // [R]
+  int* nrem = grp + R;                               // [R]
+  int* copies = nrem + R;                            // [R]
+  int* donors = copies + R;                          // [R]
+  int* wsum = donors + R;                            // [34]
+  int* misc = wsum + 34;                             // [8]: err bits, ndonors, sum of s_r
+
+  // This thread's metadata row (R <= 1024 = blockDim) and the total: loads in flight early.
+  const int total0 = __ldg(a.hist + static_cast<size_t>(rank) * X + E + 2);
+  int m_bad = 0, m_sr = 0, m_tr = 0;
+  if (tid < R) {
+    m_bad = __ldg(a.hist + static_cast<size_t>(tid) * X + E);
+    m_sr = __ldg(a.hist + static_cast<size_t>(tid) * X + E + 1);
+    m_tr = __ldg(a.hist + static_cast<size_t>(tid) * X + E + 2);
+  }
+  for (int i = tid; i < E; i += nthr) {
+    remE[i] = 0; beforeS[i] = 0; ownS[i] = 0; recv[i] = 0; offL[i] = -1; slotoff[i] = 0;
+  }
+  for (int i = tid; i < R; i += nthr) {
+    rowlo[i] = 0; rowhi[i] = 0; donor_of[i] = -1; z_of[i] = 0; grp[i] = 0; nrem[i] = 0;
+    copies[i] = 0;
+  }
+  for (int i = tid; i < R * RW; i += nthr) rmask[i] = 0u;
+  if (tid < 8) misc[tid] = 0;
+  __syncthreads();
+  if (a.stop == 0) return;
+
+  // ---- 0. load and validate ------------------------------------------------------------------
+  const int vmax = a.S * a.K;        // a count above S*K is invalid (host: R*S*K < 2^31)
+  // Row sums in one 32-bit word when E*(S*K+1) < 2^32 (counts clamped to S*K+1: larger ones
+  // are flagged anyway), else as low and high 16-bit halves.
+  const bool one_word = static_cast<unsigned long long>(E) * (static_cast<unsigned>(vmax) + 1ull)
+                        < (1ull << 32);
+  int myerr = 0;
+  {
+    const int Ecols = (E + 31) & ~31;
+    const int G = max(1, nthr / Ecols);              // row groups (warp-aligned columns)
+    const int g = (G == 1) ? 0 : tid / Ecols;
+    const int stride = (G == 1) ? nthr : Ecols;
+    for (int cb = 0; cb < Ecols; cb += stride) {
+      const int c = cb + ((G == 1) ? tid : tid - g * Ecols);
+      if (g >= G || c >= Ecols) continue;            // whole warps
+      const bool colok = c < E;
+      unsigned sum = 0, bef = 0, own = 0;
+      for (int r0 = g; r0 < R; r0 += kLoadBatch * G) {
+        int v[kLoadBatch];
+#pragma unroll
+        for (int u = 0; u < kLoadBatch; ++u) {
+          const int r = r0 + u * G;
+          v[u] = (colok && r < R) ? __ldg(a.hist + static_cast<size_t>(r) * X + c) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < kLoadBatch; ++u) {
+          const int r = r0 + u * G;
+          if (r >= R) break;                         // uniform over the warp
+          const int x = v[u];
+          if (x < 0 || x > vmax) myerr |= MOONEP_ERR_HIST;
+          const unsigned xc = x < 0 ? 0u : static_cast<unsigned>(x);
+          sum += xc;
+          if (r < rank) bef += xc;
+          if (r == rank) own = xc;
+          if (one_word) {
+            const unsigned w = __reduce_add_sync(kFull, min(xc, static_cast<unsigned>(vmax) + 1u));
+            if (lane == 0) atomicAdd(&rowlo[r], w);
+          } else {
+            const unsigned lo = __reduce_add_sync(kFull, xc & 0xffffu);
+            const unsigned hi = __reduce_add_sync(kFull, xc >> 16);
+            if (lane == 0) { atomicAdd(&rowlo[r], lo); atomicAdd(&rowhi[r], hi); }
+          }
+        }
+      }
+      if (colok) {
+        atomicAdd(&remE[c], static_cast<int>(sum));
+        atomicAdd(&beforeS[c], static_cast<int>(bef));
+        if (rank % G == g) ownS[c] = static_cast<int>(own);
+      }
+    }
+  }
+  if (tid < R) {
+    if (m_bad != 0) myerr |= MOONEP_ERR_BAD_IDS;
+    if (m_sr < 1 || m_sr > a.S) myerr |= MOONEP_ERR_HIST;
+    if (tid == rank && m_sr != a.s) myerr |= MOONEP_ERR_HIST;
+    if (total0 == -1) {
+      if (m_tr != -1 || m_sr != a.s) myerr |= MOONEP_ERR_HIST;
+    } else {
+      if (m_tr != total0) myerr |= MOONEP_ERR_HIST;
+      atomicAdd(&misc[2], clamp_i(m_sr, 0, a.S));    // <= R*S < 2^31
+    }
+  }
+  __syncthreads();                                   // row sums, sum of s_r complete
+  if (tid < R && m_sr >= 1 && m_sr <= a.S) {
+    const unsigned long long rs = one_word ? rowlo[tid]
+        : (static_cast<unsigned long long>(rowhi[tid]) << 16) + rowlo[tid];
+    if (rs != static_cast<unsigned long long>(m_sr) * static_cast<unsigned long long>(a.K))
+      myerr |= MOONEP_ERR_HIST;
+  }
+  if (tid == 0 && total0 != -1 && (total0 < 1 || misc[2] != total0)) myerr |= MOONEP_ERR_HIST;
+  if (myerr) atomicOr(&misc[0], myerr);
+  __syncthreads();
+  const bool valid = misc[0] == 0;
+
+  // Caps and nvs_s.  An invalid histogram plans as an empty one (nothing moves, every count 0).
+  const long long Tll = (valid && total0 != -1) ? static_cast<long long>(total0) * a.K
+                                                : static_cast<long long>(R) * a.s * a.K;
+  const int T = static_cast<int>(Tll);               // < 2^31 (host: R*S*K < 2^31)
+  const int cap_base = T / R, cap_extra = T % R;
+  int nvs_s;
+  {
+    const long long per = (Tll + R - 1) / R + static_cast<long long>(tp - 1) * 2 * B;
+    const long long nv = (per + tp - 1) / tp * tp;
+    nvs_s = static_cast<int>(nv < a.NvS ? nv : a.NvS);
+  }
+  if (!valid) {
+    for (int i = tid; i < E; i += nthr) { remE[i] = 0; beforeS[i] = 0; ownS[i] = 0; }
+    __syncthreads();
+  }
+  for (int h = warp; h < R; h += nwarps) {           // group[h] = sum of its experts' counts
+    unsigned sum = 0;
+    for (int j = lane; j < B; j += 32) sum += static_cast<unsigned>(remE[h * B + j]);
+    sum = __reduce_add_sync(kFull, sum);
+    if (lane == 0) grp[h] = static_cast<int>(sum);
+  }
+  __syncthreads();
+  if (a.stop == 1) return;
+
+  // Packed keys: value << ib | index-part in one u32, so one warp reduction gives the first
+  // argmax / argmin.  Valid whenever the values (balances + T, quotas, counts: all in [0, 2T])
+  // leave room for the index bits; else the two-reduction path below.
+  const int ibR = ceil_log2(R), ibB = ceil_log2(B);
+  const unsigned MR = (1u << ibR) - 1u, MB = (1u << ibB) - 1u;
+
+  // ---- 1. rank_quotas (one warp) --------------------------------------------------------------
+  if (warp == 0) {
+    int bal[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int d = lane + 32 * j;
+      bal[j] = d < R ? grp[d] - (cap_base + (d < cap_extra ? 1 : 0)) : 0;
+    }
+    const bool packed = a.stop != 199 && 2ll * T < (1ll << (31 - ibR));
+    for (int it = 0; it < R - 1; ++it) {
+      int MX, MN, h, u;
+      if (packed) {
+        unsigned kx = 0u, kn = 0xffffffffu;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          const int d = lane + 32 * j;
+          if (d < R) {
+            const unsigned v = static_cast<unsigned>(bal[j] + T) << ibR;
+            kx = max(kx, v | (MR - static_cast<unsigned>(d)));
+            kn = min(kn, v | static_cast<unsigned>(d));
+          }
+        }
+        const unsigned KX = __reduce_max_sync(kFull, kx);
+        const unsigned KN = __reduce_min_sync(kFull, kn);
+        MX = static_cast<int>(KX >> ibR) - T;
+        MN = static_cast<int>(KN >> ibR) - T;
+        h = static_cast<int>(MR - (KX & MR));
+        u = static_cast<int>(KN & MR);
+        if (MX <= 0 || MN >= 0) break;
+      } else {
+        int mxv = INT_MIN, mxi = INT_MAX, mnv = INT_MAX, mni = INT_MAX;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          const int d = lane + 32 * j;
+          if (d < R) {
+            if (bal[j] > mxv) { mxv = bal[j]; mxi = d; }
+            if (bal[j] < mnv) { mnv = bal[j]; mni = d; }
+          }
+        }
+        MX = __reduce_max_sync(kFull, mxv);
+        MN = __reduce_min_sync(kFull, mnv);
+        // torch: m = need if bal[h] > 0 else 0; once max <= 0 every later round is a no-op,
+        // and with sum(bal) == 0 a positive max implies a negative min.
+        if (MX <= 0 || MN >= 0) break;
+        h = __reduce_min_sync(kFull, mxv == MX ? mxi : INT_MAX);   // first argmax
+        u = __reduce_min_sync(kFull, mnv == MN ? mni : INT_MAX);   // first argmin
+      }
+      const int m = -MN;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int d = lane + 32 * j;
+        if (d == h) bal[j] -= m;
+        if (d == u) bal[j] += m;
+      }
+      if (lane == 0) {
+        if (donor_of[u] >= 0 && donor_of[u] != h) misc[0] |= MOONEP_ERR_PLAN;   // impossible
+        donor_of[u] = h;
+        z_of[u] += m;
+      }
+    }
+  }
+  __syncthreads();
+  for (int u = tid; u < R; u += nthr) {
+    const int h = donor_of[u];
+    if (h >= 0) atomicOr(&rmask[h * RW + (u >> 5)], 1u << (u & 31));
+  }
+  __syncthreads();
+  for (int h = tid; h < R; h += nthr) {
+    bool any = false;
+    for (int w = 0; w < RW; ++w) any |= rmask[h * RW + w] != 0u;
+    if (any) donors[atomicAdd(&misc[1], 1)] = h;     // order irrelevant: donors are independent
+  }
+  __syncthreads();
+  if (a.stop == 2) return;
+
+  // ---- 2. split_quotas (one warp per donor) ---------------------------------------------------
+  const int ndon = misc[1];
+  const int ib2 = max(ibR, ibB);
+  const bool packed2 = a.stop != 199 && B <= 64 && static_cast<long long>(T) < (1ll << (31 - ib2));
+  for (int k = warp; k < ndon; k += nwarps) {
+    const int h = donors[k];
+    int q[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int d = lane + 32 * j;
+      q[j] = (d < R && donor_of[d] == h) ? z_of[d] : 0;
+    }
+    int* rem = remE + h * B;                         // lane-owned entries le = lane + 32 i
+    const int rounds = R - 1 + B;
+    if (packed2) {                                   // quotas and counts in registers
+      int r0 = lane < B ? rem[lane] : 0, r1 = lane + 32 < B ? rem[lane + 32] : 0;
+      for (int it = 0; it < rounds; ++it) {
+        unsigned kq = 0u;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          const int d = lane + 32 * j;
+          if (d < R) kq = max(kq, (static_cast<unsigned>(q[j]) << ibR) | (MR - static_cast<unsigned>(d)));
+        }
+        unsigned kr = 0u;
+        if (lane < B) kr = (static_cast<unsigned>(r0) << ibB) | (MB - static_cast<unsigned>(lane));
+        if (lane + 32 < B) kr = max(kr, (static_cast<unsigned>(r1) << ibB) | (MB - static_cast<unsigned>(lane + 32)));
+        const unsigned KQ = __reduce_max_sync(kFull, kq);
+        const unsigned KR = __reduce_max_sync(kFull, kr);
+        const int QM = static_cast<int>(KQ >> ibR), RM = static_cast<int>(KR >> ibB);
+        if (QM <= 0 || RM <= 0) break;               // see the general path
+        const int d = static_cast<int>(MR - (KQ & MR));
+        const int le = static_cast<int>(MB - (KR & MB));
+        const int t = min(RM, QM);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+          if (lane + 32 * j == d) q[j] -= t;
+        if (lane == le) r0 -= t;
+        if (lane + 32 == le) r1 -= t;
+        if (lane == 0) recv[d * B + le] += t;        // d's single donor is h: no other writer
+      }
+      if (lane < B) rem[lane] = r0;
+      if (lane + 32 < B) rem[lane + 32] = r1;
+      continue;
+    }
+    for (int it = 0; it < rounds; ++it) {
+      int qv = INT_MIN, qi = INT_MAX;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int d = lane + 32 * j;
+        if (d < R && q[j] > qv) { qv = q[j]; qi = d; }
+      }
+      int rv = INT_MIN, ri = INT_MAX;
+      for (int le = lane; le < B; le += 32) {
+        const int x = rem[le];
+        if (x > rv) { rv = x; ri = le; }
+      }
+      const int QM = __reduce_max_sync(kFull, qv);
+      const int RM = __reduce_max_sync(kFull, rv);
+      // torch: t = min(rem[le], q[d]) if q[d] > 0 else 0.  Max quota <= 0, or no tokens left
+      // (rem >= 0 for a valid histogram): every later round moves nothing.
+      if (QM <= 0 || RM <= 0) break;
+      const int d = __reduce_min_sync(kFull, qv == QM ? qi : INT_MAX);
+      const int le = __reduce_min_sync(kFull, rv == RM ? ri : INT_MAX);
+      const int t = min(RM, QM);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        if (lane + 32 * j == d) q[j] -= t;
+      if (lane == (le & 31)) rem[le] -= t;
+      if (lane == 0) recv[d * B + le] += t;          // d's single donor is h: no other writer
+    }
+  }
+  __syncthreads();
+  if (a.stop == 3) return;
+
+  // ---- 3. layout (one warp per destination) ---------------------------------------------------
+  const unsigned lt_mask = (1u << lane) - 1u;
+  const int NvS = a.NvS;
+  for (int d = warp; d < R; d += nwarps) {
+    const int h = donor_of[d];
+    const bool mine = d == rank;
+    int run = 0;
+    for (int j0 = 0; j0 < B; j0 += 32) {             // home experts d*B + j
+      const int j = j0 + lane;
+      const int c = j < B ? remE[d * B + j] : 0;
+      const int p = align_tp(c, tp);
+      const int incl = warp_incl_scan(p, lane);
+      const int end = run + incl, start = end - p;
+      if (j < B) {
+        offL[d * B + j] = c > 0 ? start : -1;
+        if (mine) {
+          a.cu[j] = clamp_i(end, 0, NvS);
+          const bool pad = p > c;
+          a.zf[2 * j] = pad ? clamp_i(start + c, 0, NvS) : 0;
+          a.zf[2 * j + 1] = pad ? clamp_i(p - c, 0, NvS) : 0;
+        }
+      }
+      run += __shfl_sync(kFull, incl, 31);
+    }
+    int ns = 0;
+    for (int l0 = 0; l0 < B; l0 += 32) {             // donor's experts with tokens, ascending
+      const int le = l0 + lane;
+      const int t = (h >= 0 && le < B) ? recv[d * B + le] : 0;
+      const bool f = t > 0;
+      const unsigned bal = __ballot_sync(kFull, f);
+      const int b = ns + __popc(bal & lt_mask);
+      const int p = f ? align_tp(t, tp) : 0;
+      const int incl = warp_incl_scan(p, lane);
+      const int end = run + incl, start = end - p;
+      if (f) {                                       // b < B: at most B experts per donor
+        a.etc[d * B + b] = h * B + le;
+        slotoff[d * B + le] = start;
+        if (mine) {
+          a.cu[B + b] = clamp_i(end, 0, NvS);
+          const bool pad = p > t;
+          a.zf[2 * (B + b)] = pad ? clamp_i(start + t, 0, NvS) : 0;
+          a.zf[2 * (B + b) + 1] = pad ? clamp_i(p - t, 0, NvS) : 0;
+        }
+      }
+      run += __shfl_sync(kFull, incl, 31);
+      ns += __popc(bal);
+    }
+    for (int b = ns + lane; b < B; b += 32) {
+      a.etc[d * B + b] = -1;
+      if (mine) {
+        a.cu[B + b] = clamp_i(run, 0, NvS);
+        a.zf[2 * (B + b)] = 0;
+        a.zf[2 * (B + b) + 1] = 0;
+      }
+    }
+    if (lane == 0) {
+      nrem[d] = ns;
+      if (h >= 0) atomicAdd(&copies[h], ns);
+      if (run > nvs_s) atomicOr(&misc[0], MOONEP_ERR_PLAN);   // impossible for a valid plan
+    }
+  }
+  __syncthreads();
+  if (a.stop == 4) return;
+
+  // ---- 4. per-expert pieces (CSR) for the slot assignment -------------------------------------
+  // Pieces of e = h*B + le in rank order: the home piece at d = h, slot pieces on h's receivers.
+  for (int e = tid; e < E; e += nthr) {
+    const int h = e / B, le = e - h * B;
+    int n = remE[e] > 0 ? 1 : 0;
+    for (int w = 0; w < RW; ++w) {
+      unsigned bits = rmask[h * RW + w];
+      while (bits) {
+        const int d = w * 32 + __ffs(bits) - 1;
+        bits &= bits - 1;
+        n += recv[d * B + le] > 0 ? 1 : 0;
+      }
+    }
+    pcnt[e] = n;
+  }
+  __syncthreads();
+  const int npieces_total = block_excl_scan(pcnt, E, wsum);   // <= 2E
+  for (int e = tid; e < E; e += nthr) {
+    const int h = e / B, le = e - h * B;
+    int k = pcnt[e], acc = 0;
+    bool home_done = false;
+    const int c = remE[e];
+    for (int w = 0; w < RW; ++w) {
+      unsigned bits = rmask[h * RW + w];
+      while (bits) {
+        const int d = w * 32 + __ffs(bits) - 1;
+        bits &= bits - 1;
+        if (!home_done && d > h) {
+          home_done = true;
+          if (c > 0) { a.pend[k] = acc + c; a.pdst[k] = h; a.pbase[k] = offL[e] - acc; ++k; acc += c; }
+        }
+        const int t = recv[d * B + le];
+        if (t > 0) {
+          a.pend[k] = acc + t; a.pdst[k] = d; a.pbase[k] = slotoff[d * B + le] - acc; ++k; acc += t;
+        }
+      }
+    }
+    if (!home_done && c > 0) { a.pend[k] = acc + c; a.pdst[k] = h; a.pbase[k] = offL[e] - acc; }
+    a.pstart[e] = pcnt[e];
+    a.before[e] = beforeS[e];
+    a.upto[e] = beforeS[e] + ownS[e];
+  }
+  if (tid == 0) {
+    a.pstart[E] = npieces_total;
+    a.stats[0] = min(nrem[rank], B);
+    a.stats[1] = copies[rank];
+    a.scalars[0] = nvs_s;
+    a.scalars[1] = valid ? 1 : 0;
+  }
+  __syncthreads();
+  if (tid == 0 && misc[0] != 0) atomicOr(a.err, misc[0]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch 2: slots of one chunk of this rank's entries
+// ---------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(1024) plan_assign_kernel(AssignArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const int W = nthr >> 5;
+  const int E = a.E;
+  int* base = reinterpret_cast<int*>(smem_raw);      // [E] rank of the chunk's first entry of e
+  int* uptoS = base + E;                             // [E]
+  int* cntw = uptoS + E;                             // [W, E] per-warp counts, then prefixes
+  int* sdest = cntw + W * E;                         // [W*32*J] destination of each entry
+  int* pstart = sdest + W * 32 * kAssignJ;           // [E+1]
+  int* pend = pstart + E + 1;                        // [2E]
+  int* pdst = pend + 2 * E;                          // [2E]
+  int* pbase = pdst + 2 * E;                         // [2E]
+  int* s_err = pbase + 2 * E;
+  const int b = blockIdx.x;
+  const int c0 = b * a.C;
+  const int Cb = min(a.C, a.N - c0);
+
+  int myerr = 0;
+  int er[kAssignJ];
+#pragma unroll
+  for (int j = 0; j < kAssignJ; ++j) {               // this lane's entries, loads first
+    const int p = (warp * kAssignJ + j) * 32 + lane;
+    er[j] = p < Cb ? __ldg(a.topk + c0 + p) : -1;
+  }
+  if (tid == 0) *s_err = 0;
+  for (int e = tid; e < E; e += nthr) {
+    int acc = a.before[e];
+    int c = 0;
+    for (; c + 8 <= b; c += 8) {
+      int x[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) x[u] = a.chunkcnt[static_cast<size_t>(c + u) * E + e];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc += x[u];
+    }
+    for (; c < b; ++c) acc += a.chunkcnt[static_cast<size_t>(c) * E + e];
+    base[e] = acc;
+    uptoS[e] = a.upto[e];
+  }
+  const int np_total = min(a.pstart[E], 2 * E);
+  for (int i = tid; i <= E; i += nthr) pstart[i] = min(a.pstart[i], np_total);
+  for (int i = tid; i < np_total; i += nthr) { pend[i] = a.pend[i]; pdst[i] = a.pdst[i]; pbase[i] = a.pbase[i]; }
+  for (int i = tid; i < W * E; i += nthr) cntw[i] = 0;
+  __syncthreads();
+
+  int rk[kAssignJ];
+  int* myc = cntw + warp * E;
+  const unsigned lt_mask = (1u << lane) - 1u;
+#pragma unroll
+  for (int j = 0; j < kAssignJ; ++j) {               // in flat-index order within the warp
+    const int p = (warp * kAssignJ + j) * 32 + lane;
+    const bool act = p < Cb;
+    int e = -1;
+    if (act) {
+      const int x = er[j];
+      if (x < 0 || x >= E) myerr |= MOONEP_ERR_BAD_IDS;
+      e = clamp_i(x, 0, E - 1);
+    }
+    const unsigned peers = __match_any_sync(kFull, e);
+    const int cur = act ? myc[e] : 0;
+    __syncwarp();
+    if (act && lane == 31 - __clz(peers)) myc[e] = cur + __popc(peers);
+    __syncwarp();
+    er[j] = e;
+    rk[j] = cur + __popc(peers & lt_mask);
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += nthr) {              // exclusive prefix over warps + base
+    int run = base[e];
+    for (int w = 0; w < W; ++w) {
+      const int t = cntw[w * E + e];
+      cntw[w * E + e] = run;
+      run += t;
+    }
+  }
+  __syncthreads();
+
+  const int nvs_s = a.scalars[0];
+  const int R = a.R, NvS = a.NvS;
+  int dv[kAssignJ], dd[kAssignJ];
+#pragma unroll
+  for (int j = 0; j < kAssignJ; ++j) {
+    const int p = (warp * kAssignJ + j) * 32 + lane;
+    dv[j] = 0;
+    dd[j] = 0;
+    if (p < Cb) {
+      const int e = er[j];
+      const int gr = myc[e] + rk[j];                 // global rank: (source rank, flat index)
+      if (gr >= uptoS[e]) myerr |= MOONEP_ERR_HIST;  // hist[rank] is not bincount(topk)
+      const int first = pstart[e], last = max(first, pstart[e + 1]);
+      int lo = first, hi = last;                     // first piece with end > gr
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (pend[mid] > gr) hi = mid; else lo = mid + 1;
+      }
+      int d, loff;
+      if (lo < last) {
+        d = pdst[lo];
+        loff = pbase[lo] + gr;
+      } else {                                       // only for invalid input
+        myerr |= MOONEP_ERR_PLAN;
+        d = last > first ? pdst[last - 1] : e / a.B;
+        loff = 0;
+      }
+      if (loff < 0 || loff >= nvs_s) { myerr |= MOONEP_ERR_PLAN; loff = clamp_i(loff, 0, nvs_s - 1); }
+      d = clamp_i(d, 0, R - 1);
+      sdest[p] = d;
+      dd[j] = d;
+      dv[j] = d * NvS + loff;
+    }
+  }
+  __syncthreads();
+  const int K = a.K;
+#pragma unroll
+  for (int j = 0; j < kAssignJ; ++j) {
+    const int p = (warp * kAssignJ + j) * 32 + lane;
+    if (p < Cb) {
+      const int k = p % K;                           // chunks start at token boundaries
+      bool dup = false;
+      for (int q = 1; q <= k; ++q) dup |= sdest[p - q] == dd[j];
+      a.dst[c0 + p] = dup ? -dv[j] - 1 : dv[j];
+    }
+  }
+  if (myerr) atomicOr(s_err, myerr);
+  __syncthreads();
+  if (tid == 0 && *s_err) atomicOr(a.err, *s_err);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+// ---------------------------------------------------------------------------------------------
+
+thread_local char g_where[256];
+int g_debug_stop = 99;       // benchmarks only (moonep_plan_debug_stop)
+
+int bad_arg(const char* fmt, int v0, int v1 = 0) {
+  std::snprintf(g_where, sizeof(g_where), fmt, v0, v1);
+  return moonep_ep::fail(cudaErrorInvalidValue, g_where);
+}
+
+// Raise a kernel's dynamic shared memory limit once per device (no stream work: capture-safe).
+template <typename Kern>
+cudaError_t ensure_smem(Kern kern, int slot, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  static int done[16][64] = {};                      // [kernel slot][device]: bytes set so far
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 64 && done[slot][dev] >= static_cast<int>(bytes)) return cudaSuccess;
+  int optin = 0;
+  e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) return e;
+  if (bytes > static_cast<size_t>(optin)) return cudaErrorInvalidValue;
+  e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+  if (e == cudaSuccess && dev < 64) done[slot][dev] = optin;
+  return e;
+}
+
+int check_sizes(int s, int K, int rank, int R, int E, int S, int tp, int NvS) {
+  if (R < 1 || R > kMaxR) return bad_arg("moonep_plan: R=%d outside [1, 1024]", R);
+  if (E < R || E % R) return bad_arg("moonep_plan: E=%d must be a positive multiple of R=%d", E, R);
+  if (K < 1 || K > kMaxK) return bad_arg("moonep_plan: K=%d outside [1, 127]", K);
+  if (S < 1 || s < 1 || s > S) return bad_arg("moonep_plan: s=%d outside [1, S=%d]", s, S);
+  if (rank < 0 || rank >= R) return bad_arg("moonep_plan: rank=%d outside [0, R=%d)", rank, R);
+  if (tp < 1) return bad_arg("moonep_plan: token_padding=%d < 1", tp);
+  if (static_cast<long long>(R) * S * K >= (1ll << 31))
+    return bad_arg("moonep_plan: R*S*K >= 2^31 (R=%d, S=%d)", R, S);
+  const long long G = 2ll * (E / R);
+  const long long need = (static_cast<long long>(S) * K + (tp - 1) * G + tp - 1) / tp * tp;
+  if (NvS < need || static_cast<long long>(R) * NvS >= (1ll << 31))
+    return bad_arg("moonep_plan: NvS=%d below the geometry's NvS or R*NvS >= 2^31 (R=%d)", NvS, R);
+  return 0;
+}
+
+template <int NJ>
+int launch_group(const GroupArgs& ga, int grid, size_t smem, cudaStream_t stream) {
+  cudaError_t e = ensure_smem(plan_group_kernel<NJ>, NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5, smem);
+  if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: shared memory for the group kernel");
+  plan_group_kernel<NJ><<<grid, kGroupThreads, smem, stream>>>(ga);
+  return moonep_ep::fail(cudaGetLastError(), "moonep_plan: group kernel launch");
+}
+
+int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, int R, int E, int S,
+             int tp, int NvS, int32_t* dst, int32_t* cu, int32_t* etc, int32_t* zf, int32_t* stats,
+             void* ws, size_t ws_bytes, int32_t* err, cudaStream_t stream, bool assign) {
+  if (int rc = check_sizes(s, K, rank, R, E, S, tp, NvS)) return rc;
+  if (!hist || !cu || !etc || !zf || !stats || !ws || !err || (assign && (!topk || !dst)))
+    return bad_arg("moonep_plan: null pointer argument (%d)", 0);
+  const WsLayout L = ws_layout(R, E, s, K);
+  if (ws_bytes < L.total)
+    return bad_arg("moonep_plan: workspace of %d bytes is too small (need %d)",
+                   static_cast<int>(ws_bytes > INT_MAX ? INT_MAX : ws_bytes),
+                   static_cast<int>(L.total > INT_MAX ? INT_MAX : L.total));
+  char* w = static_cast<char*>(ws);
+  const Chunking ch = chunking(E, s, K);
+  GroupArgs ga;
+  ga.hist = hist; ga.topk = topk;
+  ga.s = s; ga.K = K; ga.rank = rank; ga.R = R; ga.E = E; ga.B = E / R; ga.S = S; ga.tp = tp;
+  ga.NvS = NvS;
+  ga.cu = cu; ga.etc = etc; ga.zf = zf; ga.stats = stats;
+  ga.pend = reinterpret_cast<int32_t*>(w + L.pend);
+  ga.pdst = reinterpret_cast<int32_t*>(w + L.pdst);
+  ga.pbase = reinterpret_cast<int32_t*>(w + L.pbase);
+  ga.pstart = reinterpret_cast<int32_t*>(w + L.pstart);
+  ga.before = reinterpret_cast<int32_t*>(w + L.before);
+  ga.upto = reinterpret_cast<int32_t*>(w + L.upto);
+  ga.scalars = reinterpret_cast<int32_t*>(w + L.scalars);
+  ga.chunkcnt = reinterpret_cast<int32_t*>(w + L.chunkcnt);
+  ga.C = ch.C; ga.N = s * K;
+  ga.stop = g_debug_stop;
+  ga.err = err;
+  const size_t gsmem_g = group_smem_bytes(R, E), gsmem_c = static_cast<size_t>(E) * 4;
+  const size_t gsmem = gsmem_g > gsmem_c ? gsmem_g : gsmem_c;
+  const int grid = assign && g_debug_stop >= 99 ? 1 + ch.nchunks : 1;
+  const int nj = (R + 31) / 32;
+  int rc;
+  if (nj <= 1) rc = launch_group<1>(ga, grid, gsmem, stream);
+  else if (nj <= 2) rc = launch_group<2>(ga, grid, gsmem, stream);
+  else if (nj <= 4) rc = launch_group<4>(ga, grid, gsmem, stream);
+  else if (nj <= 8) rc = launch_group<8>(ga, grid, gsmem, stream);
+  else if (nj <= 16) rc = launch_group<16>(ga, grid, gsmem, stream);
+  else rc = launch_group<32>(ga, grid, gsmem, stream);
+  if (rc || !assign || g_debug_stop < 99) return rc;
+
+  AssignArgs aa;
+  aa.topk = topk; aa.N = s * K; aa.K = K; aa.R = R; aa.E = E; aa.B = E / R; aa.NvS = NvS;
+  aa.C = ch.C;
+  aa.pend = ga.pend; aa.pdst = ga.pdst; aa.pbase = ga.pbase; aa.pstart = ga.pstart;
+  aa.before = ga.before; aa.upto = ga.upto;
+  aa.scalars = ga.scalars; aa.chunkcnt = ga.chunkcnt;
+  aa.dst = dst; aa.err = err;
+  const size_t asmem = assign_smem_bytes(E, ch.W);
+  cudaError_t e = ensure_smem(plan_assign_kernel, 6, asmem);
+  if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: shared memory for the assign kernel");
+  plan_assign_kernel<<<ch.nchunks, ch.W * 32, asmem, stream>>>(aa);
+  return moonep_ep::fail(cudaGetLastError(), "moonep_plan: assign kernel launch");
+}
+
+}  // namespace
+
+MOONEP_EXPORT size_t moonep_plan_workspace_bytes(int R, int E, int s, int K) {
+  if (R < 1 || E < R || E % R || s < 1 || K < 1 || K > kMaxK) return 0;
+  return ws_layout(R, E, s, K).total;
+}
+
+MOONEP_EXPORT int moonep_plan(const int32_t* hist_RX, const int32_t* topk_sK, int s, int K,
+                              int rank, int R, int E, int S, int token_padding, int NvS,
+                              int32_t* dst_N, int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2,
+                              int32_t* stats_2, void* workspace, size_t workspace_bytes,
+                              int32_t* err, cudaStream_t stream) {
+  return run_plan(hist_RX, topk_sK, s, K, rank, R, E, S, token_padding, NvS, dst_N, cu_G, etc_RB,
+                  zf_G2, stats_2, workspace, workspace_bytes, err, stream, true);
+}
+
+MOONEP_EXPORT int moonep_plan_group(const int32_t* hist_RX, int s, int K, int rank, int R, int E,
+                                    int S, int token_padding, int NvS, int32_t* cu_G,
+                                    int32_t* etc_RB, int32_t* zf_G2, int32_t* stats_2,
+                                    void* workspace, size_t workspace_bytes, int32_t* err,
+                                    cudaStream_t stream) {
+  return run_plan(hist_RX, nullptr, s, K, rank, R, E, S, token_padding, NvS, nullptr, cu_G, etc_RB,
+                  zf_G2, stats_2, workspace, workspace_bytes, err, stream, false);
+}
+
+// Benchmarks only: make the group kernel's block 0 return after stage `stop` (0: set-up,
+// 1: load + validation, 2: rank quotas, 3: split, 4: layout; 99: the full plan, the default;
+// 199: the full plan with the packed-key fast paths off, for tests), to time the stages by
+// difference.  Outputs are garbage while stop < 99 (no assign launch).
+MOONEP_EXPORT void moonep_plan_debug_stop(int stop) { g_debug_stop = stop; }

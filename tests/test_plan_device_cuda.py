@@ -1,0 +1,357 @@
+"""moonep_plan (csrc/plan_kernels.cu) on the GPU: bitwise equal to the torch planner (CPU),
+device-side validation with in-range outputs, no host sync, CUDA-graph capture."""
+import random
+
+import pytest
+import torch
+
+import moonep_ops  # noqa: F401  (registers moonep::plan)
+from moonep_ops import plan_device as pdv
+from moonep_ops.geometry import Geometry
+from moonep_ops.planner import plan_group
+from moonep_ops.routing import histogram, make_routing
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not pdv.available(), reason="libmoonep_ep.so with moonep_plan not built"),
+]
+
+NAMES = ("dst", "cu_seqlens", "experts_to_copy", "zero_fill", "remote_stats")
+
+
+def _hist_rx(tk, E, total):
+    return pdv.make_hist_rx(histogram(tk, E), [int(t.shape[0]) for t in tk], total)
+
+
+def _cases():
+    """(kind, R, E, s (int or per-rank list), K, tp, S_extra, seed)."""
+    cases = [
+        ("zipf", 64, 1024, 201, 8, 128, 0, 1),
+        ("hot", 8, 384, 513, 8, 128, 5, 2),
+        ("one_expert", 4, 16, 33, 4, 8, 0, 3),
+        ("one_group", 64, 1024, 65, 8, 128, 0, 4),     # one donor refills 63 ranks
+        ("one_group", 8, 384, 301, 8, 1, 0, 4),
+        ("all_remote", 2, 8, 7, 3, 1, 0, 5),
+        ("duplicates", 8, 64, 101, 16, 8, 2, 6),
+        ("uniform", 1, 16, 5, 3, 1, 0, 7),
+        ("one_expert", 1, 64, 9, 16, 128, 1, 7),
+        ("balanced", 8, 64, 64, 8, 128, 0, 8),
+        ("zipf", 3, 96, [17, 5, 33], 5, 8, 0, 9),       # per-rank s
+        ("hot", 64, 512, None, 8, 128, 7, 10),           # per-rank s, random
+        ("random_sparse", 2, 1024, 77, 16, 8, 0, 11),
+        ("all_local", 4, 64, 9, 2, 1, 0, 12),
+        ("hot", 8, 256, 16384, 32, 128, 0, 13),          # many chunks, K = 32
+        ("hot", 64, 1024, 4097, 16, 128, 0, 14),
+        ("one_expert", 64, 1024, 1023, 8, 128, 0, 15),   # one expert split over all ranks
+        ("duplicates", 64, 64, 300, 16, 1, 0, 16),
+    ]
+    rng = random.Random(20251129)
+    kinds = ("uniform", "balanced", "zipf", "hot", "one_expert", "all_remote", "all_local",
+             "duplicates", "one_group", "random_sparse")
+    for i in range(34):
+        R = rng.choice([1, 2, 3, 4, 8, 64])
+        epn = rng.choice([1, 2, 3, 8, 16, 48, 128])
+        while R * epn > 1024:
+            epn //= 2
+        E = R * epn
+        K = rng.randint(1, 16)
+        kind = rng.choice(kinds)
+        if kind in ("uniform", "zipf"):
+            K = min(K, E)
+        smax = 120 if R == 64 else 700
+        s = 2 * rng.randint(0, smax // 2) + 1                       # odd s
+        if rng.random() < 0.35:
+            s = [rng.randint(1, smax) for _ in range(R)]
+        cases.append((kind, R, E, s, K, rng.choice([1, 8, 128]), rng.choice([0, 0, 3]),
+                      rng.randrange(1 << 30)))
+    return cases
+
+
+CASES = _cases()
+
+
+def _routing(case):
+    kind, R, E, s, K, tp, S_extra, seed = case
+    if s is None:
+        g = random.Random(seed)
+        s = [g.randint(1, 300) for _ in range(R)]
+    tk = make_routing(kind, R, E, s, K, seed=seed, alpha=1.2, hot_factor=11.0)
+    sizes = [int(t.shape[0]) for t in tk]
+    per_rank = not isinstance(s, int)
+    total = sum(sizes) if per_rank else None
+    S = max(sizes) + S_extra
+    return tk, sizes, total, S
+
+
+def _explain(name, cpu, gpu, rank, tk, hist, R, E, K, S, tp, NvS):
+    """One paragraph about the first difference (enough to debug without another run)."""
+    a, b = cpu.reshape(-1), gpu.reshape(-1)
+    if a.shape != b.shape:
+        return f"{name}: shape cpu {tuple(cpu.shape)} gpu {tuple(gpu.shape)}"
+    bad = (a != b).nonzero().flatten()
+    i = int(bad[0])
+    msg = [f"{name}: {bad.numel()} of {a.numel()} differ; first at flat index {i}: "
+           f"cpu {int(a[i])} gpu {int(b[i])}"]
+    total = int(hist[rank, E + 2])
+    tot_entries = (R * int(tk[rank].shape[0]) if total == -1 else total) * K
+    gp = plan_group(hist[:, :E].contiguous(), tot_entries, tp, "moonep")
+    if name == "dst":
+        def dec(v):
+            raw = -v - 1 if v < 0 else v
+            return f"(d={raw // NvS}, loff={raw % NvS}, {'dup' if v < 0 else 'primary'})"
+        e = int(tk[rank].reshape(-1)[i])
+        flat = tk[rank].reshape(-1)
+        local = int((flat[:i] == e).sum())
+        before = int(hist[:rank, e].sum())
+        msg.append(f"  entry {i} (token {i // K}, k {i % K}) expert {e}: cpu {dec(int(a[i]))} "
+                   f"gpu {dec(int(b[i]))}; gr={before + local} (before={before}, local={local}); "
+                   f"alloc[e,:]={gp.alloc_ER[e].tolist()[:64]}")
+        offs = gp.layout.expert_off_RE[:, e]
+        msg.append(f"  expert_off[:, e] (d: off) = "
+                   f"{[(d, int(o)) for d, o in enumerate(offs.tolist()) if o >= 0][:16]}")
+        more = bad[:6].tolist()
+        msg.append("  first differing entries: " + ", ".join(
+            f"{j}:e{int(flat[j])} cpu{dec(int(a[j]))} gpu{dec(int(b[j]))}" for j in more))
+    else:
+        lo = max(0, i - 8)
+        msg.append(f"  cpu[{lo}:{lo + 24}]={a[lo:lo + 24].tolist()}")
+        msg.append(f"  gpu[{lo}:{lo + 24}]={b[lo:lo + 24].tolist()}")
+        z = gp.z_RR
+        nz = [(h, d, int(z[h, d])) for h, d in (z > 0).nonzero().tolist()][:12]
+        msg.append(f"  z nonzero (h, d, m) = {nz}")
+        if name == "experts_to_copy":
+            row = i // (E // R)
+            msg.append(f"  row d={row}: cpu {cpu[row].tolist()[:32]} gpu {gpu[row].tolist()[:32]}")
+    return "\n".join(msg)
+
+
+def _check_plan(case, tk, sizes, total, S, ranks):
+    kind, R, E, s, K, tp, _, _ = case
+    geo = Geometry(R=R, E=E, S=S, K=K, token_padding=tp)
+    hist = _hist_rx(tk, E, total)
+    hist_c = hist.cuda()
+    fails = []
+    for rank in ranks:
+        err = torch.zeros(1, dtype=torch.int32, device="cuda")
+        gpu = pdv.plan_on_device(hist_c, tk[rank].cuda(), rank, R, S, tp, geo.NvS, err)
+        tot = -1 if total is None else total
+        cpu = torch.ops.moonep.plan(hist[:, :E].contiguous(), tk[rank], rank, R, S, tp, tot, "moonep")
+        e = int(err.item())
+        head = f"[{kind} R={R} E={E} s={sizes[rank]} K={K} tp={tp} S={S} total={tot} rank={rank}]"
+        if e:
+            fails.append(f"{head} err word {e} on a valid histogram")
+        for name, a, b in zip(NAMES, cpu, gpu):
+            b = b.cpu()
+            if a.shape != b.shape or not torch.equal(a, b):
+                fails.append(head + " " + _explain(name, a, b, rank, tk, hist, R, E, K, S, tp, geo.NvS))
+                break
+    return fails
+
+
+@pytest.mark.parametrize("ci", range(len(CASES)))
+def test_equals_cpu_planner(ci):
+    case = CASES[ci]
+    tk, sizes, total, S = _routing(case)
+    R = case[1]
+    rng = random.Random(ci)
+    ranks = sorted({0, R - 1, R // 2, rng.randrange(R)})
+    fails = _check_plan(case, tk, sizes, total, S, ranks)
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.parametrize("ci", [0, 1, 3, 6, 10, 11, 16, 20, 30])
+def test_equals_cpu_planner_without_packed_keys(ci):
+    """The two-reduction greedy loops (taken when the values are too large to pack with the
+    index bits: huge s*K) give the same plans; forced on here through the debug knob."""
+    case = CASES[ci]
+    tk, sizes, total, S = _routing(case)
+    R = case[1]
+    pdv.debug_stop(199)
+    try:
+        fails = _check_plan(case, tk, sizes, total, S, sorted({0, R - 1}))
+    finally:
+        pdv.debug_stop(99)
+    assert not fails, "\n".join(fails)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation: error bits set, outputs in range
+# ---------------------------------------------------------------------------------------------
+
+
+def _assert_in_range(outs, R, E, NvS, nvs_s):
+    dst, cu, etc, zf, stats = [t.cpu().long() for t in outs]
+    raw = torch.where(dst < 0, -dst - 1, dst)
+    d, row = raw // NvS, raw % NvS
+    assert (raw >= 0).all() and (d < R).all(), f"dst rank out of range: {d.unique().tolist()[:8]}"
+    assert (row < nvs_s).all(), f"dst row >= nvs_s={nvs_s}: max {int(row.max())}"
+    assert ((cu >= 0) & (cu <= NvS)).all(), cu.tolist()
+    assert ((zf >= 0) & (zf <= NvS)).all(), zf.tolist()
+    assert ((etc >= -1) & (etc < E)).all(), etc.tolist()
+
+
+def _corrupt(which, R, E, s, K):
+    rng = torch.Generator().manual_seed(7)
+    if which == "s_mismatch":          # rank 1 passes s+1 tokens without total_num_tokens
+        tk = make_routing("zipf", R, E, [s, s + 1] + [s] * (R - 2), K, seed=1)
+        return tk, _hist_rx(tk, E, None), pdv.ERR_HIST
+    tk = make_routing("zipf", R, E, s, K, seed=1)
+    hist = _hist_rx(tk, E, None)
+    if which == "row_sum":
+        hist[2, 0] += 1
+        want = pdv.ERR_HIST
+    elif which == "bad_flag":
+        hist[3, E] = 1
+        want = pdv.ERR_BAD_IDS
+    elif which == "garbage":
+        hist = torch.randint(-2**31, 2**31 - 1, hist.shape, generator=rng, dtype=torch.int64).to(torch.int32)
+        want = pdv.ERR_HIST
+    elif which == "negative":          # right row sum, one negative count
+        hist[1, 0] -= 1000
+        hist[1, 1] += 1000
+        want = pdv.ERR_HIST
+    elif which == "total_mismatch":
+        hist[:, E + 2] = R * s + 1
+        want = pdv.ERR_HIST
+    elif which == "own_row":           # this rank's row is not bincount(topk), sum still right
+        row = hist[0, :E]
+        j = int(row.argmax())
+        hist[0, j] -= 1
+        hist[0, (j + 1) % E] += 1
+        want = pdv.ERR_HIST
+    elif which == "bad_ids":           # an id outside [0, E) in this rank's topk
+        tk[0] = tk[0].clone()
+        tk[0][0, 0] = E + 5
+        tk[0][1, 0] = -3
+        want = pdv.ERR_BAD_IDS
+    else:
+        raise AssertionError(which)
+    return tk, hist, want
+
+
+@pytest.mark.parametrize("which", ["row_sum", "s_mismatch", "bad_flag", "garbage", "negative",
+                                   "total_mismatch", "own_row", "bad_ids"])
+def test_validation_sets_error_and_stays_in_range(which):
+    R, E, s, K, tp = 4, 16, 9, 3, 8
+    S = s + 1
+    tk, hist, want = _corrupt(which, R, E, s, K)
+    geo = Geometry(R=R, E=E, S=S, K=K, token_padding=tp)
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    outs = pdv.plan_on_device(hist.cuda(), tk[0].cuda(), 0, R, S, tp, geo.NvS, err)
+    e = int(err.item())
+    assert e & want, f"{which}: err word {e}, expected bit {want}"
+    _assert_in_range(outs, R, E, geo.NvS, geo.nvs_s(s))
+
+
+def test_valid_histogram_leaves_error_word_alone():
+    R, E, s, K, tp = 4, 16, 9, 3, 8
+    tk = make_routing("zipf", R, E, s, K, seed=1)
+    geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp)
+    err = torch.full((1,), 64, dtype=torch.int32, device="cuda")    # never cleared, only OR-ed
+    pdv.plan_on_device(_hist_rx(tk, E, None).cuda(), tk[0].cuda(), 0, R, s, tp, geo.NvS, err)
+    assert int(err.item()) == 64
+
+
+# ---------------------------------------------------------------------------------------------
+# no host sync, CUDA graphs, group-only entry point, argument checks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_no_host_sync():
+    R, E, s, K, tp = 8, 64, 37, 4, 8
+    tk = make_routing("hot", R, E, s, K, seed=2, hot_factor=9.0)
+    geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp)
+    hist = _hist_rx(tk, E, None).cuda()
+    topk = tk[3].cuda()
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    pdv.plan_on_device(hist, topk, 3, R, s, tp, geo.NvS, err)       # loads the library
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = pdv.plan_on_device(hist, topk, 3, R, s, tp, geo.NvS, err)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cpu = torch.ops.moonep.plan(hist[:, :E].cpu(), tk[3], 3, R, s, tp, -1, "moonep")
+    for name, a, b in zip(NAMES, cpu, outs):
+        assert torch.equal(a, b.cpu()), name
+
+
+def test_cuda_graph_capture_then_replay_new_routing():
+    R, E, s, K, tp, rank = 8, 64, 37, 4, 8, 5
+    geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp)
+    tk0 = make_routing("zipf", R, E, s, K, seed=1)
+    hist = _hist_rx(tk0, E, None).cuda()
+    topk = tk0[rank].cuda()
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pdv.plan_on_device(hist, topk, rank, R, s, tp, geo.NvS, err)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = pdv.plan_on_device(hist, topk, rank, R, s, tp, geo.NvS, err)
+    for kind, seed in (("hot", 2), ("one_group", 3), ("zipf", 4)):
+        tk = make_routing(kind, R, E, s, K, seed=seed, hot_factor=15.0)
+        h = _hist_rx(tk, E, None)
+        hist.copy_(h)
+        topk.copy_(tk[rank])
+        err.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        cpu = torch.ops.moonep.plan(h[:, :E].contiguous(), tk[rank], rank, R, s, tp, -1, "moonep")
+        assert int(err.item()) == 0
+        for name, a, b in zip(NAMES, cpu, outs):
+            assert torch.equal(a, b.cpu()), (kind, _explain(name, a, b.cpu(), rank, tk, h, R, E, K, s, tp, geo.NvS))
+
+
+def test_group_only_entry_point_matches():
+    R, E, s, K, tp, rank = 8, 384, 129, 8, 128, 2
+    geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp)
+    tk = make_routing("hot", R, E, s, K, seed=5, hot_factor=20.0)
+    hist = _hist_rx(tk, E, None).cuda()
+    topk = tk[rank].cuda()
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    full = pdv.plan_on_device(hist, topk, rank, R, s, tp, geo.NvS, err)
+    bufs = pdv.allocate(hist, s, K, R)
+    pdv.plan_into(hist, topk, rank, R, s, tp, geo.NvS, err, bufs, group_only=True)
+    for name, a, b in zip(NAMES[1:], full[1:], (bufs.cu, bufs.etc, bufs.zf, bufs.stats)):
+        assert torch.equal(a, b), name
+    assert int(err.item()) == 0
+
+
+def test_argument_checks():
+    R, E, s, K, tp = 4, 16, 9, 3, 8
+    tk = make_routing("zipf", R, E, s, K, seed=1)
+    geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp)
+    hist = _hist_rx(tk, E, None).cuda()
+    topk = tk[0].cuda()
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(TypeError, match="int32"):
+        pdv.plan_on_device(hist.long(), topk, 0, R, s, tp, geo.NvS, err)
+    with pytest.raises(ValueError, match="CUDA"):
+        pdv.plan_on_device(hist.cpu(), topk, 0, R, s, tp, geo.NvS, err)
+    with pytest.raises(ValueError, match="contiguous"):
+        pdv.plan_on_device(hist, topk.t(), 0, R, s, tp, geo.NvS, err)
+    with pytest.raises(ValueError, match="hist_RX must be"):
+        pdv.plan_on_device(hist[:2].contiguous(), topk, 0, R, s, tp, geo.NvS, err)
+    with pytest.raises(ValueError, match="rank"):
+        pdv.plan_on_device(hist, topk, R, R, s, tp, geo.NvS, err)
+    with pytest.raises(ValueError, match="NvS"):
+        pdv.plan_on_device(hist, topk, 0, R, s, tp, geo.NvS - 1, err)
+    with pytest.raises(ValueError, match="outside"):
+        pdv.plan_on_device(hist, topk, 0, R, s - 1, tp, geo.NvS, err)        # s > S
+
+
+if __name__ == "__main__":
+    # A few plans without pytest, for `compute-sanitizer --tool memcheck|racecheck python <this>`.
+    import sys
+    for case in (CASES[2], CASES[5], CASES[7], CASES[3], CASES[11]):
+        tk, sizes, total, S = _routing(case)
+        f = _check_plan(case, tk, sizes, total, S, [0, case[1] - 1])
+        print(case[:6], "ok" if not f else f[0][:300])
+    for which in ("garbage", "bad_ids", "own_row"):
+        test_validation_sets_error_and_stays_in_range(which)
+        print(which, "ok")
+    torch.cuda.synchronize()
+    sys.exit(0)
