@@ -150,12 +150,13 @@ def plots(res: dict, out: str) -> list[str]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for v in targets:
-        for kind, ls in (("baseline", "-"), ("moonep", "--")):
+    for i, v in enumerate(targets):
+        for kind, ls, mk in (("baseline", "-", "o"), ("moonep", "--", "x")):
             r = by[(v, kind)]
-            ax.plot(range(len(r["loss"])), r["loss"], ls, marker=".",
+            ax.plot(range(len(r["loss"])), r["loss"], ls, marker=mk, color=f"C{i}",
                     label=f"{LABEL[kind]}, maxvio {r['maxvio']:.1f}")
     ax.set_xlabel("SGD step")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("loss (global MSE)")
     ax.set_title("Training loss (the two builds compute the same function)")
     ax.legend(fontsize=7, ncol=2)
