@@ -226,6 +226,9 @@ class SymmBackend(Backend):
         _native.require_ep_lib()
         self.heap = heap
         self.rank, self.world_size, self.device = heap.rank, heap.world_size, heap.device
+        self.group = getattr(heap, "group", None)       # a ProcessGroup (router grads, QB)
+        if not hasattr(self.group, "group_name"):
+            self.group = None                           # virtual ranks have no process group
         self.timeout_ns = int((DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s) * 1e9)
         # "device": csrc/plan_kernels.cu (policy moonep); "torch": moonep::plan on device tensors
         planner = planner or os.environ.get("MOONEP_PLANNER", "auto")

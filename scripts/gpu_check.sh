@@ -34,6 +34,11 @@ if [[ $STAGES == *dataplane* ]]; then
   timeout ${T_DP:-240} $PY benchmarks/bench_data_plane_cuda.py 2>&1 | tee "$OUT/bench_data_plane.log" | tail -16
   timeout ${T_SOAK:-240} $PY benchmarks/soak_cuda.py 2>&1 | tee "$OUT/soak.log" | tail -3
   summary+=("soak: $(tail -1 "$OUT/soak.log")")
+  NG=$($PY -c "import torch; print(torch.cuda.device_count())")
+  if [ "$NG" -ge 2 ]; then      # several GPUs: MoonEP vs the NCCL all-to-all baseline
+    timeout ${T_MG:-240} $PY -m torch.distributed.run --nproc_per_node=$NG \
+      benchmarks/bench_multigpu_dispatch.py 2>&1 | tee "$OUT/bench_multigpu.log" | grep -v "^W\|^\*" | tail -8
+  fi
 fi
 if [[ $STAGES == *moe* ]]; then
   timeout ${T_MOE:-200} $PY benchmarks/bench_moe_step.py 2>&1 | tee "$OUT/bench_moe_step.log" | tail -12

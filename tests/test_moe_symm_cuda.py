@@ -71,27 +71,39 @@ def test_symm_layer_equals_host_backend_bitwise():
 @pytest.mark.parametrize("R", [2, 4])
 def test_virtual_ranks_match_dense_reference(R):
     from moonep_ops.symm_backend import VirtualGroup
+    vg = VirtualGroup(R)
+    rank_fn, check = moe_reference_case(
+        R, lambda r, *a, **k: Buffer(*a, device=vg.device, backend=vg.backend(r), **k))
+    check(run_threads(R, rank_fn))
+
+
+def moe_reference_case(R, make_buffer):
+    """(rank_fn, check): every rank runs the layer; check compares all ranks' results with the
+    dense single-process reference."""
     W = _weights(1)
     S = 48
     sizes = [S - 5 * r for r in range(R)]
     total = sum(sizes)
-    vg = VirtualGroup(R)
     xs = [_x(r, sizes[r], seed=3) for r in range(R)]
     gys = [torch.randn(sizes[r], D, generator=torch.Generator().manual_seed(7 + r)).bfloat16()
            for r in range(R)]
 
     def rank_fn(r):
-        buf = Buffer(S, D, K, E, token_padding=8, device=vg.device, backend=vg.backend(r))
+        buf = make_buffer(r, S, D, K, E, token_padding=8)
         layer = _layer(buf, W, rank=r)
-        x = xs[r].cuda().requires_grad_()
+        dev = buf.device
+        x = xs[r].to(dev).requires_grad_()
         out = layer(x, total_num_tokens=total)
-        out.backward(gys[r].cuda())
-        ids, w, _ = layer.router(xs[r].cuda())
+        out.backward(gys[r].to(dev))
+        ids, w, _ = layer.router(xs[r].to(dev))
         buf.check_errors()
         return (out.detach().cpu(), x.grad.cpu(), [p.grad.cpu() for p in (layer.w1, layer.w3, layer.w2)],
                 ids.cpu(), w.detach().cpu())
 
-    res = run_threads(R, rank_fn)
+    return rank_fn, lambda res: _check_against_reference(res, xs, gys, W, R)
+
+
+def _check_against_reference(res, xs, gys, W, R):
     x_all = torch.cat(xs).float().requires_grad_()
     ids_all = torch.cat([r[3] for r in res])
     w_all = torch.cat([r[4] for r in res])

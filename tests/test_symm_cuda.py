@@ -56,10 +56,15 @@ def _expected_scatter(c, rank, xs=None):
 
 
 def _check_rank(c, vg, r, combine="auto"):
-    K, dt = c["K"], c["dtype"]
-    buf = Buffer(c["S"], c["H"], K, c["E"], token_padding=c["tp"], dtype=dt, device=vg.device,
-                 backend=vg.backend(r, combine=combine))
+    buf = Buffer(c["S"], c["H"], c["K"], c["E"], token_padding=c["tp"], dtype=c["dtype"],
+                 device=vg.device, backend=vg.backend(r, combine=combine))
     assert buf.backend.direct == (combine != "stage")
+    return check_rank_buffer(c, buf, r)
+
+
+def check_rank_buffer(c, buf, r):
+    """Every data-plane output of rank r against the CPU references (any SymmBackend heap)."""
+    K, dt = c["K"], c["dtype"]
     dev = buf.device
     x, w_in, t = c["xs"][r].to(dev), c["ws"][r].to(dev), c["ts"][r].to(dev)
     ref = c["group"].plans[r]
@@ -142,16 +147,23 @@ def test_virtual_dispatch_combine_staged(R, name):
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_prefetch_reduce_virtual(R):
     from moonep_ops.symm_backend import VirtualGroup
+    vg = VirtualGroup(R)
+    fn = prefetch_reduce_case(R, lambda r, *a, **k: Buffer(*a, device=vg.device,
+                                                           backend=vg.backend(r), **k))
+    assert all(run_threads(R, fn))
+
+
+def prefetch_reduce_case(R, make_buffer):
+    """rank_fn(r) checking prefetch_weight / reduce_grad bitwise on a random table."""
     E, epn = 4 * R, 4
     etc = _random_table(R, epn, seed=R)
-    vg = VirtualGroup(R)
 
     def owner(o, shape, dtype, tag):
         g = torch.Generator().manual_seed(1000 * tag + o)
         return torch.randn(epn, *shape, generator=g).to(dtype)
 
     def rank_fn(r):
-        buf = Buffer(8, 16, 2, E, dtype=torch.bfloat16, device=vg.device, backend=vg.backend(r))
+        buf = make_buffer(r, 8, 16, 2, E, dtype=torch.bfloat16)
         dev = buf.device
         local = [owner(r, (3, 5), torch.bfloat16, 1).to(dev), owner(r, (7,), torch.float32, 2).to(dev)]
         slots = [buf.symmetric_zeros((epn, 3, 5), torch.bfloat16),
@@ -189,7 +201,7 @@ def test_prefetch_reduce_virtual(R):
         buf.check_errors()
         return True
 
-    assert all(run_threads(R, rank_fn))
+    return rank_fn
 
 
 def _step_inputs(R, s, H, K, E, seed, skew):
