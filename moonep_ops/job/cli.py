@@ -69,6 +69,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--policy", choices=("moonep", "lean"), default=d.policy)
     ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default=d.backend,
                     help="process group; auto: NCCL under torchrun on GPUs, else gloo")
+    ap.add_argument("--ep-backend", choices=("auto", "symm", "torch"), default=d.ep_backend,
+                    help="MoonEP data plane (Buffer backend); auto: CUDA symmetric-memory "
+                         "kernels when built and on GPUs, else torch.distributed")
     ap.add_argument("--no-compile", action="store_true", help="run eagerly")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", default=d.out, help=f"output folder (default ./{d.out})")
@@ -102,6 +105,8 @@ def main(argv=None) -> int:
         ap.error(f"maxvio values must be <= E-1 = {E - 1} (all tokens on one expert)")
     if a.backend == "nccl" and not torchrun:
         ap.error("--backend nccl needs torchrun (one process per GPU)")
+    if a.ep_backend == "symm" and not torchrun:
+        ap.error("--ep-backend symm needs GPUs under torchrun")
     if a.planner_only:
         from .planner_demo import planner_table
         planner_table(R, E, K, a.tokens, a.token_padding, a.maxvio, a.seed)
@@ -110,6 +115,7 @@ def main(argv=None) -> int:
     cfg = JobConfig(R=R, E=E, K=K, H=a.hidden, F=a.ffn, layers=a.layers, tokens=a.tokens,
                     steps=a.steps, maxvio=tuple(a.maxvio), lr=a.lr, seed=a.seed,
                     token_padding=a.token_padding, policy=a.policy, backend=a.backend,
+                    ep_backend=a.ep_backend,
                     compile=not a.no_compile, out=a.out, progress=not a.no_progress,
                     timeout_s=a.timeout)
     from . import report

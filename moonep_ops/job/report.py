@@ -27,7 +27,8 @@ def table(res: dict) -> str:
         lines.append(
             f"| {mv} | {LABEL[row['model']]} | {row['recv_max']:.0f} | {row['recv_mean']:.0f} | "
             f"{row['recv_max'] / row['recv_mean']:.2f} | {row['redundant']:.1f} | "
-            f"{_mb(row['token_bytes'])} | {_mb(row['weight_bytes'])} | {_mb(row['wire_bytes'])} | "
+            f"{_mb(row['token_bytes'])} | {_mb(row['weight_bytes'])} | "
+            f"{'n/a' if row['wire_bytes'] is None else _mb(row['wire_bytes'])} | "
             f"{row['step_ms_median']:.1f} | {row['loss'][0]:.4f} → {row['loss'][-1]:.4f} |")
     return "\n".join(lines)
 
@@ -46,7 +47,8 @@ def header(res: dict) -> str:
             f"E={c['E']} (epn={c['E'] // res['R']}), K={c['K']}, H={c['H']}, F={c['F']}, "
             f"{c['layers']} layers (+1 shared expert each), {c['tokens']} tokens/rank, "
             f"{c['steps']} SGD steps per maxvio, compile={'on' if c['compile'] else 'off'}, "
-            f"policy={c['policy']}, torch {res['torch']}")
+            f"policy={c['policy']}, MoonEP data plane {res.get('ep_backend', '?')}, "
+            f"torch {res['torch']}")
 
 
 def footer(res: dict) -> str:
@@ -58,7 +60,8 @@ def footer(res: dict) -> str:
              "columns are what an accelerator run turns into time.",
              "redundant: experts run away from home per layer (MoonEP slots); tokens/weights MB: "
              "off-rank bytes per training step (fwd+bwd, all layers and ranks, docs/architecture.md); "
-             "wire MB: every all-to-all/all-gather byte measured.",
+             "wire MB: every torch.distributed all-to-all/all-gather byte measured (n/a: a device "
+             "backend moved the rows).",
              "step ms: median over steps of the slowest rank's step (forward, backward, grad "
              "all-reduce, SGD)."]
     for kind in ("baseline", "moonep"):

@@ -57,6 +57,7 @@ class JobConfig:
     token_padding: int = 8
     policy: str = "moonep"
     backend: str = "auto"     # process group: auto | gloo | nccl
+    ep_backend: str = "auto"  # MoonEP data plane: Buffer(backend=...) auto | symm | torch
     compile: bool = True
     out: str = "moonep_out"
     progress: bool = True
@@ -126,7 +127,11 @@ def rank_main(cfg: JobConfig, rank: int, R: int, device: torch.device) -> Option
     elem = torch.finfo(dtype).bits // 8
     L, E, K, D, F, s = cfg.layers, cfg.E, cfg.K, cfg.H, cfg.F, cfg.tokens
     buf = Buffer(s, D, K, E, group=group, token_padding=cfg.token_padding, dtype=dtype,
-                 device=device, policy=cfg.policy, backend="auto")
+                 device=device, policy=cfg.policy, backend=cfg.ep_backend)
+    # the wire counter sees torch.distributed collectives only; a device backend (symmetric
+    # memory) moves MoonEP's rows without them, so its wire bytes are not measured
+    from ..backends import CollectiveBackend
+    wire_measured = {"moonep": isinstance(buf.backend, CollectiveBackend), "baseline": True}
     weights = full_weights(L, E, D, F, cfg.seed)
     models, compiled, info = {}, {}, {}
     T = R * s
@@ -229,11 +234,14 @@ def rank_main(cfg: JobConfig, rank: int, R: int, device: torch.device) -> Option
             dist.all_gather_object(got, dict(times=times, wires=wires, recv=recv_meas))
             if rank == 0:
                 rows.append(_summarise(v, kind, stats, got, losses, counters, cfg))
+                if not wire_measured[kind]:
+                    rows[-1]["wire_bytes"] = None
     if bar:
         bar.close()
     if rank != 0:
         return None
     return dict(config=dataclasses.asdict(cfg), R=R, device=str(device), dtype=str(dtype),
+                ep_backend=type(buf.backend).__name__,
                 torch=torch.__version__, warmup=warm, rows=rows)
 
 
