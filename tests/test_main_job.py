@@ -29,6 +29,7 @@ def _run(args, timeout=600, **kw):
     (["-E", "8", "-R", "2", "--maxvio", "9"], "maxvio values must be <= E-1 = 7"),
     (["--steps", "x"], "steps must be an integer"),
     (["--ep-backend", "symm"], "needs GPUs under torchrun"),
+    (["--out", "/proc/moonep_out"], "cannot create the output folder"),
 ])
 def test_cli_errors_are_one_line(args, msg):
     r = _run(args, timeout=120)
@@ -72,6 +73,14 @@ def test_end_to_end(tmp_path):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
     assert "| maxvio | model |" in (out / "sweep.md").read_text()
+
+    # the results re-render on their own (python -m moonep_ops.job.report)
+    again = subprocess.run([sys.executable, "-m", "moonep_ops.job.report",
+                            str(out / "results.json"), "--out", str(tmp_path / "again")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert [ln for ln in again.stdout.splitlines() if ln.startswith("| ")] == table
+    assert (tmp_path / "again" / "load_per_rank.png").stat().st_size > 5000
 
     res = json.loads((out / "results.json").read_text())
     rows = {(row["maxvio_target"], row["model"]): row for row in res["rows"]}

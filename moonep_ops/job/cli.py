@@ -107,6 +107,13 @@ def main(argv=None) -> int:
         ap.error("--backend nccl needs torchrun (one process per GPU)")
     if a.ep_backend == "symm" and not torchrun:
         ap.error("--ep-backend symm needs GPUs under torchrun")
+    if not a.planner_only:
+        try:
+            os.makedirs(a.out, exist_ok=True)
+        except OSError as e:
+            ap.error(f"cannot create the output folder {a.out!r}: {e.strerror}")
+        if not os.access(a.out, os.W_OK):
+            ap.error(f"the output folder {a.out!r} is not writable")
     if a.planner_only:
         from .planner_demo import planner_table
         planner_table(R, E, K, a.tokens, a.token_padding, a.maxvio, a.seed)

@@ -187,3 +187,29 @@ def write(res: dict, out: str, command: str) -> list[str]:
     except ImportError:
         print("matplotlib is not installed: no plots (pip install matplotlib)")
     return paths
+
+
+def main(argv=None) -> int:
+    """``python -m moonep_ops.job.report moonep_out/results.json [--out DIR]``: print the table
+    of a finished run again and redraw its plots."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m moonep_ops.job.report", description=main.__doc__)
+    ap.add_argument("results")
+    ap.add_argument("--out", default=None, help="folder for the plots (default: next to results)")
+    a = ap.parse_args(argv)
+    try:
+        with open(a.results) as f:
+            res = json.load(f)
+    except (OSError, ValueError) as e:
+        ap.error(f"cannot read {a.results}: {e}")
+    out = a.out or os.path.dirname(os.path.abspath(a.results))
+    os.makedirs(out, exist_ok=True)
+    print(header(res))
+    print(table(res))
+    print(footer(res))
+    print("wrote " + ", ".join(plots(res, out)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
