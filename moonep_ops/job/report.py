@@ -78,14 +78,16 @@ def footer(res: dict) -> str:
 def machine() -> str:
     try:
         import torch
-        cores = torch.get_num_threads()
         cpu = platform.processor() or platform.machine()
         if os.path.exists("/proc/cpuinfo"):
             for ln in open("/proc/cpuinfo"):
                 if ln.startswith("model name"):
                     cpu = ln.split(":", 1)[1].strip()
                     break
-        return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+        gpu = (f", {torch.cuda.device_count()}x {torch.cuda.get_device_name()}"
+               if torch.cuda.is_available() else "")
+        return (f"{cpu}, {os.cpu_count()} cores{gpu}, Python {platform.python_version()}, "
+                f"torch {torch.__version__}")
     except Exception:                                   # noqa: BLE001 - informational only
         return platform.platform()
 

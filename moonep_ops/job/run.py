@@ -106,10 +106,9 @@ def _setup_torch(device_type: str) -> None:
     if device_type == "cpu":
         torch.set_num_threads(1)              # R ranks share the machine's cores
         torch._inductor.config.compile_threads = 1
-    # tracing loss.backward() in-graph needs this (torch >= 2.13); the job compiles the forward
-    # and lets AOTAutograd compile the backward, but keep the switch consistent with the tests
-    if hasattr(torch._dynamo.config, "trace_autograd_ops"):
-        torch._dynamo.config.trace_autograd_ops = True
+    # The job compiles forward + loss; AOTAutograd compiles the matching backward graphs and
+    # loss.backward() runs outside dynamo, so trace_autograd_ops is not needed.  The SGD update
+    # and the replicated-grad all-reduce stay eager (torch.optim's step graph-breaks anyway).
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
 
 
@@ -133,7 +132,7 @@ def rank_main(cfg: JobConfig, rank: int, R: int, device: torch.device) -> Option
     from ..backends import CollectiveBackend
     wire_measured = {"moonep": isinstance(buf.backend, CollectiveBackend), "baseline": True}
     weights = full_weights(L, E, D, F, cfg.seed)
-    models, compiled, info = {}, {}, {}
+    models, compiled = {}, {}
     T = R * s
     for kind in MODELS:
         m = build_model(kind, L=L, E=E, K=K, D=D, F=F, s=s, dtype=dtype, device=device,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from torch import Tensor
 
 from ..planner import plan_all_ranks, replication_cost
