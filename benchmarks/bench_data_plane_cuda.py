@@ -15,11 +15,12 @@ graph: MoonEPMoE forward + backward at s in {128, 1024, 8192} (D=2048, F=1024, E
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
 import os
+import sys
 
-import torch
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")   # virtual ranks: see VirtualGroup
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 

@@ -112,7 +112,15 @@ class TorchSymmetricHeap(SymmetricHeap):
 
 
 class VirtualGroup:
-    """R virtual ranks on one GPU in one process (see the module docstring)."""
+    """R virtual ranks on one GPU in one process (see the module docstring).
+
+    The ranks' streams must run concurrently: a rank spinning in a barrier must never sit in the
+    same hardware queue ahead of the peer work it waits for.  Set CUDA_DEVICE_MAX_CONNECTIONS=32
+    (the tests and benchmarks do) before CUDA starts; with the default 8 queues, streams can
+    share a queue and the barrier times out instead of meeting.  Likewise CUDA_MODULE_LOADING=
+    EAGER: a lazily loaded kernel's first launch may wait for the whole context, spinning peers
+    included.
+    """
 
     def __init__(self, world_size: int, device=None):
         if world_size < 1:
