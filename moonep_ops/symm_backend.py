@@ -12,7 +12,7 @@ peer table an int64 device tensor of the R base addresses.  Regions of a Buffer 
   wland    [NvS] f32      dispatch: route weights, written by the sources
   y_stage  [NvS, H]       combine: expert outputs, pulled by the sources   (staged mode)
   w_stage  [NvS] f32      combine: route weights, pulled by the sources    (staged mode)
-  ptab     [3, R] i64     combine: every rank's (h, w) addresses and rows  (direct mode)
+  ptab     [3, R] i64     combine: h, w addresses and rows                 (direct mode, R=1)
 plus local (non-symmetric) ``epoch`` (u64 barrier counter) and ``err`` (i32 error word).
 ExpertPool slot weights and slot grads are symmetric too (``symmetric_zeros``): prefetch pushes
 into the peers' slots, reduce_grad pulls from them.
@@ -23,7 +23,7 @@ a peer still reads it):
             pull rows + fill duplicates locally + zero the rest, B
   dispatch_with_plan   stage x + send, B, pull, B
   combine   stage h (and w), B, pull K rows per token and add in fp32 in k order, B
-            (direct mode, ranks in one address space: publish h's address instead of staging)
+            (direct mode, one rank: read h where it is instead of staging it)
   prefetch  B, owners push their experts into the slots, B
   reduce    B, owners pull the slot grads and add them in ascending (src*epn+b), B, zero slots
 Nothing reads device memory on the host: kernels launch on the current stream, errors (bad ids,
@@ -244,14 +244,18 @@ class SymmBackend(Backend):
             raise ValueError(f"planner must be 'auto', 'device' or 'torch', got {planner!r}")
         self.planner = planner
         # combine: "stage" copies h into the symmetric y_stage for the peers to pull; "direct"
-        # publishes h's address instead (only where ranks share an address space: virtual
-        # ranks, R = 1), saving one read + write of every row.
+        # reads h where it is, saving one read + write of every row.  Direct is only safe with
+        # one rank: with several, a peer would read a caching-allocator block that its owner
+        # may hand to another stream's tensor as soon as the op returns (seen on the H200 with
+        # virtual ranks: a peer summed another rank's fp32 temporary).  The reader of a
+        # one-rank group is its own stream, so stream order protects the block.
         combine = combine or os.environ.get("MOONEP_COMBINE", "auto")
         if combine not in ("auto", "stage", "direct"):
             raise ValueError(f"combine must be 'auto', 'stage' or 'direct', got {combine!r}")
-        if combine == "direct" and not heap.shared_address_space:
-            raise ValueError("combine='direct' needs ranks that share an address space")
-        self.direct = combine == "direct" or (combine == "auto" and heap.shared_address_space)
+        one = heap.world_size == 1 and heap.shared_address_space
+        if combine == "direct" and not one:
+            raise ValueError("combine='direct' needs a one-rank group in this process")
+        self.direct = one and combine != "stage"
         self.buf = None
         self._sym_peers: dict[int, Tensor] = {}     # data_ptr of symmetric tensors -> peers
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count

@@ -195,7 +195,9 @@ def test_shared_expert_side_stream():
     x = _x(0, 64).cuda()
     gy = torch.randn(64, D).bfloat16().cuda()
     ra, rb = _run(a, x, gy), _run(b, x, gy)
-    assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1])
+    assert torch.equal(ra[0], rb[0])
+    # dx sums the routed and the shared branch; autograd may add them in either order
+    torch.testing.assert_close(ra[1], rb[1], rtol=1e-2, atol=1e-2)
     # the shared expert's kernels ran on the side stream, the routed ones on the main stream
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
