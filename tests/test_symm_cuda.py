@@ -55,66 +55,90 @@ def _expected_scatter(c, rank, xs=None):
     return h, w
 
 
-def _check_rank(c, vg, r, combine="auto"):
-    buf = Buffer(c["S"], c["H"], c["K"], c["E"], token_padding=c["tp"], dtype=c["dtype"],
-                 device=vg.device, backend=vg.backend(r, combine=combine))
-    assert buf.backend.direct == (combine != "stage" and vg.world_size == 1)
-    return check_rank_buffer(c, buf, r)
-
-
-def check_rank_buffer(c, buf, r):
-    """Every data-plane output of rank r against the CPU references (any SymmBackend heap)."""
+def rank_ops(c, buf, r):
+    """Every data-plane op of rank r, queued without reading anything on the host, so virtual
+    ranks can all be queued from one thread (their barriers meet on the device).  Returns the
+    device outputs for verify_rank."""
     K, dt = c["K"], c["dtype"]
     dev = buf.device
     x, w_in, t = c["xs"][r].to(dev), c["ws"][r].to(dev), c["ts"][r].to(dev)
-    ref = c["group"].plans[r]
-    h, w, cu, plan = buf.dispatch(x, t, w_in, total_num_tokens=c["total"])
-    for name, a, b in (("dst", plan.dst, ref.dst), ("cu_seqlens", cu, ref.cu_seqlens),
-                       ("experts_to_copy", plan.experts_to_copy, ref.experts_to_copy),
-                       ("zero_fill", plan.zero_fill_ranges, ref.zero_fill_ranges),
-                       ("remote_stats", plan.remote_stats, ref.remote_stats)):
-        assert torch.equal(a.cpu(), b), f"rank {r}: {name} differs from the CPU planner"
-    eh, ew = c["expected"][r]
-    assert torch.equal(h.cpu(), eh), f"rank {r}: dispatched rows differ"
-    assert torch.equal(w.cpu().view(torch.int32), ew.view(torch.int32)), f"rank {r}: weights differ"
-    y, wk = buf.combine(plan, h, w)
-    assert torch.equal(y.cpu(), fixed_order_sum([c["xs"][r]] * K, dt)), f"rank {r}: combine"
-    assert torch.equal(wk.cpu(), c["ws"][r]), f"rank {r}: gathered weights"
+    o = {}
+    o["h"], o["w"], o["cu"], plan = buf.dispatch(x, t, w_in, total_num_tokens=c["total"])
+    o["plan"] = plan
+    o["y"], o["wk"] = buf.combine(plan, o["h"], o["w"])
     # per-row scaling, and the NvS-row form of combine
-    scale = (torch.arange(h.shape[0], device=dev) % 5 + 1).float()
-    hs = (h.float() * scale[:, None]).to(dt)
+    scale = (torch.arange(o["h"].shape[0], device=dev) % 5 + 1).float()
+    hs = (o["h"].float() * scale[:, None]).to(dt)
     hfull = torch.cat([hs, hs.new_zeros(buf.NvS - hs.shape[0], c["H"])])
-    ys, none = buf.combine(plan, hfull)
-    assert none is None
-    hs_c, slot = hs.cpu(), ref.slot.view(-1, K)
-    # rows this rank's tokens landed in live on other ranks: rebuild from those ranks' scatter
-    parts = []
-    for k in range(K):
-        rows = []
-        for tok in range(x.shape[0]):
-            d, sl = int(ref.dest_rank.view(-1, K)[tok, k]), int(slot[tok, k])
-            ed = c["expected"][d][0]
-            sc = float(sl % 5 + 1)
-            rows.append((ed[sl].float() * sc).to(dt))
-        parts.append(torch.stack(rows))
-    assert torch.equal(ys.cpu(), fixed_order_sum(parts, dt)), f"rank {r}: scaled combine"
+    o["ys"], o["none"] = buf.combine(plan, hfull)
     # plan reuse
     x2 = (x.float() * 3 - 1).to(dt)
-    h2, w2, _, _ = buf.dispatch(x2, route_weights_sK=w_in, plan=plan)
-    eh2, _ = _expected_scatter(c, r, [(xx.float() * 3 - 1).to(dt) for xx in c["xs"]])
-    assert torch.equal(h2.cpu(), eh2) and torch.equal(w2, w)
+    o["h2"], o["w2"], _, _ = buf.dispatch(x2, route_weights_sK=w_in, plan=plan)
     # autograd: dispatch backward = combine, combine backward = dispatch (both on the device)
     xg = x.clone().requires_grad_()
     wg = w_in.clone().requires_grad_()
     hh, ww, _, pl = buf.dispatch(xg, t, wg, total_num_tokens=c["total"])
     yy, wkk = buf.combine(pl, (hh.float() * 1.5).to(dt), ww)
-    gy = torch.ones_like(yy)
-    torch.autograd.backward([yy, wkk], [gy, torch.full_like(wkk, 2.0)])
-    exp_gx = fixed_order_sum([(gy.float() * 1.5).to(dt).cpu()] * K, dt)
-    assert torch.equal(xg.grad.cpu(), exp_gx), f"rank {r}: grad x"
-    assert torch.equal(wg.grad.cpu(), torch.full_like(c["ws"][r], 2.0)), f"rank {r}: grad w"
+    torch.autograd.backward([yy, wkk], [torch.ones_like(yy), torch.full_like(wkk, 2.0)])
+    o["gx"], o["gw"] = xg.grad, wg.grad
+    return o
+
+
+def verify_rank(c, buf, r, o):
+    """Every output of rank_ops against the CPU references (any SymmBackend heap)."""
+    K, dt = c["K"], c["dtype"]
     buf.check_errors()
+    ref, plan = c["group"].plans[r], o["plan"]
+    for name, a, b in (("dst", plan.dst, ref.dst), ("cu_seqlens", o["cu"], ref.cu_seqlens),
+                       ("experts_to_copy", plan.experts_to_copy, ref.experts_to_copy),
+                       ("zero_fill", plan.zero_fill_ranges, ref.zero_fill_ranges),
+                       ("remote_stats", plan.remote_stats, ref.remote_stats)):
+        assert torch.equal(a.cpu(), b), f"rank {r}: {name} differs from the CPU planner"
+    eh, ew = c["expected"][r]
+    assert torch.equal(o["h"].cpu(), eh), f"rank {r}: dispatched rows differ"
+    assert torch.equal(o["w"].cpu().view(torch.int32), ew.view(torch.int32)), f"rank {r}: weights"
+    assert torch.equal(o["y"].cpu(), fixed_order_sum([c["xs"][r]] * K, dt)), f"rank {r}: combine"
+    assert torch.equal(o["wk"].cpu(), c["ws"][r]), f"rank {r}: gathered weights"
+    assert o["none"] is None
+    # rows this rank's tokens landed in live on other ranks: rebuild from those ranks' scatter
+    slot = ref.slot.view(-1, K)
+    parts = []
+    for k in range(K):
+        rows = []
+        for tok in range(c["xs"][r].shape[0]):
+            d, sl = int(ref.dest_rank.view(-1, K)[tok, k]), int(slot[tok, k])
+            rows.append((c["expected"][d][0][sl].float() * float(sl % 5 + 1)).to(dt))
+        parts.append(torch.stack(rows))
+    assert torch.equal(o["ys"].cpu(), fixed_order_sum(parts, dt)), f"rank {r}: scaled combine"
+    eh2, _ = _expected_scatter(c, r, [(xx.float() * 3 - 1).to(dt) for xx in c["xs"]])
+    assert torch.equal(o["h2"].cpu(), eh2) and torch.equal(o["w2"], o["w"]), f"rank {r}: reuse"
+    gy = torch.ones(c["xs"][r].shape, dtype=dt)
+    exp_gx = fixed_order_sum([(gy.float() * 1.5).to(dt)] * K, dt)
+    assert torch.equal(o["gx"].cpu(), exp_gx), f"rank {r}: grad x"
+    assert torch.equal(o["gw"].cpu(), torch.full_like(c["ws"][r], 2.0)), f"rank {r}: grad w"
     return True
+
+
+def check_rank_buffer(c, buf, r):
+    return verify_rank(c, buf, r, rank_ops(c, buf, r))
+
+
+def _check_virtual(R, c, combine="auto"):
+    """All virtual ranks queued from this thread, each on its own stream, then verified."""
+    from moonep_ops.symm_backend import VirtualGroup
+    vg = VirtualGroup(R)
+    bufs = [Buffer(c["S"], c["H"], c["K"], c["E"], token_padding=c["tp"], dtype=c["dtype"],
+                   device=vg.device, backend=vg.backend(r, combine=combine)) for r in range(R)]
+    for b in bufs:
+        assert b.backend.direct == (combine != "stage" and R == 1)
+    streams = [torch.cuda.Stream() for _ in range(R)]
+    outs = []
+    for r in range(R):
+        with torch.cuda.stream(streams[r]):
+            outs.append(rank_ops(c, bufs[r], r))
+    torch.cuda.synchronize()
+    for r in range(R):
+        verify_rank(c, bufs[r], r, outs[r])
 
 
 CONFIGS = dict(SCATTER_CONFIGS)
@@ -129,19 +153,14 @@ def test_virtual_dispatch_combine(R, name):
     cfg = dict(CONFIGS[name])
     if cfg.get("E", 8) % R:
         pytest.skip("E not divisible by R")
-    c = _setup(R, **cfg)
-    vg = VirtualGroup(R)
-    assert all(run_threads(R, lambda r: _check_rank(c, vg, r)))
+    _check_virtual(R, _setup(R, **cfg))
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])
 @pytest.mark.parametrize("name", ["dup", "per_rank_s", "larger_zipf_tp8", "uniform_fp32_tp4"])
 def test_virtual_dispatch_combine_staged(R, name):
     """Staged combine forced, R = 1 included (the only mode of several ranks)."""
-    from moonep_ops.symm_backend import VirtualGroup
-    c = _setup(R, **CONFIGS[name])
-    vg = VirtualGroup(R)
-    assert all(run_threads(R, lambda r: _check_rank(c, vg, r, combine="stage")))
+    _check_virtual(R, _setup(R, **CONFIGS[name]), combine="stage")
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])
