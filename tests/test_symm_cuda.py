@@ -342,7 +342,7 @@ def test_bad_ids_flag_on_device(monkeypatch):
         buf.dispatch(x, t)
     buf.check_errors()
     monkeypatch.setenv("MOONEP_VALIDATE", "auto")    # CUDA default: checked on the device
-    h, w, cu, plan = buf.dispatch(x, t)
+    h, w, cu, plan = buf.dispatch(x, t, torch.rand(4, 2, device=vg.device))
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="expert ids outside"):
         buf.check_errors()
