@@ -9,7 +9,11 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 # would wait for a peer spinning in a barrier (CUDA programming guide, "Lazy Loading").
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
+import tempfile  # noqa: E402
+
+import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 # tests import their helpers (reference planner, invariant checks) as plain modules
 sys.path.insert(0, os.path.dirname(__file__))
@@ -17,3 +21,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Thousands of tiny tensors: intra-op threads only add contention on the 2-core CI machine
 # (measured 8x slower planner property tests with 2 threads under load).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def nccl_world():
+    """A one-rank NCCL process group on GPU 0 for the module (CUDA tests only)."""
+    created = False
+    if not dist.is_initialized():
+        path = os.path.join(tempfile.mkdtemp(prefix="moonep_nccl_"), "store")
+        dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        created = True
+    yield dist.group.WORLD
+    if created:
+        dist.destroy_process_group()

@@ -4,29 +4,12 @@ without a GPU.  Multi-GPU runs: MOONEP_TEST_DIST=nccl python -m pytest tests/tes
 -k multi_rank (one GPU per rank)."""
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from moonep_ops.buffer import Buffer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(scope="module")
-def nccl_world():
-    created = False
-    if not dist.is_initialized():
-        path = os.path.join(tempfile.mkdtemp(prefix="moonep_nccl_"), "store")
-        dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-        created = True
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
 
 
 def _inputs(s, H, K, E, dtype, seed=0):

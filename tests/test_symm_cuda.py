@@ -8,9 +8,6 @@ without libmoonep_ep.so.
 """
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 
@@ -59,7 +56,7 @@ def rank_ops(c, buf, r):
     """Every data-plane op of rank r, queued without reading anything on the host, so virtual
     ranks can all be queued from one thread (their barriers meet on the device).  Returns the
     device outputs for verify_rank."""
-    K, dt = c["K"], c["dtype"]
+    dt = c["dtype"]
     dev = buf.device
     x, w_in, t = c["xs"][r].to(dev), c["ws"][r].to(dev), c["ts"][r].to(dev)
     o = {}
@@ -149,7 +146,6 @@ CONFIGS["skewed_large"] = dict(kind="zipf", E=32, K=8, H=256, S=64, tp=8)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_virtual_dispatch_combine(R, name):
     """Default combine mode: direct (h read in place) at R = 1, staged for R > 1."""
-    from moonep_ops.symm_backend import VirtualGroup
     cfg = dict(CONFIGS[name])
     if cfg.get("E", 8) % R:
         pytest.skip("E not divisible by R")
@@ -347,20 +343,6 @@ def test_bad_ids_flag_on_device(monkeypatch):
     with pytest.raises(RuntimeError, match="expert ids outside"):
         buf.check_errors()
     assert not h.any() and not w.any()
-
-
-@pytest.fixture(scope="module")
-def nccl_world():
-    import torch.distributed as dist
-    created = False
-    if not dist.is_initialized():
-        path = os.path.join(tempfile.mkdtemp(prefix="moonep_symm_"), "store")
-        dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-        created = True
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
 
 
 def test_torch_symmetric_memory_r1_matches_cpu(nccl_world):
