@@ -16,6 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from moonep_ops import Buffer, MoonEPMoE
+from moonep_ops.train_step import enable_backward_tracing, sgd_step
 
 
 def main(argv=None) -> int:
@@ -30,8 +31,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1
-    if hasattr(torch._dynamo.config, "trace_autograd_ops"):
-        torch._dynamo.config.trace_autograd_ops = True
+    enable_backward_tracing()
     dev = torch.device("cuda")
     buf = Buffer(a.tokens, a.dim, a.topk, a.experts, token_padding=128, dtype=torch.bfloat16,
                  device=dev)
@@ -39,15 +39,7 @@ def main(argv=None) -> int:
     layer = MoonEPMoE(buf, a.hidden)
     params = list(layer.parameters())
 
-    def step(x, gy):
-        out = layer(x)
-        loss = (out.float() * gy).sum()
-        loss.backward()
-        with torch.no_grad():
-            for p in params:
-                p.sub_(p.grad * 1e-6)
-                p.grad = None
-        return loss.detach()
+    step = sgd_step(layer, params, 1e-6)
 
     g = torch.Generator(device=dev).manual_seed(1)
     batches = [(torch.randn(a.tokens, a.dim, device=dev, generator=g).bfloat16(),

@@ -19,6 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from moonep_ops import Buffer, MoonEPMoE
+from moonep_ops.train_step import enable_backward_tracing, sgd_step
 
 
 def main(argv=None) -> int:
@@ -30,8 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--topk", type=int, default=8)
     a = ap.parse_args(argv)
-    if hasattr(torch._dynamo.config, "trace_autograd_ops"):
-        torch._dynamo.config.trace_autograd_ops = True
+    enable_backward_tracing()
     records = [0]
     try:                                           # count CUDA-graph recordings
         from torch._inductor import cudagraph_trees as ct
@@ -50,15 +50,7 @@ def main(argv=None) -> int:
     params = list(layer.parameters())
     skew = torch.linspace(-1, 1, D, device="cuda") * 2.0
 
-    def step(x, gy):
-        out = layer(x)
-        loss = (out.float() * gy).sum() / out.numel()
-        loss.backward()
-        with torch.no_grad():
-            for p in params:
-                p.sub_(p.grad * 1e-3)
-                p.grad = None
-        return loss.detach()
+    step = sgd_step(layer, params, 1e-3, mean=True)
 
     cstep = torch.compile(step, fullgraph=True, mode="reduce-overhead")
     g = torch.Generator(device="cuda").manual_seed(1)

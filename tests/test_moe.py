@@ -4,13 +4,13 @@ from __future__ import annotations
 import expecttest
 import pytest
 import torch
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import moonep_ops  # noqa: F401
 from moonep_ops.buffer import Buffer
 from moonep_ops.moe import MoonEPMoE, check_backend_dims, reference_moe
 from moonep_ops.planner import plan_all_ranks
+from moonep_ops.train_step import enable_backward_tracing, sgd_step
 
 try:
     from dist_harness import cached_runner, multi_rank_cases
@@ -127,8 +127,7 @@ def case_equiv_bf16_per_rank(ctx):
 
 def case_compile_layer_and_step(ctx):
     """fullgraph compile of the layer and of a whole training step: no breaks, no recompiles."""
-    if hasattr(torch._dynamo.config, "trace_autograd_ops"):
-        torch._dynamo.config.trace_autograd_ops = True
+    enable_backward_tracing()
     r = ctx.rank
     buf = Buffer(12, D, K, E, group=ctx.group, token_padding=TP, dtype=torch.float32)
     layer = make_layer(buf, r, torch.float32)
@@ -145,18 +144,8 @@ def case_compile_layer_and_step(ctx):
     params = list(layer.parameters())
     start = [p.detach().clone() for p in params]
 
-    def step(x, gy):
-        out = layer(x)
-        loss = (out * gy).sum()
-        loss.backward()
-        # plain SGD: torch.optim's step graph-breaks.  Written as sub_(grad * lr): on torch 2.13
-        # CPU inductor's pattern matcher mis-compiles add_(grad, alpha=-lr) of the router weight
-        # (an mm result) -- the update comes out wrong even at lr = 0 (found here, not ours).
-        with torch.no_grad():
-            for p in params:
-                p.sub_(p.grad * 1e-3)
-                p.grad = None
-        return loss.detach()
+    # plain SGD written out (moonep_ops/train_step.py says why)
+    step = sgd_step(layer, params, 1e-3)
 
     batches = [tokens(r, 12, torch.float32, seed=20 + i) for i in range(4)]
     eager = [step(*b) for b in batches]

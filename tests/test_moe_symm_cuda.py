@@ -10,6 +10,7 @@ import torch
 from moonep_ops import _native
 from moonep_ops.buffer import Buffer
 from moonep_ops.moe import MoonEPMoE, reference_moe
+from moonep_ops.train_step import enable_backward_tracing, sgd_step
 
 from virtual_ranks import run_threads
 
@@ -123,23 +124,9 @@ def _check_against_reference(res, xs, gys, W, R):
         assert got.shape[0] == R * B
 
 
-def _step_fn(layer, params, lr=1e-3):
-    def step(x, gy):
-        out = layer(x)
-        loss = (out.float() * gy).sum()
-        loss.backward()
-        with torch.no_grad():
-            for p in params:
-                p.sub_(p.grad * lr)
-                p.grad = None
-        return loss.detach()
-    return step
-
-
 def test_training_step_no_host_sync_and_reduce_overhead():
     from torch._dynamo.utils import counters
-    if hasattr(torch._dynamo.config, "trace_autograd_ops"):
-        torch._dynamo.config.trace_autograd_ops = True
+    enable_backward_tracing()
     W = _weights(2)
     s = 96
     buf = Buffer(s, D, K, E, token_padding=8, device="cuda", backend="symm")
@@ -147,7 +134,7 @@ def test_training_step_no_host_sync_and_reduce_overhead():
     params = [layer.w1, layer.w3, layer.w2]          # router: replicated, updated by DDP/FSDP
     for p in layer.router.parameters():
         p.requires_grad_(False)
-    step = _step_fn(layer, params)
+    step = sgd_step(layer, params, 1e-3)
     xs = [_x(0, s, seed=i).cuda() for i in range(6)]
     gys = [torch.randn(s, D, generator=torch.Generator().manual_seed(i)).cuda() for i in range(6)]
     step(xs[0], gys[0])                              # warm-up (lazy inits, allocator)

@@ -1,0 +1,43 @@
+"""A training step that compiles as one graph: forward, ``loss.backward()``, functional SGD.
+
+Two torch facts shape it (found in tests/test_moe.py):
+  * ``torch.optim`` optimizers always graph-break in ``step()``, so the update is written out;
+  * on torch 2.13 CPU, inductor's pattern matcher mis-compiles ``p.add_(p.grad, alpha=-lr)`` for
+    an mm-produced grad (a wrong update even at lr = 0); ``p.sub_(p.grad * lr)`` compiles right.
+Tracing ``loss.backward()`` inside ``torch.compile`` needs
+``torch._dynamo.config.trace_autograd_ops = True`` (:func:`enable_backward_tracing`).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def enable_backward_tracing() -> None:
+    """Let dynamo trace ``loss.backward()`` (a no-op on torch versions without the switch)."""
+    if hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        torch._dynamo.config.trace_autograd_ops = True
+
+
+def sgd_step(model: nn.Module, params: Sequence[nn.Parameter], lr: float, *,
+             mean: bool = False) -> Callable[[Tensor, Tensor], Tensor]:
+    """``step(x, gy) -> loss``: loss = sum(model(x) * gy) (divided by its size if ``mean``),
+    backward, ``p -= lr * p.grad`` for every p of ``params``, grads cleared.  Compiles with
+    ``fullgraph=True`` (also ``mode="reduce-overhead"`` on the CUDA backend)."""
+    params = list(params)
+
+    def step(x: Tensor, gy: Tensor) -> Tensor:
+        out = model(x)
+        loss = (out.float() * gy).sum()
+        if mean:
+            loss = loss / out.numel()
+        loss.backward()
+        with torch.no_grad():
+            for p in params:
+                p.sub_(p.grad * lr)
+                p.grad = None
+        return loss.detach()
+
+    return step
