@@ -135,6 +135,8 @@ class Buffer:
         """Unregister and drop the persistent tensors (idempotent)."""
         _REGISTRY.pop(self.name, None)
         self.recv_rows = self.recv_meta = self.recv_weights = None
+        if hasattr(self.backend, "release"):
+            self.backend.release()             # device backends drop their symmetric regions
 
     def __repr__(self):
         return (f"Buffer(R={self.R}, E={self.E}, S={self.S}, K={self.K}, H={self.H}, "

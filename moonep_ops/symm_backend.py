@@ -286,6 +286,18 @@ class SymmBackend(Backend):
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
 
+    _REGIONS = ("sig", "sig_peers", "hist", "hist_peers", "x_stage", "x_peers", "desc",
+                "desc_peers", "wland", "wland_peers", "ptab", "ptab_peers", "y_stage", "y_peers",
+                "w_stage", "w_peers")
+
+    def release(self) -> None:
+        """Drop this Buffer's regions (Buffer.destroy; idempotent).  Call it on every rank after
+        the last op: until then a peer may still read them."""
+        for name in self._REGIONS:
+            if hasattr(self, name):
+                setattr(self, name, None)
+        self._sym_peers.clear()
+
     def symmetric_zeros(self, shape, dtype: torch.dtype) -> Tensor:
         """Collective: a zeroed tensor every peer can address (ExpertPool slots)."""
         n = 1
