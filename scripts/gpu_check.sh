@@ -6,6 +6,7 @@
 #   3. dataplane: device planner latency, dispatch/combine bandwidth, eager vs CUDA-graph steps,
 #      the 1000-step soak
 #   4. moe: MoE layer step benchmark (eager vs compiled vs reduce-overhead)
+#      job: the main job under torchrun on every GPU (not in the default STAGES)
 #   5. gemm: scripts/gpu_check_gemm.sh (build if needed, CUDA tests, calibrate, bench)
 # The libraries are built on the CPU machine (python -m moonep_ops.build) and carried:
 #   run(command="bash scripts/gpu_check.sh", carry=["moonep_ops/lib", ".gpu_carry"])
@@ -39,6 +40,12 @@ if [[ $STAGES == *dataplane* ]]; then
     timeout ${T_MG:-240} $PY -m torch.distributed.run --nproc_per_node=$NG \
       benchmarks/bench_multigpu_dispatch.py 2>&1 | tee "$OUT/bench_multigpu.log" | grep -v "^W\|^\*" | tail -8
   fi
+fi
+if [[ $STAGES == *job* ]]; then    # the main job under torchrun on every GPU (CUDA backends)
+  NG=$($PY -c "import torch; print(torch.cuda.device_count())")
+  timeout ${T_JOB:-240} $PY -m torch.distributed.run --standalone --nproc-per-node $NG \
+    -m moonep_ops --steps 2 --no-progress --out "$OUT/job" 2>&1 | tee "$OUT/job.log" | grep -v "^W1" | tail -16
+  summary+=("job: $(grep -c '^| ' "$OUT/job.log") table rows")
 fi
 if [[ $STAGES == *moe* ]]; then
   timeout ${T_MOE:-200} $PY benchmarks/bench_moe_step.py 2>&1 | tee "$OUT/bench_moe_step.log" | tail -12
