@@ -151,22 +151,19 @@ def _dispatch(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], buff
     buf = lookup(buffer)
     s = check_dispatch_args(x, topk_ids, route_weights, buf, total_num_tokens)
     be, E = buf.backend, buf.E
-    if getattr(be, "device_side", False):
-        # Histogram exchange, planning and the input checks all run on the device; bad input
-        # sets the Buffer's error word (Buffer.check_errors) instead of a host read.
-        if config.should_validate(topk_ids) and topk_ids.numel():
-            lo, hi = int(topk_ids.min()), int(topk_ids.max())
-            if lo < 0 or hi >= E:
-                raise ValueError(f"moonep dispatch: expert ids must lie in [0, E={E}); got "
-                                 f"values in [{lo}, {hi}]")
-        return be.dispatch_fresh(buf, x, topk_ids, route_weights, total_num_tokens)
-    # One all-gather carries the histogram plus (bad-input flag, s, total) of every rank, so a
-    # rank with bad ids makes every rank raise instead of leaving its peers in a collective.
     bad = ""
     if config.should_validate(topk_ids):
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= E:
             bad = f"expert ids must lie in [0, E={E}); got values in [{lo}, {hi}]"
+    if getattr(be, "device_side", False):
+        # Histogram exchange, planning and the other input checks run on the device; bad input
+        # sets the Buffer's error word (Buffer.check_errors) instead of a host read.
+        if bad:
+            raise ValueError(f"moonep dispatch: {bad}")
+        return be.dispatch_fresh(buf, x, topk_ids, route_weights, total_num_tokens)
+    # One all-gather carries the histogram plus (bad-input flag, s, total) of every rank, so a
+    # rank with bad ids makes every rank raise instead of leaving its peers in a collective.
     hist = torch.bincount(topk_ids.reshape(-1).long().clamp(0, E - 1), minlength=E)
     extra = torch.tensor([int(bool(bad)), s, total_num_tokens], dtype=torch.long, device=x.device)
     rows = be.gather_rows(torch.cat([hist, extra]))

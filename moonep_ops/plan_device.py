@@ -23,10 +23,7 @@ from torch import Tensor
 
 from . import _native
 from .geometry import Geometry
-
-ERR_BAD_IDS = 1
-ERR_HIST = 2
-ERR_PLAN = 4
+from .symm_backend import ERR_BAD_IDS, ERR_HIST, ERR_PLAN  # noqa: F401  (re-exported)
 
 _fns = None
 

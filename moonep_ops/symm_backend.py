@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from . import _native
-from .backends import Backend
+from .backends import Backend, _row_bytes
 
 ERR_BAD_IDS, ERR_HIST, ERR_PLAN, ERR_TIMEOUT = 1, 2, 4, 8
 _ERR_TEXT = {ERR_BAD_IDS: "a rank passed expert ids outside [0, E)",
@@ -215,10 +215,6 @@ def _ptrs(values: Sequence[int]):
     return (ctypes.c_void_p * len(values))(*values)
 
 
-def _row_bytes(t: Tensor) -> int:
-    return (t.numel() // max(t.shape[0], 1)) * t.element_size() if t.dim() else t.element_size()
-
-
 # ---------------------------------------------------------------------------------------------
 # The backend
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +258,7 @@ class SymmBackend(Backend):
 
     # -- set-up (collective, once per Buffer) ---------------------------------------------------
     def _region(self, n: int, dtype: torch.dtype):
-        nbytes = n * torch.tensor([], dtype=dtype).element_size()
+        nbytes = n * dtype.itemsize
         local, peers = self.heap.alloc(nbytes)
         return local.view(dtype), peers
 
@@ -271,7 +267,7 @@ class SymmBackend(Backend):
             raise ValueError("a SymmBackend serves one Buffer; create one backend per Buffer")
         self.buf = buf
         R, E, S, NvS = buf.R, buf.E, buf.S, buf.NvS
-        rb = buf.H * torch.tensor([], dtype=buf.dtype).element_size()
+        rb = buf.H * buf.dtype.itemsize
         self.row_bytes = rb
         self.sig, self.sig_peers = self._region(R, torch.int64)
         self.hist, self.hist_peers = self._region(R * (E + 3), torch.int32)
