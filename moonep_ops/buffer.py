@@ -22,6 +22,14 @@ Usage (every rank)::
     y, _ = buf.combine(plan, z)                                           # [s, H]
     ...backward...
     buf.reduce_grad(plan, local_grads=[g1], slot_grads=[g1_slots])
+
+Async mode (CUDA symmetric-memory backend, eager only; moonep_ops/comm_stream.py, docs/api.md):
+every method above takes ``async_op=True`` (and optionally ``previous_event=``) to run its
+kernels on the Buffer's comm stream and return an extra trailing ``EventHandle``::
+
+    h, w, cu_seqlens, plan, ev = buf.dispatch(x, topk_ids, route_weights, async_op=True)
+    other = overlapped_compute()            # current stream, runs while the data moves
+    ev.wait()                               # current stream waits on the device, no host sync
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .backends import Backend, make_backend, resolve_device
+from .comm_stream import EventHandle, StreamOrder, check_async_args, check_comm_stream
 from .geometry import Geometry
 from .planner import POLICIES, Plan
 
@@ -54,7 +63,12 @@ class Buffer:
 
     def __init__(self, S: int, H: int, K: int, E: int, *, group: Optional[dist.ProcessGroup] = None,
                  token_padding: int = 1, dtype: torch.dtype = torch.bfloat16,
-                 device=None, policy: str = "moonep", backend: str | Backend = "auto"):
+                 device=None, policy: str = "moonep", backend: str | Backend = "auto",
+                 comm_stream=None):
+        if not (comm_stream is None or isinstance(comm_stream, bool)
+                or hasattr(comm_stream, "wait_event")):
+            raise TypeError("comm_stream must be None, True or a torch.cuda.Stream on the Buffer's "
+                            f"device, got {type(comm_stream).__name__}")
         if isinstance(backend, Backend):
             self.backend = backend
         elif isinstance(backend, str):
@@ -76,6 +90,9 @@ class Buffer:
         if be_dev is not None and torch.device(be_dev) != self.device:
             raise ValueError(f"the backend lives on {be_dev} but device={self.device} was given")
         self.H, self.dtype, self.policy = H, dtype, policy
+        # async mode: the comm stream (created now for True, at the first async op for None)
+        self._order = StreamOrder(self.device, check_comm_stream(comm_stream, self.device,
+                                                                 self.backend))
         NvS = self.geo.NvS
         # Landing areas of the collective backends (device backends own symmetric regions).
         self.recv_rows = self.recv_meta = self.recv_weights = None
@@ -109,6 +126,20 @@ class Buffer:
         return (cap + (tp - 1) * self.G + tp - 1) // tp * tp
 
     @property
+    def comm_stream(self):
+        """The stream async ops run on (None until the first ``async_op=True`` call unless the
+        Buffer was created with ``comm_stream=``)."""
+        return self._order.comm
+
+    def capture(self) -> EventHandle:
+        """An EventHandle recorded now on the current stream (for ``previous_event=``)."""
+        check_async_args(self, True, None)
+        cur = torch.cuda.current_stream(self.device)
+        ev = torch.cuda.Event()
+        ev.record(cur)
+        return EventHandle(ev, cur)
+
+    @property
     def capturable(self) -> bool:
         """True when the data plane never reads device memory on the host (CUDA graphs)."""
         return bool(getattr(self.backend, "device_side", False))
@@ -125,6 +156,7 @@ class Buffer:
         barrier timeout).  Reads one int from the device: a host sync, so call it at logging
         points, not inside captured code.  No-op for host backends (they raise eagerly)."""
         if hasattr(self.backend, "error_word"):
+            self._order.drain()               # async ops in flight write the error word too
             word = self.backend.error_word()
             if word:
                 from .symm_backend import describe_errors
@@ -133,6 +165,8 @@ class Buffer:
 
     def destroy(self) -> None:
         """Unregister and drop the persistent tensors (idempotent)."""
+        if self._order.active and torch.cuda.is_available():
+            self._order.drain()               # later frees on this stream follow async ops
         _REGISTRY.pop(self.name, None)
         self.recv_rows = self.recv_meta = self.recv_weights = None
         if hasattr(self.backend, "release"):
@@ -158,9 +192,23 @@ class Buffer:
                              f"total_num_tokens={plan.total_num_tokens}")
 
     # -- the data plane -----------------------------------------------------------------------
+    def _run(self, launch, inputs, async_op: bool, previous_event, mutated=()):
+        """launch() on the current stream, or (async_op) on the comm stream -> (result, handle).
+        The synchronous path is the plain call for Buffers that never used the async mode, and
+        always under torch.compile (nothing here is traced then)."""
+        if async_op:
+            return self._order.run_async(launch, inputs, previous_event, mutated)
+        if not torch.compiler.is_compiling() and self._order.active:
+            self._order.before_sync()           # after this Buffer's async ops in flight
+            result = launch()
+            self._order.after_sync()
+            return result, None
+        return launch(), None
+
     def dispatch(self, x_sH: Tensor, topk_ids_sK: Optional[Tensor] = None,
                  route_weights_sK: Optional[Tensor] = None, *,
-                 total_num_tokens: Optional[int] = None, plan: Optional[Plan] = None):
+                 total_num_tokens: Optional[int] = None, plan: Optional[Plan] = None,
+                 async_op: bool = False, previous_event=None):
         """Scatter this rank's tokens to their experts' slots (collective).
 
         Fresh form: ``dispatch(x, topk_ids, route_weights=None, total_num_tokens=None)``
@@ -169,7 +217,13 @@ class Buffer:
         have the plan's s rows).  Returns ``(h [nvs_s, H], w [nvs_s] fp32 or None,
         cu_seqlens [2*epn] int32, plan)``; padding rows/weights and rows past cu_seqlens[-1]
         are zero.  Differentiable in x and route_weights.
+
+        ``async_op=True`` (CUDA symmetric-memory backend, eager): the kernels run on the
+        Buffer's comm stream after ``previous_event`` (default: after the current stream), and
+        an ``EventHandle`` is appended to the result; wait on it before using the outputs.
         """
+        if async_op is not False or previous_event is not None:
+            check_async_args(self, async_op, previous_event)
         if plan is not None:
             if topk_ids_sK is not None or total_num_tokens is not None:
                 raise ValueError("dispatch with plan= takes neither topk_ids nor total_num_tokens")
@@ -177,56 +231,100 @@ class Buffer:
             if isinstance(x_sH, Tensor) and x_sH.dim() >= 1 and x_sH.shape[0] != plan.s:
                 raise ValueError(f"the plan was made for s={plan.s} tokens but x has "
                                  f"{x_sH.shape[0]}: a plan can only be reused with the same s")
-            h, w = torch.ops.moonep.dispatch_with_plan(x_sH, route_weights_sK, plan.dst, self.name,
-                                                       plan.total_num_tokens)
-            return h, (w if route_weights_sK is not None else None), plan.cu_seqlens, plan
+
+            def reuse():
+                return torch.ops.moonep.dispatch_with_plan(x_sH, route_weights_sK, plan.dst,
+                                                           self.name, plan.total_num_tokens)
+
+            (h, w), ev = self._run(reuse, (x_sH, route_weights_sK, plan.dst), async_op,
+                                   previous_event)
+            out = (h, (w if route_weights_sK is not None else None), plan.cu_seqlens, plan)
+            return out + (ev,) if async_op else out
         if topk_ids_sK is None:
             raise ValueError("dispatch needs topk_ids (or plan= to reuse a plan)")
         tot = -1 if total_num_tokens is None else total_num_tokens
         if not isinstance(tot, int) or isinstance(tot, bool):
             raise TypeError(f"total_num_tokens must be an int or None, got {type(tot).__name__}")
-        h, w, cu, dst, etc, zf, stats = torch.ops.moonep.dispatch(
-            x_sH, topk_ids_sK, route_weights_sK, self.name, tot)
+
+        def fresh():
+            return torch.ops.moonep.dispatch(x_sH, topk_ids_sK, route_weights_sK, self.name, tot)
+
+        (h, w, cu, dst, etc, zf, stats), ev = self._run(
+            fresh, (x_sH, topk_ids_sK, route_weights_sK), async_op, previous_event)
         s = x_sH.shape[0]
         p = Plan(dst, cu, etc, zf, stats, rank=self.rank, R=self.R, E=self.E, S=self.S, K=self.K,
                  s=s, token_padding=self.token_padding, total_num_tokens=tot, NvS=self.NvS,
                  nvs_s=self.nvs_s(s, tot))
-        return h, (w if route_weights_sK is not None else None), cu, p
+        out = (h, (w if route_weights_sK is not None else None), cu, p)
+        return out + (ev,) if async_op else out
 
-    def combine(self, plan: Plan, h_nvsH: Tensor, w_nvs: Optional[Tensor] = None):
+    def combine(self, plan: Plan, h_nvsH: Tensor, w_nvs: Optional[Tensor] = None, *,
+                async_op: bool = False, previous_event=None):
         """Sum every token's K expert outputs back on its source rank (collective).
 
         ``h`` has the rows dispatch returned for ``plan`` (nvs_s, or NvS).  Returns
         ``(y [s, H] in h's dtype, w [s, K] fp32 or None)``; the K rows are added in fp32 in the
         order k = 0..K-1 and rounded once.  Route weights are not applied.  Differentiable.
+        ``async_op=True``: as in ``dispatch``, ``(y, w, EventHandle)``.
         """
+        if async_op is not False or previous_event is not None:
+            check_async_args(self, async_op, previous_event)
         self._check_plan(plan)
-        y, w = torch.ops.moonep.combine(h_nvsH, w_nvs, plan.dst, self.name,
-                                        plan.total_num_tokens)
-        return y, (w if w_nvs is not None else None)
+
+        def launch():
+            return torch.ops.moonep.combine(h_nvsH, w_nvs, plan.dst, self.name,
+                                            plan.total_num_tokens)
+
+        (y, w), ev = self._run(launch, (h_nvsH, w_nvs, plan.dst), async_op, previous_event)
+        out = (y, (w if w_nvs is not None else None))
+        return out + (ev,) if async_op else out
 
     def prefetch_weight(self, plan: Plan, *, local_weights: Sequence[Tensor],
-                        slot_weights: Sequence[Tensor]) -> None:
+                        slot_weights: Sequence[Tensor], async_op: bool = False,
+                        previous_event=None) -> Optional[EventHandle]:
         """Owners push their experts' weights into the redundant slots (collective).
 
         Each ``local_weights[i]`` is this rank's [epn, ...] home experts, ``slot_weights[i]``
         this rank's [epn, ...] slots; slot b of rank d receives the owner's local[e % epn] for
         e = experts_to_copy[d, b]; slots with -1 are untouched.  Not differentiable.
+        ``async_op=True``: returns an ``EventHandle`` (wait before reading the slots or writing
+        the local weights); otherwise None.
         """
+        if async_op is not False or previous_event is not None:
+            check_async_args(self, async_op, previous_event)
         self._check_plan(plan)
-        torch.ops.moonep.prefetch_weight(plan.experts_to_copy, [t.detach() for t in local_weights],
-                                         [t.detach() for t in slot_weights], self.name)
+        local = [t.detach() for t in local_weights]
+        slots = [t.detach() for t in slot_weights]
+
+        def launch():
+            torch.ops.moonep.prefetch_weight(plan.experts_to_copy, local, slots, self.name)
+
+        _, ev = self._run(launch, (plan.experts_to_copy, local, slots), async_op, previous_event,
+                          mutated=slots)
+        return ev
 
     def reduce_grad(self, plan: Plan, *, local_grads: Sequence[Tensor],
-                    slot_grads: Sequence[Tensor]) -> None:
+                    slot_grads: Sequence[Tensor], async_op: bool = False,
+                    previous_event=None) -> Optional[EventHandle]:
         """Owners add their experts' slot grads from every rank into the local grads (collective).
 
         fp32 [epn, ...] tensors.  local[le] += slot grads of expert rank*epn + le, one by one in
         ascending (src*epn + b); then every rank zeroes its own consumed slots.
+        ``async_op=True``: returns an ``EventHandle`` (wait before reading either list);
+        otherwise None.
         """
+        if async_op is not False or previous_event is not None:
+            check_async_args(self, async_op, previous_event)
         self._check_plan(plan)
-        torch.ops.moonep.reduce_grad(plan.experts_to_copy, [t.detach() for t in local_grads],
-                                     [t.detach() for t in slot_grads], self.name)
+        local = [t.detach() for t in local_grads]
+        slots = [t.detach() for t in slot_grads]
+
+        def launch():
+            torch.ops.moonep.reduce_grad(plan.experts_to_copy, local, slots, self.name)
+
+        _, ev = self._run(launch, (plan.experts_to_copy, local, slots), async_op, previous_event,
+                          mutated=local + slots)
+        return ev
 
 
 from . import dispatch_combine as _dispatch_combine  # noqa: E402,F401  (registers the ops)

@@ -1,2 +1,0 @@
-#include "gemm_kernel.cuh"
-MOONEP_DEFINE_CONFIG(0, fwd, p128x128, 128, 128, 64, 1, 2, 1)
