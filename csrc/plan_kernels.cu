@@ -5,18 +5,23 @@
 // Launch 1, plan_group_kernel, grid 1 + nchunks, 1024 threads:
 //   block 0   steps 1-3 for the whole group from the [R, E+3] histogram (validation included):
 //     0. load + validate the histogram (column sums cnt[e], this rank's prefix over source ranks,
-//        row sums, s_r, total, bad flags); an invalid histogram is replaced by an empty one
-//        (nothing moves), so the outputs stay in range whatever the input;
-//     1. rank_quotas: one warp, <= R-1 rounds of (argmin, argmax) over the balances
-//        (warp reductions; ties -> lowest rank).  A receiver is refilled by a single donor, so
-//        z is kept as donor_of[u], z_of[u];
-//     2. split_quotas: one warp per donor, <= R-1+B rounds of (argmax quota, argmax expert left);
-//        every destination has one donor, so the moved counts fit a dense [R, B] table
-//        recv[d, le] (tokens of donor(d)'s local expert le computed on d);
+//        row sums, s_r, total, bad flags) in warp tiles of rows x 32*NC columns (coalesced
+//        loads, 16 in flight per lane, per-lane column and row partials, one warp reduction per
+//        tile row); an invalid histogram is replaced by an empty one (nothing moves), so the
+//        outputs stay in range whatever the input;
+//     1. warp 0 alone, no block barrier in between: the row-sum checks (validity), the group
+//        loads, and rank_quotas: <= R-1 rounds of (argmin, argmax) over the balances (warp
+//        reductions; ties -> lowest rank) with balances, donor_of and z in registers.  A
+//        receiver is refilled by a single donor, so z is kept as donor_of[u], z_of[u];
+//     2. split_quotas: one warp per donor, <= R-1+B rounds of (argmax quota, argmax expert left)
+//        with quotas and counts in registers; every destination has one donor, so the moved
+//        counts fit a dense [R, B] table recv[d, le] (tokens of donor(d)'s local expert le
+//        computed on d).  Meanwhile the last warp lists every donor's receivers in rank order;
 //     3. layout: one warp per destination (home segments, then the donor's experts with tokens in
 //        ascending id, padded to tp, scanned into cu_seqlens); expert offsets;
 //     4. per expert, its "pieces" (destinations with tokens, in rank order) with cumulative ends,
 //        as a CSR table of <= 2E pieces: the searchsorted of step 4 becomes a binary search.
+//        Piece counts come from steps 2 (one per move) and 3 (the home piece).
 //     The greedy loops use one warp reduction per argmax/argmin on packed (value, index) keys
 //     when the values leave room for the index bits (2T < 2^(31 - log2 R)), else two.
 //   blocks 1.. per chunk of C = tpc*K entries of topk: the expert histogram of the chunk.
@@ -28,8 +33,9 @@
 //
 // Integer widths: the torch planner computes in int64; every value here is bounded by the total
 // number of entries T <= R*S*K < 2^31 (host-checked, and R*NvS < 2^31), or by a row offset
-// < NvS, so int32 is exact for every histogram that passes validation.  Validation sums are
-// computed without overflow (64-bit), so garbage cannot alias a valid histogram.
+// < NvS, so int32 is exact for every histogram that passes validation.  Validation row sums are
+// exact whenever every count is in [0, S*K] (32-bit when E*(S*K+1) < 2^32, else 16-bit halves),
+// and a count outside that range is flagged by itself, so garbage cannot alias a valid histogram.
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -45,7 +51,6 @@ constexpr int kGroupThreads = 1024;
 constexpr int kAssignJ = 8;          // entries per lane in the assign kernel (and chunk sizing)
 constexpr int kMaxR = 1024;
 constexpr int kMaxK = 127;
-constexpr int kLoadBatch = 16;       // histogram loads in flight per thread
 
 inline size_t align16(size_t x) { return (x + 15) & ~size_t(15); }
 
@@ -98,7 +103,7 @@ inline WsLayout ws_layout(int R, int E, int s, int K) {
 
 inline size_t group_smem_bytes(int R, int E) {
   const size_t RW = (R + 31) / 32;
-  return 4 * (7 * static_cast<size_t>(E) + 1 + 8 * static_cast<size_t>(R) +
+  return 4 * (7 * static_cast<size_t>(E) + 1 + 10 * static_cast<size_t>(R) +
               static_cast<size_t>(R) * RW + 48);
 }
 
@@ -212,6 +217,102 @@ __device__ int block_excl_scan(int* arr, int n, int* wsum) {
 __device__ __forceinline__ int ceil_log2(int x) { return x <= 1 ? 0 : 32 - __clz(x - 1); }
 
 // ---------------------------------------------------------------------------------------------
+// Launch 1, block 0, stage 0: the histogram load.  Warp tiles of NR rows x 32*NC columns (lane l
+// owns columns cb + l + 32k, k < NC: every load instruction is coalesced); RU = 16/NC rows per
+// batch, all 16 loads of a batch in flight before any is used.  Per element: one add into the
+// lane's column partial, one into the row partial, one unsigned max (the range check: a negative
+// count is a huge unsigned).  Per row one warp reduction + one shared atomic; per tile and column
+// one shared atomic (column sums), the before-rank prefix at the row == rank boundary and this
+// rank's own row stored directly.  Row sums in one 32-bit word when E*(S*K+1) < 2^32 (exact
+// whenever every count is in range, and a count out of range is flagged anyway), else as 16-bit
+// halves (kWide).  Returns this thread's error bits.
+// ---------------------------------------------------------------------------------------------
+
+template <int NC, bool kWide>
+__device__ __forceinline__ int load_hist_tiles(const int32_t* __restrict__ hist, int R, int E,
+                                            int rank, int vmax, int ncb, int NR, int ntiles,
+                                            int* remE, int* beforeS, int* ownS, unsigned* rowlo,
+                                            unsigned* rowhi) {
+  constexpr int RU = 16 / NC;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const size_t X = static_cast<size_t>(E) + 3;
+  unsigned mx = 0u;
+  for (int tile = warp; tile < ntiles; tile += nwarps) {
+    const int cbk = tile % ncb, rb = tile / ncb;
+    const int c0 = cbk * 32 * NC + lane;
+    const int r0 = rb * NR, r1 = min(R, r0 + NR);
+    unsigned col[NC];
+#pragma unroll
+    for (int k = 0; k < NC; ++k) col[k] = 0u;
+    for (int rr = r0; rr < r1; rr += RU) {
+      int x[RU][NC];
+#pragma unroll
+      for (int u = 0; u < RU; ++u) {
+#pragma unroll
+        for (int k = 0; k < NC; ++k) {
+          const int r = rr + u, c = c0 + 32 * k;
+          x[u][k] = (r < r1 && c < E) ? __ldg(hist + static_cast<size_t>(r) * X + c) : 0;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < RU; ++u) {
+        const int r = rr + u;
+        if (r >= r1) break;                          // uniform over the warp
+        if (r == rank) {                             // uniform: the tile holding this rank's row
+#pragma unroll
+          for (int k = 0; k < NC; ++k) {
+            const int c = c0 + 32 * k;
+            if (c < E) {
+              atomicAdd(&beforeS[c], static_cast<int>(col[k]));   // rows [r0, rank) of the tile
+              ownS[c] = x[u][k];
+            }
+          }
+        }
+        unsigned rs = 0u, rh = 0u;
+#pragma unroll
+        for (int k = 0; k < NC; ++k) {
+          const unsigned xu = static_cast<unsigned>(x[u][k]);
+          mx = max(mx, xu);
+          col[k] += xu;
+          if (kWide) { rs += xu & 0xffffu; rh += xu >> 16; } else { rs += xu; }
+        }
+        rs = __reduce_add_sync(kFull, rs);
+        if (kWide) rh = __reduce_add_sync(kFull, rh);
+        if (lane == 0) {
+          atomicAdd(&rowlo[r], rs);
+          if (kWide) atomicAdd(&rowhi[r], rh);
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+      const int c = c0 + 32 * k;
+      if (c < E) {
+        atomicAdd(&remE[c], static_cast<int>(col[k]));
+        if (r1 <= rank) atomicAdd(&beforeS[c], static_cast<int>(col[k]));   // whole tile before
+      }
+    }
+  }
+  return mx > static_cast<unsigned>(vmax) ? MOONEP_ERR_HIST : 0;
+}
+
+template <int NC>
+__device__ __forceinline__ int load_hist_nc(bool wide, const int32_t* hist, int R, int E, int rank,
+                                            int vmax, int* remE, int* beforeS, int* ownS,
+                                            unsigned* rowlo, unsigned* rowhi) {
+  const int nwarps = blockDim.x >> 5;
+  const int ncb = (E + 32 * NC - 1) / (32 * NC);
+  int nrb = max(1, min(R, nwarps / ncb));
+  const int NR = (R + nrb - 1) / nrb;
+  nrb = (R + NR - 1) / NR;
+  const int ntiles = ncb * nrb;
+  return wide ? load_hist_tiles<NC, true>(hist, R, E, rank, vmax, ncb, NR, ntiles, remE, beforeS,
+                                          ownS, rowlo, rowhi)
+              : load_hist_tiles<NC, false>(hist, R, E, rank, vmax, ncb, NR, ntiles, remE, beforeS,
+                                           ownS, rowlo, rowhi);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Launch 1, block 0: steps 1-3.  NJ = ceil(R/32) rounded up to a power of two (register slots of
 // the per-rank values each lane holds in the warp-level greedy loops).
 // ---------------------------------------------------------------------------------------------
@@ -240,12 +341,16 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   unsigned* rmask = rowhi + R;                       // [R, RW] receivers of each donor
   int* donor_of = reinterpret_cast<int*>(rmask + R * RW);   // [R]
   int* z_of = donor_of + R;                          // [R]
-  int* grp = z_of + R;                               // [R]
-  int* nrem = grp + R;                               // [R]
+  int* srow = z_of + R;                              // [R]  s_r of each row
+  int* nrem = srow + R;                              // [R]
   int* copies = nrem + R;                            // [R]
   int* donors = copies + R;                          // [R]
-  int* wsum = donors + R;                            // [34]
-  int* misc = wsum + 34;                             // [8]: err bits, ndonors, sum of s_r
+  int* hpos = donors + R;                            // [R]  receivers of h below h
+  int* rlist = hpos + R;                             // [R]  receivers grouped by donor, ascending
+  int* wsum = rlist + R;                             // [34]
+  int* misc = wsum + 34;                             // [8]: err bits, ndonors, sum of s_r, valid
+  int* rbeg = reinterpret_cast<int*>(rowlo);         // [R]  after validation: start in rlist
+  int* rcnt = reinterpret_cast<int*>(rowhi);         // [R]  after validation: receivers of h
 
   // This thread's metadata row (R <= 1024 = blockDim) and the total: loads in flight early.
   const int total0 = __ldg(a.hist + static_cast<size_t>(rank) * X + E + 2);
@@ -257,68 +362,32 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   }
   for (int i = tid; i < E; i += nthr) {
     remE[i] = 0; beforeS[i] = 0; ownS[i] = 0; recv[i] = 0; offL[i] = -1; slotoff[i] = 0;
+    pcnt[i] = 0;
   }
   for (int i = tid; i < R; i += nthr) {
-    rowlo[i] = 0; rowhi[i] = 0; donor_of[i] = -1; z_of[i] = 0; grp[i] = 0; nrem[i] = 0;
-    copies[i] = 0;
+    rowlo[i] = 0; rowhi[i] = 0; donor_of[i] = -1; z_of[i] = 0; nrem[i] = 0; copies[i] = 0;
+    hpos[i] = 0;
   }
   for (int i = tid; i < R * RW; i += nthr) rmask[i] = 0u;
   if (tid < 8) misc[tid] = 0;
+  if (tid == 0) pcnt[E] = 0;
   __syncthreads();
   if (a.stop == 0) return;
 
   // ---- 0. load and validate ------------------------------------------------------------------
   const int vmax = a.S * a.K;        // a count above S*K is invalid (host: R*S*K < 2^31)
-  // Row sums in one 32-bit word when E*(S*K+1) < 2^32 (counts clamped to S*K+1: larger ones
-  // are flagged anyway), else as low and high 16-bit halves.
   const bool one_word = static_cast<unsigned long long>(E) * (static_cast<unsigned>(vmax) + 1ull)
                         < (1ull << 32);
-  int myerr = 0;
+  int myerr;
   {
-    const int Ecols = (E + 31) & ~31;
-    const int G = max(1, nthr / Ecols);              // row groups (warp-aligned columns)
-    const int g = (G == 1) ? 0 : tid / Ecols;
-    const int stride = (G == 1) ? nthr : Ecols;
-    for (int cb = 0; cb < Ecols; cb += stride) {
-      const int c = cb + ((G == 1) ? tid : tid - g * Ecols);
-      if (g >= G || c >= Ecols) continue;            // whole warps
-      const bool colok = c < E;
-      unsigned sum = 0, bef = 0, own = 0;
-      for (int r0 = g; r0 < R; r0 += kLoadBatch * G) {
-        int v[kLoadBatch];
-#pragma unroll
-        for (int u = 0; u < kLoadBatch; ++u) {
-          const int r = r0 + u * G;
-          v[u] = (colok && r < R) ? __ldg(a.hist + static_cast<size_t>(r) * X + c) : 0;
-        }
-#pragma unroll
-        for (int u = 0; u < kLoadBatch; ++u) {
-          const int r = r0 + u * G;
-          if (r >= R) break;                         // uniform over the warp
-          const int x = v[u];
-          if (x < 0 || x > vmax) myerr |= MOONEP_ERR_HIST;
-          const unsigned xc = x < 0 ? 0u : static_cast<unsigned>(x);
-          sum += xc;
-          if (r < rank) bef += xc;
-          if (r == rank) own = xc;
-          if (one_word) {
-            const unsigned w = __reduce_add_sync(kFull, min(xc, static_cast<unsigned>(vmax) + 1u));
-            if (lane == 0) atomicAdd(&rowlo[r], w);
-          } else {
-            const unsigned lo = __reduce_add_sync(kFull, xc & 0xffffu);
-            const unsigned hi = __reduce_add_sync(kFull, xc >> 16);
-            if (lane == 0) { atomicAdd(&rowlo[r], lo); atomicAdd(&rowhi[r], hi); }
-          }
-        }
-      }
-      if (colok) {
-        atomicAdd(&remE[c], static_cast<int>(sum));
-        atomicAdd(&beforeS[c], static_cast<int>(bef));
-        if (rank % G == g) ownS[c] = static_cast<int>(own);
-      }
-    }
+    const int nc = E >= 1024 ? 8 : E >= 256 ? 4 : E >= 64 ? 2 : 1;
+    if (nc == 8) myerr = load_hist_nc<8>(!one_word, a.hist, R, E, rank, vmax, remE, beforeS, ownS, rowlo, rowhi);
+    else if (nc == 4) myerr = load_hist_nc<4>(!one_word, a.hist, R, E, rank, vmax, remE, beforeS, ownS, rowlo, rowhi);
+    else if (nc == 2) myerr = load_hist_nc<2>(!one_word, a.hist, R, E, rank, vmax, remE, beforeS, ownS, rowlo, rowhi);
+    else myerr = load_hist_nc<1>(!one_word, a.hist, R, E, rank, vmax, remE, beforeS, ownS, rowlo, rowhi);
   }
   if (tid < R) {
+    srow[tid] = m_sr;
     if (m_bad != 0) myerr |= MOONEP_ERR_BAD_IDS;
     if (m_sr < 1 || m_sr > a.S) myerr |= MOONEP_ERR_HIST;
     if (tid == rank && m_sr != a.s) myerr |= MOONEP_ERR_HIST;
@@ -329,78 +398,105 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       atomicAdd(&misc[2], clamp_i(m_sr, 0, a.S));    // <= R*S < 2^31
     }
   }
-  __syncthreads();                                   // row sums, sum of s_r complete
-  if (tid < R && m_sr >= 1 && m_sr <= a.S) {
-    const unsigned long long rs = one_word ? rowlo[tid]
-        : (static_cast<unsigned long long>(rowhi[tid]) << 16) + rowlo[tid];
-    if (rs != static_cast<unsigned long long>(m_sr) * static_cast<unsigned long long>(a.K))
-      myerr |= MOONEP_ERR_HIST;
-  }
-  if (tid == 0 && total0 != -1 && (total0 < 1 || misc[2] != total0)) myerr |= MOONEP_ERR_HIST;
   if (myerr) atomicOr(&misc[0], myerr);
-  __syncthreads();
-  const bool valid = misc[0] == 0;
-
-  // Caps and nvs_s.  An invalid histogram plans as an empty one (nothing moves, every count 0).
-  const long long Tll = (valid && total0 != -1) ? static_cast<long long>(total0) * a.K
-                                                : static_cast<long long>(R) * a.s * a.K;
-  const int T = static_cast<int>(Tll);               // < 2^31 (host: R*S*K < 2^31)
-  const int cap_base = T / R, cap_extra = T % R;
-  int nvs_s;
-  {
-    const long long per = (Tll + R - 1) / R + static_cast<long long>(tp - 1) * 2 * B;
-    const long long nv = (per + tp - 1) / tp * tp;
-    nvs_s = static_cast<int>(nv < a.NvS ? nv : a.NvS);
-  }
-  if (!valid) {
-    for (int i = tid; i < E; i += nthr) { remE[i] = 0; beforeS[i] = 0; ownS[i] = 0; }
-    __syncthreads();
-  }
-  for (int h = warp; h < R; h += nwarps) {           // group[h] = sum of its experts' counts
-    unsigned sum = 0;
-    for (int j = lane; j < B; j += 32) sum += static_cast<unsigned>(remE[h * B + j]);
-    sum = __reduce_add_sync(kFull, sum);
-    if (lane == 0) grp[h] = static_cast<int>(sum);
-  }
-  __syncthreads();
+  __syncthreads();                                   // sums, row sums, error bits complete
   if (a.stop == 1) return;
+
+  // Caps: an invalid histogram plans as an empty one (nothing moves, every count 0).
+  auto total_T = [&](bool valid_) -> int {           // < 2^31 (host: R*S*K < 2^31)
+    const long long Tll = (valid_ && total0 != -1) ? static_cast<long long>(total0) * a.K
+                                                   : static_cast<long long>(R) * a.s * a.K;
+    return static_cast<int>(Tll);
+  };
 
   // Packed keys: value << ib | index-part in one u32, so one warp reduction gives the first
   // argmax / argmin.  Valid whenever the values (balances + T, quotas, counts: all in [0, 2T])
-  // leave room for the index bits; else the two-reduction path below.
+  // leave room for the index bits; else the two-reduction paths.
   const int ibR = ceil_log2(R), ibB = ceil_log2(B);
   const unsigned MR = (1u << ibR) - 1u, MB = (1u << ibB) - 1u;
 
-  // ---- 1. rank_quotas (one warp) --------------------------------------------------------------
+  // ---- 1. validity, group loads, rank_quotas: all in warp 0, no block barrier -----------------
   if (warp == 0) {
+    int ev = 0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {                   // row sums == s_r * K
+      const int d = lane + 32 * j;
+      if (d < R) {
+        const int sr = srow[d];
+        if (sr >= 1 && sr <= a.S) {
+          const unsigned long long rs = one_word ? rowlo[d]
+              : (static_cast<unsigned long long>(rowhi[d]) << 16) + rowlo[d];
+          if (rs != static_cast<unsigned long long>(sr) * static_cast<unsigned long long>(a.K))
+            ev |= MOONEP_ERR_HIST;
+        }
+      }
+    }
+    if (lane == 0 && total0 != -1 && (total0 < 1 || misc[2] != total0)) ev |= MOONEP_ERR_HIST;
+    ev = static_cast<int>(__reduce_or_sync(kFull, static_cast<unsigned>(ev))) | misc[0];
+    const bool vq = ev == 0;
+    const int T = total_T(vq);
+    const int cap_base = T / R, cap_extra = T % R;
+    if (!vq) {
+      for (int i = lane; i < E; i += 32) { remE[i] = 0; beforeS[i] = 0; ownS[i] = 0; }
+    }
+    int don[NJ], z[NJ];
+    unsigned dmask = 0u;                             // bit j: slot j donated in some round
+    int qerr = 0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) { don[j] = -1; z[j] = 0; }
     int bal[NJ];
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
+    for (int j = 0; j < NJ; ++j) {                   // group[d] = sum of its experts' counts
       const int d = lane + 32 * j;
-      bal[j] = d < R ? grp[d] - (cap_base + (d < cap_extra ? 1 : 0)) : 0;
+      int g = 0;
+      if (vq && d < R) {
+        const int* p = remE + d * B;
+#pragma unroll 8
+        for (int b = 0; b < B; ++b) g += p[b];
+      }
+      bal[j] = d < R ? g - (cap_base + (d < cap_extra ? 1 : 0)) : 0;
     }
     const bool packed = a.stop != 199 && 2ll * T < (1ll << (31 - ibR));
-    for (int it = 0; it < R - 1; ++it) {
-      int MX, MN, h, u;
-      if (packed) {
-        unsigned kx = 0u, kn = 0xffffffffu;
+    if (packed) {
+      // State per slot: kb = (bal + T) << ibR; the keys add the index part.  The winning slot is
+      // the one whose key equals the reduced key (keys are unique).
+      const unsigned TT = static_cast<unsigned>(T);
+      unsigned kb[NJ];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        kb[j] = lane + 32 * j < R ? static_cast<unsigned>(bal[j] + T) << ibR : 0u;
+      for (int it = 0; it < R - 1; ++it) {
+        unsigned kx[NJ], kn[NJ], KXl = 0u, KNl = 0xffffffffu;
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
           const int d = lane + 32 * j;
-          if (d < R) {
-            const unsigned v = static_cast<unsigned>(bal[j] + T) << ibR;
-            kx = max(kx, v | (MR - static_cast<unsigned>(d)));
-            kn = min(kn, v | static_cast<unsigned>(d));
+          kx[j] = d < R ? (kb[j] | (MR - static_cast<unsigned>(d))) : 0u;
+          kn[j] = d < R ? (kb[j] | static_cast<unsigned>(d)) : 0xffffffffu;
+          KXl = max(KXl, kx[j]);
+          KNl = min(KNl, kn[j]);
+        }
+        const unsigned KX = __reduce_max_sync(kFull, KXl);
+        const unsigned KN = __reduce_min_sync(kFull, KNl);
+        const unsigned vx = KX >> ibR, vn = KN >> ibR;
+        // torch: m = need if bal[h] > 0 else 0; once max <= 0 every later round is a no-op,
+        // and with sum(bal) == 0 a positive max implies a negative min.
+        if (vx <= TT || vn >= TT) break;             // MX <= 0 || MN >= 0
+        const int h = static_cast<int>(MR - (KX & MR));
+        const int m = static_cast<int>(TT - vn);     // -MN
+        const unsigned mm = static_cast<unsigned>(m) << ibR;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          if (kx[j] == KX) { kb[j] -= mm; dmask |= 1u << j; }
+          if (kn[j] == KN) {
+            if (don[j] >= 0 && don[j] != h) qerr |= MOONEP_ERR_PLAN;   // impossible
+            don[j] = h;
+            z[j] += m;
+            kb[j] += mm;
           }
         }
-        const unsigned KX = __reduce_max_sync(kFull, kx);
-        const unsigned KN = __reduce_min_sync(kFull, kn);
-        MX = static_cast<int>(KX >> ibR) - T;
-        MN = static_cast<int>(KN >> ibR) - T;
-        h = static_cast<int>(MR - (KX & MR));
-        u = static_cast<int>(KN & MR);
-        if (MX <= 0 || MN >= 0) break;
-      } else {
+      }
+    } else {
+      for (int it = 0; it < R - 1; ++it) {
         int mxv = INT_MIN, mxi = INT_MAX, mnv = INT_MAX, mni = INT_MAX;
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
@@ -410,85 +506,140 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
             if (bal[j] < mnv) { mnv = bal[j]; mni = d; }
           }
         }
-        MX = __reduce_max_sync(kFull, mxv);
-        MN = __reduce_min_sync(kFull, mnv);
-        // torch: m = need if bal[h] > 0 else 0; once max <= 0 every later round is a no-op,
-        // and with sum(bal) == 0 a positive max implies a negative min.
+        const int MX = __reduce_max_sync(kFull, mxv);
+        const int MN = __reduce_min_sync(kFull, mnv);
         if (MX <= 0 || MN >= 0) break;
-        h = __reduce_min_sync(kFull, mxv == MX ? mxi : INT_MAX);   // first argmax
-        u = __reduce_min_sync(kFull, mnv == MN ? mni : INT_MAX);   // first argmin
-      }
-      const int m = -MN;
+        const int h = __reduce_min_sync(kFull, mxv == MX ? mxi : INT_MAX);   // first argmax
+        const int u = __reduce_min_sync(kFull, mnv == MN ? mni : INT_MAX);   // first argmin
+        const int m = -MN;
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int d = lane + 32 * j;
-        if (d == h) bal[j] -= m;
-        if (d == u) bal[j] += m;
+        for (int j = 0; j < NJ; ++j) {
+          const int d = lane + 32 * j;
+          if (d == h) { bal[j] -= m; dmask |= 1u << j; }
+          if (d == u) {
+            bal[j] += m;
+            if (don[j] >= 0 && don[j] != h) qerr |= MOONEP_ERR_PLAN;   // impossible
+            don[j] = h;
+            z[j] += m;
+          }
+        }
       }
-      if (lane == 0) {
-        if (donor_of[u] >= 0 && donor_of[u] != h) misc[0] |= MOONEP_ERR_PLAN;   // impossible
-        donor_of[u] = h;
-        z_of[u] += m;
+    }
+    // Outputs of step 1: donor_of, z_of, the receiver masks, the donor list (ascending).
+    const unsigned lt = (1u << lane) - 1u;
+    int nd = 0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int d = lane + 32 * j;
+      if (d < R) {
+        donor_of[d] = don[j];
+        z_of[d] = z[j];
+        if (don[j] >= 0) atomicOr(&rmask[don[j] * RW + (d >> 5)], 1u << (d & 31));
       }
+      const bool isd = (dmask >> j) & 1u;
+      const unsigned bl = __ballot_sync(kFull, isd);
+      if (isd) donors[nd + __popc(bl & lt)] = d;
+      nd += __popc(bl);
+    }
+    qerr = static_cast<int>(__reduce_or_sync(kFull, static_cast<unsigned>(qerr)));
+    if (lane == 0) {
+      misc[0] = ev | qerr;                           // no other writer until the barrier
+      misc[1] = nd;
+      misc[3] = vq ? 1 : 0;
     }
   }
   __syncthreads();
-  for (int u = tid; u < R; u += nthr) {
-    const int h = donor_of[u];
-    if (h >= 0) atomicOr(&rmask[h * RW + (u >> 5)], 1u << (u & 31));
+  const bool valid = misc[3] != 0;
+  const int T = total_T(valid);
+  int nvs_s;
+  {
+    const long long per = (static_cast<long long>(T) + R - 1) / R
+                          + static_cast<long long>(tp - 1) * 2 * B;
+    const long long nv = (per + tp - 1) / tp * tp;
+    nvs_s = static_cast<int>(nv < a.NvS ? nv : a.NvS);
   }
-  __syncthreads();
-  for (int h = tid; h < R; h += nthr) {
-    bool any = false;
-    for (int w = 0; w < RW; ++w) any |= rmask[h * RW + w] != 0u;
-    if (any) donors[atomicAdd(&misc[1], 1)] = h;     // order irrelevant: donors are independent
-  }
-  __syncthreads();
   if (a.stop == 2) return;
 
-  // ---- 2. split_quotas (one warp per donor) ---------------------------------------------------
+  // ---- 2. split_quotas (one warp per donor; the last warp lists the receivers meanwhile) -------
   const int ndon = misc[1];
   const int ib2 = max(ibR, ibB);
   const bool packed2 = a.stop != 199 && B <= 64 && static_cast<long long>(T) < (1ll << (31 - ib2));
-  for (int k = warp; k < ndon; k += nwarps) {
+  const int nsplit = nwarps > 1 ? nwarps - 1 : 1;
+  if (warp == nwarps - 1 && nwarps > 1) {
+    // Receivers grouped by donor in ascending rank (rbeg[h], rcnt[h]), and hpos[h], the number
+    // of h's receivers below h (where its home piece goes among its experts' pieces).
+    int carry = 0;
+    for (int h0 = 0; h0 < R; h0 += 32) {
+      const int h = h0 + lane;
+      int n = 0;
+      if (h < R) for (int w = 0; w < RW; ++w) n += __popc(rmask[h * RW + w]);
+      const int incl = warp_incl_scan(n, lane);
+      if (h < R) { rbeg[h] = carry + incl - n; rcnt[h] = n; }
+      carry += __shfl_sync(kFull, incl, 31);
+    }
+    __syncwarp();
+    for (int u = lane; u < R; u += 32) {
+      const unsigned below = (1u << (u & 31)) - 1u;
+      {
+        const unsigned* mk = rmask + u * RW;
+        int p = __popc(mk[u >> 5] & below);
+        for (int w = 0; w < (u >> 5); ++w) p += __popc(mk[w]);
+        hpos[u] = p;
+      }
+      const int h = donor_of[u];
+      if (h >= 0) {
+        const unsigned* mk = rmask + h * RW;
+        int p = __popc(mk[u >> 5] & below);
+        for (int w = 0; w < (u >> 5); ++w) p += __popc(mk[w]);
+        rlist[rbeg[h] + p] = u;
+      }
+    }
+  }
+  for (int k = warp; k < ndon && warp < nsplit; k += nsplit) {
     const int h = donors[k];
+    int* rem = remE + h * B;                         // lane-owned entries le = lane + 32 i
+    const int rounds = R - 1 + B;
+    if (packed2) {
+      // Quotas and counts in registers as packed keys; the winner is the slot whose key equals
+      // the reduced key.  Each round zeroes a quota or a count, so a (d, le) pair is chosen at
+      // most once: recv[d, le] is stored, not accumulated, and the move count of le is the
+      // number of slot pieces of expert h*B+le.
+      unsigned kq[NJ];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int d = lane + 32 * j;
+        kq[j] = (d < R && donor_of[d] == h)
+                    ? (static_cast<unsigned>(z_of[d]) << ibR) | (MR - static_cast<unsigned>(d)) : 0u;
+      }
+      unsigned kr0 = lane < B ? (static_cast<unsigned>(rem[lane]) << ibB) | (MB - static_cast<unsigned>(lane)) : 0u;
+      unsigned kr1 = lane + 32 < B ? (static_cast<unsigned>(rem[lane + 32]) << ibB) | (MB - static_cast<unsigned>(lane + 32)) : 0u;
+      int n0 = 0, n1 = 0;
+      for (int it = 0; it < rounds; ++it) {
+        unsigned aq = kq[0];
+#pragma unroll
+        for (int j = 1; j < NJ; ++j) aq = max(aq, kq[j]);
+        const unsigned KQ = __reduce_max_sync(kFull, aq);
+        const unsigned KR = __reduce_max_sync(kFull, max(kr0, kr1));
+        const unsigned QM = KQ >> ibR, RM = KR >> ibB;
+        if (QM == 0u || RM == 0u) break;             // see the general path
+        const unsigned t = min(QM, RM);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+          if (kq[j] == KQ) kq[j] -= t << ibR;
+        if (kr0 == KR) { kr0 -= t << ibB; ++n0; }
+        if (kr1 == KR) { kr1 -= t << ibB; ++n1; }
+        if (lane == 0)                               // d's single donor is h: no other writer
+          recv[static_cast<int>(MR - (KQ & MR)) * B + static_cast<int>(MB - (KR & MB))] = static_cast<int>(t);
+      }
+      if (lane < B) { rem[lane] = static_cast<int>(kr0 >> ibB); pcnt[h * B + lane] = n0; }
+      if (lane + 32 < B) { rem[lane + 32] = static_cast<int>(kr1 >> ibB); pcnt[h * B + lane + 32] = n1; }
+      continue;
+    }
     int q[NJ];
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       const int d = lane + 32 * j;
       q[j] = (d < R && donor_of[d] == h) ? z_of[d] : 0;
-    }
-    int* rem = remE + h * B;                         // lane-owned entries le = lane + 32 i
-    const int rounds = R - 1 + B;
-    if (packed2) {                                   // quotas and counts in registers
-      int r0 = lane < B ? rem[lane] : 0, r1 = lane + 32 < B ? rem[lane + 32] : 0;
-      for (int it = 0; it < rounds; ++it) {
-        unsigned kq = 0u;
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          const int d = lane + 32 * j;
-          if (d < R) kq = max(kq, (static_cast<unsigned>(q[j]) << ibR) | (MR - static_cast<unsigned>(d)));
-        }
-        unsigned kr = 0u;
-        if (lane < B) kr = (static_cast<unsigned>(r0) << ibB) | (MB - static_cast<unsigned>(lane));
-        if (lane + 32 < B) kr = max(kr, (static_cast<unsigned>(r1) << ibB) | (MB - static_cast<unsigned>(lane + 32)));
-        const unsigned KQ = __reduce_max_sync(kFull, kq);
-        const unsigned KR = __reduce_max_sync(kFull, kr);
-        const int QM = static_cast<int>(KQ >> ibR), RM = static_cast<int>(KR >> ibB);
-        if (QM <= 0 || RM <= 0) break;               // see the general path
-        const int d = static_cast<int>(MR - (KQ & MR));
-        const int le = static_cast<int>(MB - (KR & MB));
-        const int t = min(RM, QM);
-#pragma unroll
-        for (int j = 0; j < NJ; ++j)
-          if (lane + 32 * j == d) q[j] -= t;
-        if (lane == le) r0 -= t;
-        if (lane + 32 == le) r1 -= t;
-        if (lane == 0) recv[d * B + le] += t;        // d's single donor is h: no other writer
-      }
-      if (lane < B) rem[lane] = r0;
-      if (lane + 32 < B) rem[lane + 32] = r1;
-      continue;
     }
     for (int it = 0; it < rounds; ++it) {
       int qv = INT_MIN, qi = INT_MAX;
@@ -514,7 +665,11 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       for (int j = 0; j < NJ; ++j)
         if (lane + 32 * j == d) q[j] -= t;
       if (lane == (le & 31)) rem[le] -= t;
-      if (lane == 0) recv[d * B + le] += t;          // d's single donor is h: no other writer
+      if (lane == 0) {                               // d's single donor is h: no other writer
+        recv[d * B + le] += t;
+        pcnt[h * B + le] += 1;
+      }
+      __syncwarp();
     }
   }
   __syncthreads();
@@ -530,11 +685,13 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     for (int j0 = 0; j0 < B; j0 += 32) {             // home experts d*B + j
       const int j = j0 + lane;
       const int c = j < B ? remE[d * B + j] : 0;
+      const int np = j < B ? pcnt[d * B + j] : 0;
       const int p = align_tp(c, tp);
       const int incl = warp_incl_scan(p, lane);
       const int end = run + incl, start = end - p;
       if (j < B) {
         offL[d * B + j] = c > 0 ? start : -1;
+        pcnt[d * B + j] = np + (c > 0 ? 1 : 0);      // slot pieces + the home piece
         if (mine) {
           a.cu[j] = clamp_i(end, 0, NvS);
           const bool pad = p > c;
@@ -585,43 +742,38 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   if (a.stop == 4) return;
 
   // ---- 4. per-expert pieces (CSR) for the slot assignment -------------------------------------
-  // Pieces of e = h*B + le in rank order: the home piece at d = h, slot pieces on h's receivers.
-  for (int e = tid; e < E; e += nthr) {
-    const int h = e / B, le = e - h * B;
-    int n = remE[e] > 0 ? 1 : 0;
-    for (int w = 0; w < RW; ++w) {
-      unsigned bits = rmask[h * RW + w];
-      while (bits) {
-        const int d = w * 32 + __ffs(bits) - 1;
-        bits &= bits - 1;
-        n += recv[d * B + le] > 0 ? 1 : 0;
-      }
-    }
-    pcnt[e] = n;
-  }
-  __syncthreads();
+  // Pieces of e = h*B + le in rank order: the slot pieces on h's receivers below h, the home
+  // piece at d = h, the slot pieces on h's receivers above h.  Counts came from the split (moves)
+  // and the layout (home piece); the receiver lists from the last warp of step 2.
   const int npieces_total = block_excl_scan(pcnt, E, wsum);   // <= 2E
   for (int e = tid; e < E; e += nthr) {
     const int h = e / B, le = e - h * B;
     int k = pcnt[e], acc = 0;
-    bool home_done = false;
     const int c = remE[e];
-    for (int w = 0; w < RW; ++w) {
-      unsigned bits = rmask[h * RW + w];
-      while (bits) {
-        const int d = w * 32 + __ffs(bits) - 1;
-        bits &= bits - 1;
-        if (!home_done && d > h) {
-          home_done = true;
-          if (c > 0) { a.pend[k] = acc + c; a.pdst[k] = h; a.pbase[k] = offL[e] - acc; ++k; acc += c; }
+    const int* lst = rlist + rbeg[h];
+    const int n = rcnt[h], hp = hpos[h];
+    for (int part = 0; part < 2; ++part) {
+      const int i0 = part == 0 ? 0 : hp, i1 = part == 0 ? hp : n;
+      if (part == 1 && c > 0) {
+        a.pend[k] = acc + c; a.pdst[k] = h; a.pbase[k] = offL[e] - acc; ++k; acc += c;
+      }
+      for (int i = i0; i < i1; i += 8) {
+        int dd[8], tt[8], so[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) dd[u] = i + u < i1 ? lst[i + u] : 0;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          tt[u] = i + u < i1 ? recv[dd[u] * B + le] : 0;
+          so[u] = i + u < i1 ? slotoff[dd[u] * B + le] : 0;
         }
-        const int t = recv[d * B + le];
-        if (t > 0) {
-          a.pend[k] = acc + t; a.pdst[k] = d; a.pbase[k] = slotoff[d * B + le] - acc; ++k; acc += t;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (tt[u] > 0) {
+            a.pend[k] = acc + tt[u]; a.pdst[k] = dd[u]; a.pbase[k] = so[u] - acc; ++k; acc += tt[u];
+          }
         }
       }
     }
-    if (!home_done && c > 0) { a.pend[k] = acc + c; a.pdst[k] = h; a.pbase[k] = offL[e] - acc; }
     a.pstart[e] = pcnt[e];
     a.before[e] = beforeS[e];
     a.upto[e] = beforeS[e] + ownS[e];
@@ -906,7 +1058,7 @@ MOONEP_EXPORT int moonep_plan_group(const int32_t* hist_RX, int s, int K, int ra
 }
 
 // Benchmarks only: make the group kernel's block 0 return after stage `stop` (0: set-up,
-// 1: load + validation, 2: rank quotas, 3: split, 4: layout; 99: the full plan, the default;
+// 1: histogram load, 2: row-sum validation + rank quotas, 3: split, 4: layout; 99: the full plan;
 // 199: the full plan with the packed-key fast paths off, for tests), to time the stages by
 // difference.  Outputs are garbage while stop < 99 (no assign launch).
 MOONEP_EXPORT void moonep_plan_debug_stop(int stop) { g_debug_stop = stop; }

@@ -30,8 +30,8 @@ MOONEP_EXPORT int moonep_plan_group(
     int NvS, int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2, int32_t* stats_2,
     void* workspace, size_t workspace_bytes, int32_t* err, cudaStream_t stream);
 
-// Benchmarks only: the group kernel's block 0 returns after stage `stop` (0: set-up, 1: load and
-// validation, 2: rank quotas, 3: split, 4: layout; 99, the default: the full plan; 199: the full
-// plan without the packed-key fast paths, for tests) and below 99 moonep_plan skips the slot
+// Benchmarks only: the group kernel's block 0 returns after stage `stop` (0: set-up, 1: histogram
+// load and per-element checks, 2: row-sum validation + rank quotas, 3: split, 4: layout; 99, the
+// default: the full plan; 199: the full plan without the packed-key fast paths, for tests) and below 99 moonep_plan skips the slot
 // assignment, to time the stages by difference.  Process-wide, not thread-safe.
 MOONEP_EXPORT void moonep_plan_debug_stop(int stop);
