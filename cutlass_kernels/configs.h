@@ -1,5 +1,6 @@
-// The compiled configurations: one translation unit per (kind, config), listed here in the
-// order of the config index of the C ABI and of moonep_ops/gemm_cost_model.py::CONFIGS.
+// The compiled configurations, listed here in the order of the config index of the C ABI and of
+// moonep_ops/gemm_cost_model.py::CONFIGS.  The configs of one kind are fused into one kernel in
+// one translation unit (kernel_<kind>.cu, which must list them in this order; checked at load).
 // Clusters are along N only: a cluster along M rounds every group's M-tile count up to the
 // cluster size, and those padding tiles run the full mainloop (see docs/grouped_gemm.md).
 #pragma once
@@ -54,12 +55,16 @@ struct StrideBytes {
   int size_a, size_b, size_c, size_d;
 };
 
-struct ConfigEntry {
-  const char* name;
-  ConfigGeom geom;
-  int (*run)(RunArgs const&, char* err, int err_len);
-  size_t (*workspace_bytes)(int G, int sm_count);
-  void (*strides)(int M, int N, int K, StrideBytes* out);  // problem (M, N, K) of the kernel
+// What prep.cu sees of one kind: its configs, fused into one kernel (gemm_kernel.cuh FusedKind,
+// defined by kernel_<kind>.cu as moonep::kind_entry_<kind>).
+struct KindEntry {
+  int n;
+  const ConfigGeom* geoms;
+  size_t (*workspace_bytes)(int c, int G, int sm_count);
+  void (*strides)(int M, int N, int K, StrideBytes* out);
+  // r[c]: config c's problem arrays and CUTLASS workspace; chosen: the device word with the index
+  // of the config to run (written by the prep kernel).  One launch on r[0].stream.
+  int (*run)(RunArgs const* r, const int* chosen, char* err, int err_len);
 };
 
 }  // namespace moonep

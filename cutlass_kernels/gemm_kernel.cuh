@@ -1,5 +1,9 @@
-// One CUTLASS sm90 ptr-array grouped GEMM, instantiated by the kernel_*.cu translation units
-// (one configuration each, so nvcc jobs stay small and can run in parallel).
+// The CUTLASS sm90 ptr-array grouped GEMMs of one kind, fused into ONE kernel (FusedKind): every
+// compiled configuration of the kind is a branch of the same __global__ function, and the branch
+// is taken from the config index that the prep kernel (prep.cu) chose on the device.  So choosing
+// costs no extra launch: before, each unchosen candidate was launched too and cost ~10 us to walk
+// its empty groups and exit.  Requirements checked below: same block size, same cluster shape.
+// One translation unit per kind (kernel_<kind>.cu).
 //
 // Layouts (CUTLASS convention: A is M x K, B is N x K, D is M x N):
 //   fwd   A = x  [M,K] RowMajor      B = W_g [N,K] ColumnMajor (K contiguous)  D = y  RowMajor
@@ -11,6 +15,8 @@
 #pragma once
 
 #include <cstdio>
+#include <tuple>
+#include <utility>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -157,23 +163,8 @@ struct GroupedGemm {
     return Gemm::get_workspace_size(args);
   }
 
-  static int run(RunArgs const& r, char* err, int err_len) {
-    auto args = arguments(r);
-    Gemm gemm;
-    cudaStream_t stream = reinterpret_cast<cudaStream_t>(r.stream);
-    cutlass::Status st = gemm.initialize(args, r.cutlass_ws, stream);
-    if (st != cutlass::Status::kSuccess) {
-      snprintf(err, err_len, "CUTLASS initialize failed: %s", cutlassGetStatusString(st));
-      return -1;
-    }
-    st = gemm.run(stream);
-    if (st != cutlass::Status::kSuccess) {
-      snprintf(err, err_len, "CUTLASS run failed: %s (%s)", cutlassGetStatusString(st),
-               cudaGetErrorString(cudaGetLastError()));
-      return -1;
-    }
-    return 0;
-  }
+  static constexpr int cm = CM, cn = CN;
+  static constexpr ConfigGeom geom() { return {BM, BN, BK, CM, CN, Pingpong ? 1 : 0}; }
 
   static void strides(int M, int N, int K, StrideBytes* out) {
     auto sa = cutlass::make_cute_packed_stride(StrideA{}, make_shape(M, K, 1));
@@ -193,11 +184,134 @@ struct GroupedGemm {
 
 }  // namespace moonep
 
-// Defines moonep::entry_<kind>_<name>, a ConfigEntry, in the including translation unit.
-#define MOONEP_DEFINE_CONFIG(KIND_ID, KIND, NAME, BM, BN, BK, CM, CN, PP)                    \
-  namespace moonep {                                                                         \
-  using Gemm_##KIND##_##NAME = GroupedGemm<KIND_ID, BM, BN, BK, CM, CN, PP != 0>;           \
-  extern const ConfigEntry entry_##KIND##_##NAME = {                                         \
-      #NAME, {BM, BN, BK, CM, CN, PP}, &Gemm_##KIND##_##NAME::run,                           \
-      &Gemm_##KIND##_##NAME::workspace_bytes, &Gemm_##KIND##_##NAME::strides};               \
+namespace moonep {
+
+// Kernel parameters of a fused launch: every config's CUTLASS Params (TMA descriptor templates,
+// scheduler params) plus the device word holding the chosen config index.
+template <class... Ks>
+struct FusedParams {
+  cute::tuple<typename Ks::Params...> p;
+  const int* chosen;
+};
+
+template <class K0, class... Ks>
+struct FirstKernel {
+  using type = K0;
+};
+
+template <class... Ks, size_t... I>
+CUTLASS_DEVICE void run_chosen(FusedParams<Ks...> const& fp, char* smem, int c,
+                               std::index_sequence<I...>) {
+  // c is uniform over the grid, so exactly one branch runs and no barrier is split.
+  (void)((c == int(I) ? (Ks{}(cute::get<I>(fp.p), smem), true) : false) || ...);
+}
+
+template <class... Ks>
+__global__ void __launch_bounds__(FirstKernel<Ks...>::type::MaxThreadsPerBlock,
+                                  FirstKernel<Ks...>::type::MinBlocksPerMultiprocessor)
+    fused_grouped_gemm(CUTLASS_GRID_CONSTANT FusedParams<Ks...> const fp) {
+  extern __shared__ char smem[];
+  run_chosen(fp, smem, *fp.chosen, std::make_index_sequence<sizeof...(Ks)>{});
+}
+
+// All configs of one kind (Gs = GroupedGemm<...> types), launched as one kernel.
+template <class... Gs>
+struct FusedKind {
+  static constexpr int kN = sizeof...(Gs);
+  static_assert(kN >= 1 && kN <= kMaxConfigs, "config count");
+  using FP = FusedParams<typename Gs::Kernel...>;
+  using K0 = typename FirstKernel<typename Gs::Kernel...>::type;
+  static_assert(((Gs::Kernel::MaxThreadsPerBlock == K0::MaxThreadsPerBlock) && ...),
+                "fused configs need one block size");
+  static_assert(((Gs::cm == FirstKernel<Gs...>::type::cm && Gs::cn == FirstKernel<Gs...>::type::cn) && ...),
+                "fused configs need one cluster shape");
+  static_assert(sizeof(FP) <= 32000, "kernel parameter space");
+  static constexpr int max_smem() {
+    int m = 0;
+    ((m = int(Gs::Kernel::SharedStorageSize) > m ? int(Gs::Kernel::SharedStorageSize) : m), ...);
+    return m;
+  }
+  static constexpr int kSmem = max_smem();
+
+  static constexpr ConfigGeom geoms[kN] = {Gs::geom()...};
+  static constexpr size_t (*ws_fns[kN])(int, int) = {&Gs::workspace_bytes...};
+
+  static size_t workspace_bytes(int c, int G, int sm_count) { return ws_fns[c](G, sm_count); }
+  static void strides(int M, int N, int K, StrideBytes* out) {
+    FirstKernel<Gs...>::type::strides(M, N, K, out);  // layouts depend on the kind only
+  }
+
+  template <size_t I>
+  static cutlass::Status init_one(FP& fp, RunArgs const* r, dim3& grid) {
+    using G = std::tuple_element_t<I, std::tuple<Gs...>>;
+    auto args = G::arguments(r[I]);
+    cudaStream_t stream = reinterpret_cast<cudaStream_t>(r[I].stream);
+    cutlass::Status st = G::Kernel::initialize_workspace(args, r[I].cutlass_ws, stream);
+    if (st != cutlass::Status::kSuccess) return st;
+    cute::get<I>(fp.p) = G::Kernel::to_underlying_arguments(args, r[I].cutlass_ws);
+    const dim3 g = G::Kernel::get_grid_shape(cute::get<I>(fp.p));
+    // Persistent schedulers stride by gridDim, so any grid is correct; take the smallest so
+    // that every CTA is co-resident whichever branch runs.
+    if (I == 0 || (size_t)g.x * g.y * g.z < (size_t)grid.x * grid.y * grid.z) grid = g;
+    return cutlass::Status::kSuccess;
+  }
+
+  template <size_t... I>
+  static cutlass::Status init_all(FP& fp, RunArgs const* r, dim3& grid, std::index_sequence<I...>) {
+    cutlass::Status st = cutlass::Status::kSuccess;
+    (void)(((st = init_one<I>(fp, r, grid)) == cutlass::Status::kSuccess) && ...);
+    return st;
+  }
+
+  // r[c] holds config c's problem arrays and CUTLASS workspace; `chosen` is the device word the
+  // prep kernel wrote.  One launch on r[0].stream.
+  static int run(RunArgs const* r, const int* chosen, char* err, int err_len) {
+    FP fp;
+    dim3 grid(1, 1, 1);
+    cutlass::Status st = init_all(fp, r, grid, std::make_index_sequence<kN>{});
+    if (st != cutlass::Status::kSuccess) {
+      snprintf(err, err_len, "CUTLASS initialize failed: %s", cutlassGetStatusString(st));
+      return -1;
+    }
+    fp.chosen = chosen;
+    auto kernel = &fused_grouped_gemm<typename Gs::Kernel...>;
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (attr != cudaSuccess) {
+      snprintf(err, err_len, "cudaFuncSetAttribute(smem %d) failed: %s", kSmem,
+               cudaGetErrorString(attr));
+      return -1;
+    }
+    using G0 = typename FirstKernel<Gs...>::type;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = K0::get_block_shape();
+    cfg.dynamicSmemBytes = kSmem;
+    cfg.stream = reinterpret_cast<cudaStream_t>(r[0].stream);
+    cudaLaunchAttribute attrs[1];
+    attrs[0].id = cudaLaunchAttributeClusterDimension;
+    attrs[0].val.clusterDim.x = G0::cm;
+    attrs[0].val.clusterDim.y = G0::cn;
+    attrs[0].val.clusterDim.z = 1;
+    cfg.attrs = attrs;
+    cfg.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, fp);
+    if (e != cudaSuccess) {
+      snprintf(err, err_len, "fused grouped GEMM launch failed: %s (grid %u x %u x %u, smem %d)",
+               cudaGetErrorString(e), grid.x, grid.y, grid.z, kSmem);
+      return -1;
+    }
+    return 0;
+  }
+};
+
+}  // namespace moonep
+
+// Defines moonep::kind_entry_<KIND> for the fused kernel of the listed GroupedGemm configs.
+#define MOONEP_DEFINE_KIND(KIND, ...)                                                     \
+  namespace moonep {                                                                     \
+  using Fused_##KIND = FusedKind<__VA_ARGS__>;                                           \
+  extern const KindEntry kind_entry_##KIND = {Fused_##KIND::kN, Fused_##KIND::geoms,     \
+                                              &Fused_##KIND::workspace_bytes,            \
+                                              &Fused_##KIND::strides, &Fused_##KIND::run}; \
   }

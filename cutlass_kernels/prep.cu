@@ -21,33 +21,46 @@
 
 namespace moonep {
 
-#define MOONEP_DECLARE_ENTRY(KIND, NAME, ...) extern const ConfigEntry entry_##KIND##_##NAME;
-MOONEP_GEMM_CONFIGS(MOONEP_DECLARE_ENTRY)
+extern const KindEntry kind_entry_fwd, kind_entry_dgrad, kind_entry_wgrad, kind_entry_wgrad_lp;
 
 namespace {
 
 thread_local char g_err[512] = "";
 
 constexpr int kMaxGroups = 1024;
-constexpr int kMaxRounds = 4096;  // rounds with a "group starts here" flag; later ones assume one
 constexpr int kPrepThreads = 256;
 constexpr size_t kAlign = 256;
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
+// Configs per kind: names and geometry from configs.h, kernels from the kind's fused entry; the
+// two must agree config by config (checked once, reported by every call if not).
 struct Registry {
-  const ConfigEntry* e[kNumKinds][kMaxConfigs] = {};
+  const KindEntry* kind[kNumKinds] = {&kind_entry_fwd, &kind_entry_dgrad, &kind_entry_wgrad,
+                                      &kind_entry_wgrad_lp};
+  const char* name[kNumKinds][kMaxConfigs] = {};
+  ConfigGeom geom[kNumKinds][kMaxConfigs] = {};
   int n[kNumKinds] = {};
+  char mismatch[200] = "";
   Registry() {
-#define MOONEP_REGISTER(KIND, NAME, ...) add(#KIND, &entry_##KIND##_##NAME);
+#define MOONEP_REGISTER(KIND, NAME, ...) add(#KIND, #NAME, ConfigGeom{__VA_ARGS__});
     MOONEP_GEMM_CONFIGS(MOONEP_REGISTER)
+    for (int k = 0; k < kNumKinds; ++k) {
+      bool ok = kind[k]->n == n[k];
+      for (int c = 0; ok && c < n[k]; ++c)
+        ok = memcmp(&kind[k]->geoms[c], &geom[k][c], sizeof(ConfigGeom)) == 0;
+      if (!ok && !mismatch[0])
+        snprintf(mismatch, sizeof(mismatch),
+                 "kernel_*.cu and configs.h disagree on the configs of kind %d (rebuild)", k);
+    }
   }
-  void add(const char* kind, const ConfigEntry* entry) {
-    int k = strcmp(kind, "fwd") == 0     ? 0
-            : strcmp(kind, "dgrad") == 0 ? 1
-            : strcmp(kind, "wgrad") == 0 ? 2
-                                         : 3;
-    e[k][n[k]++] = entry;
+  void add(const char* kind_name, const char* config, ConfigGeom g) {
+    int k = strcmp(kind_name, "fwd") == 0     ? 0
+            : strcmp(kind_name, "dgrad") == 0 ? 1
+            : strcmp(kind_name, "wgrad") == 0 ? 2
+                                              : 3;
+    name[k][n[k]] = config;
+    geom[k][n[k]++] = g;
   }
 };
 
@@ -80,7 +93,7 @@ Layout layout(int kind, int G, int sm_count) {
   }
   for (int c = 0; c < reg.n[kind]; ++c) {
     L.cutlass[c] = off;
-    off = align_up(off + reg.e[kind][c]->workspace_bytes(G, sm_count));
+    off = align_up(off + reg.kind[kind]->workspace_bytes(c, G, sm_count));
   }
   L.total = off;
   return L;
@@ -103,16 +116,153 @@ struct PrepParams {
 __device__ __forceinline__ int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 __device__ __forceinline__ int cdivi(int a, int b) { return (a + b - 1) / b; }
 
-// Bytes first touched by linear tiles [0, t): piecewise linear, group g spreads its bytes evenly
-// over its tiles.  g = the last group starting at or before t (binary search over the starts).
-__device__ __forceinline__ float cum_bytes(int t, int G, const int* tstart, const float* cb,
-                                           const float* bpt) {
-  int lo = 0, hi = G - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (tstart[mid] <= t) lo = mid; else hi = mid - 1;
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, off));
+  return v;
+}
+
+// The cost model runs ONE WARP PER CONFIG, all configs at once, with warp-level sync only (the
+// block-wide version cost 2-6 us per config in barriers and shared atomics; the H200 measured
+// 7-17 us for three configs).  Scratch per warp: kScratch ints + kScratch floats of shared memory.
+constexpr int kModelWarps = 4;     // configs evaluated concurrently (more are done in turns)
+constexpr int kScratch = 1024;     // >= kMaxGroups and >= the SM count (checked on the host)
+
+struct ModelIn {
+  int G, P, N, K, kind, nonempty;
+  const int* cnt;    // rows per group (shared)
+  const int* order;  // wgrad: groups largest first (shared)
+  float peak, hbm;
+};
+
+// fwd / dgrad (gemm_cost_model._predict_rows): the linear tile order cut into rounds of P tiles;
+// a round costs max(tau + [a group starts in it] * tau_sw, its first-touch bytes / bw).
+__device__ float model_rows(const ModelIn& in, const ConfigGeom& cg, const float* k, int* tstart,
+                            float* cb) {
+  const int lane = threadIdx.x & 31;
+  const int n_out = in.kind == 0 ? in.N : in.K, k_red = in.kind == 0 ? in.K : in.N;
+  const int n_tiles = cdivi(cdivi(n_out, cg.BN), cg.CN) * cg.CN;
+  const float eta = k[0], bw = in.hbm * 1e6f * k[1], tau_sw = k[2], tau0 = k[3], tau_epi = k[4];
+  const float tau = 2.f * cg.BM * cg.BN * (float)k_red / (in.peak * 1e6f / in.P * eta) + tau_epi;
+  const float wbytes = (float)n_out * k_red * 2.f, rbytes = (float)(n_out + k_red) * 2.f;
+  // exclusive scans of tiles and bytes over the groups, 32 groups per step
+  int run = 0;
+  float acc = 0.f;
+  for (int g0 = 0; g0 < in.G; g0 += 32) {
+    const int g = g0 + lane;
+    const int c = g < in.G ? in.cnt[g] : 0;
+    const int t = cdivi(c, cg.BM) * n_tiles;
+    const float by = t ? wbytes + c * rbytes : 0.f;
+    int xi = t;
+    float xf = by;
+    for (int off = 1; off < 32; off <<= 1) {
+      const int vi = __shfl_up_sync(0xffffffffu, xi, off);
+      const float vf = __shfl_up_sync(0xffffffffu, xf, off);
+      if (lane >= off) { xi += vi; xf += vf; }
+    }
+    if (g < in.G) { tstart[g] = run + xi - t; cb[g] = acc + xf - by; }
+    run += __shfl_sync(0xffffffffu, xi, 31);
+    acc += __shfl_sync(0xffffffffu, xf, 31);
   }
-  return cb[lo] + (float)(t - tstart[lo]) * bpt[lo];
+  __syncwarp();
+  const int T = run;
+  if (T == 0) return tau0;
+  const int R = cdivi(T, in.P);
+  float part = 0.f;
+  for (int r = lane; r < R; r += 32) {
+    const int lo = r * in.P, hi = min(T, lo + in.P);
+    // bytes first touched by tiles [0, t): the group holding tile t spreads its bytes evenly
+    // over its tiles (g = last group with tstart <= t; empty groups share the next start)
+    float cum[2];
+    const int ts[2] = {lo, hi};
+    for (int e = 0; e < 2; ++e) {
+      int a = 0, b = in.G - 1;
+      while (a < b) {
+        const int mid = (a + b + 1) >> 1;
+        if (tstart[mid] <= ts[e]) a = mid; else b = mid - 1;
+      }
+      const int c = in.cnt[a];
+      const int t = cdivi(c, cg.BM) * n_tiles;
+      cum[e] = cb[a] + (t ? (float)(ts[e] - tstart[a]) * ((wbytes + c * rbytes) / t) : 0.f);
+    }
+    // a group starts in [lo, hi): the first group with tstart >= lo starts before hi
+    int a = 0, b = in.G;
+    while (a < b) {
+      const int mid = (a + b) >> 1;
+      if (tstart[mid] >= lo) b = mid; else a = mid + 1;
+    }
+    const bool sw = a < in.G && tstart[a] < hi;
+    part += fmaxf(tau + (sw ? tau_sw : 0.f), (cum[1] - cum[0]) / bw);
+  }
+  return tau0 + warp_sum(part);
+}
+
+// wgrad (gemm_cost_model._predict_wgrad): groups in LPT order j = 0.., group j owns linear tiles
+// [j*t_w, (j+1)*t_w), CTA q runs tiles q, q+P, ...  CTA q gets base = t_w / P tiles of every group
+// plus one when q lies in the circular window [off_j, off_j + rem) with off_j = j*t_w mod P and
+// rem = t_w mod P; so per-CTA sums are base * sum_j cost_j plus window sums, built with a
+// difference array over the P CTAs (O(G + P), not O(G * P)).
+__device__ float model_wgrad(const ModelIn& in, const ConfigGeom& cg, const float* k, int* cover,
+                             float* diff) {
+  const int lane = threadIdx.x & 31, P = in.P;
+  const float eta = k[0], bw_frac = k[1], tau_sw = k[2], tau0 = k[3], tau_epi = k[4];
+  const int t_w = cdivi(in.N, cg.BM) * cdivi(cdivi(in.K, cg.BN), cg.CN) * cg.CN;
+  const float out_bytes = in.kind == 2 ? 8.f : 2.f;  // fp32 read + write, or bf16 write
+  const int nne = in.nonempty, base = t_w / P, rem = t_w % P;
+  if (nne == 0) return tau0;
+  for (int q = lane; q <= P; q += 32) { diff[q] = 0.f; cover[q] = 0; }
+  __syncwarp();
+  float total = 0.f;
+  for (int j = lane; j < nne; j += 32) {
+    const float m = (float)in.cnt[in.order[j]];
+    const float comp = 2.f * cg.BM * cg.BN * m / (in.peak * 1e6f / P * eta) + tau_epi;
+    const float mem = (m * (in.N + in.K) * 2.f + (float)in.N * in.K * out_bytes) / (float)t_w /
+                      (in.hbm * 1e6f * bw_frac / P);
+    const float v = fmaxf(comp, mem);
+    total += v;
+    if (rem) {
+      const int off = (int)(((long long)j * t_w) % P), end = off + rem;
+      atomicAdd(&diff[off], v);
+      atomicAdd(&cover[off], 1);
+      if (end <= P) {
+        atomicAdd(&diff[end], -v);
+        atomicAdd(&cover[end], -1);
+      } else {  // wraps: [off, P) and [0, end - P)
+        atomicAdd(&diff[P], -v);
+        atomicAdd(&cover[P], -1);
+        atomicAdd(&diff[0], v);
+        atomicAdd(&cover[0], 1);
+        atomicAdd(&diff[end - P], -v);
+        atomicAdd(&cover[end - P], -1);
+      }
+    }
+  }
+  total = __shfl_sync(0xffffffffu, warp_sum(total), 0);
+  __syncwarp();
+  // prefix sums over q (chunks of 32), per-CTA cost, max
+  float run = 0.f, worst = 0.f;
+  int crun = 0;
+  for (int q0 = 0; q0 < P; q0 += 32) {
+    const int q = q0 + lane;
+    float x = q < P ? diff[q] : 0.f;
+    int ci = q < P ? cover[q] : 0;
+    for (int off = 1; off < 32; off <<= 1) {
+      const float vf = __shfl_up_sync(0xffffffffu, x, off);
+      const int vi = __shfl_up_sync(0xffffffffu, ci, off);
+      if (lane >= off) { x += vf; ci += vi; }
+    }
+    if (q < P) {
+      const int groups_entered = base > 0 ? nne : crun + ci;
+      worst = fmaxf(worst, base * total + run + x + groups_entered * tau_sw);
+    }
+    run += __shfl_sync(0xffffffffu, x, 31);
+    crun += __shfl_sync(0xffffffffu, ci, 31);
+  }
+  return tau0 + __shfl_sync(0xffffffffu, warp_max(worst), 0);
 }
 
 __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) {
@@ -120,10 +270,17 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
   if (blockIdx.x > 0) {
     if (p.kind == 3) {
       // wgrad_lp writes dW once (beta = 0): an empty group has no tiles, so zero its [N, K] here.
+      // The group bounds are read once per block into shared memory (every thread reading all
+      // of cu[] from global memory cost ~20 us at G = 256).
+      __shared__ unsigned char s_empty[kMaxGroups];
+      for (int g = threadIdx.x; g < G; g += blockDim.x) {
+        const int start = g == 0 ? 0 : clampi(p.cu[g - 1], 0, M);
+        s_empty[g] = clampi(p.cu[g], start, M) <= start;
+      }
+      __syncthreads();
       const long long per = (long long)p.N * p.K / 8;  // uint4 units of one bf16 [N, K]
       for (int g = 0; g < G; ++g) {
-        const int start = g == 0 ? 0 : clampi(p.cu[g - 1], 0, M);
-        if (clampi(p.cu[g], start, M) > start) continue;
+        if (!s_empty[g]) continue;
         uint4* out = reinterpret_cast<uint4*>((g < p.epn ? p.D : p.D_slot) +
                                               (long long)(g < p.epn ? g : g - p.epn) * per * 16);
         for (long long i = (long long)(blockIdx.x - 1) * blockDim.x + threadIdx.x; i < per;
@@ -144,13 +301,10 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
     return;
   }
   __shared__ int s_cnt[kMaxGroups], s_start[kMaxGroups], s_order[kMaxGroups];
-  __shared__ int s_tiles[kMaxGroups], s_tstart[kMaxGroups];
-  __shared__ float s_bpt[kMaxGroups], s_cb[kMaxGroups];
-  __shared__ unsigned char s_flag[kMaxRounds];
+  __shared__ int s_iscr[kModelWarps][kScratch + 1];
+  __shared__ float s_fscr[kModelWarps][kScratch + 1];
   __shared__ float s_cost[kMaxConfigs];
-  __shared__ float s_acc;
-  __shared__ unsigned s_max;
-  __shared__ int s_chosen, s_nonempty, s_total;
+  __shared__ int s_chosen, s_nonempty;
   const int tid = threadIdx.x;
 
   for (int g = tid; g < G; g += blockDim.x) {
@@ -168,94 +322,34 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
       for (int h = 0; h < G; ++h) rank += (s_cnt[h] > s_cnt[g]) || (s_cnt[h] == s_cnt[g] && h < g);
     }
     s_order[rank] = g;
-    if (s_cnt[g] > 0) atomicAdd(&s_nonempty, 1);
+  }
+  {  // non-empty groups: one shared atomic per warp (per-group atomics on one word serialise)
+    int mine = 0;
+    for (int g = tid; g < G; g += blockDim.x) mine += s_cnt[g] > 0;
+    mine = warp_sum(mine);
+    if ((tid & 31) == 0 && mine) atomicAdd(&s_nonempty, mine);
   }
   __syncthreads();
 
   if (p.config < 0) {
-    // Every loop below is spread over the block (one thread walking all groups and rounds
-    // serially cost up to ~0.4 ms on big problems, more than the gain of choosing).
-    const float peak = p.tuning.peak_tflops, hbm = p.tuning.hbm_tbps;
-    for (int c = 0; c < p.nconf; ++c) {
-      if (!((p.cand_mask >> c) & 1)) {
-        if (tid == 0) s_cost[c] = 3.0e38f;
-        continue;
+    // Warp w evaluates configs w, w + kModelWarps, ... (gemm_cost_model's formulas).
+    const int warp = tid >> 5;
+    if (warp < kModelWarps) {
+      ModelIn in{G, p.P, p.N, p.K, p.kind, s_nonempty, s_cnt, s_order, p.tuning.peak_tflops,
+                 p.tuning.hbm_tbps};
+      for (int c = warp; c < p.nconf; c += kModelWarps) {
+        float cost = 3.0e38f;
+        if ((p.cand_mask >> c) & 1) {
+          const ConfigGeom cg = p.geom[c];
+          float k[5];
+#pragma unroll
+          for (int j = 0; j < 5; ++j) k[j] = p.tuning.c[c][j];
+          cost = p.kind < 2 ? model_rows(in, cg, k, s_iscr[warp], s_fscr[warp])
+                            : model_wgrad(in, cg, k, s_iscr[warp], s_fscr[warp]);
+        }
+        if ((tid & 31) == 0) s_cost[c] = cost;
+        __syncwarp();
       }
-      const ConfigGeom cg = p.geom[c];
-      const float eta = p.tuning.c[c][0], bw_frac = p.tuning.c[c][1];
-      const float tau_sw = p.tuning.c[c][2], tau0 = p.tuning.c[c][3], tau_epi = p.tuning.c[c][4];
-      if (tid == 0) { s_acc = 0.f; s_max = 0u; }
-      if (p.kind < 2) {
-        // fwd / dgrad: rounds of P equal-cost tiles, per-round roofline (gemm_cost_model).
-        const int n_out = p.kind == 0 ? p.N : p.K, k_red = p.kind == 0 ? p.K : p.N;
-        const int n_tiles = cdivi(cdivi(n_out, cg.BN), cg.CN) * cg.CN;
-        const float tau = 2.f * cg.BM * cg.BN * (float)k_red / (peak * 1e6f / p.P * eta) + tau_epi;
-        const float bw = hbm * 1e6f * bw_frac;
-        for (int g = tid; g < G; g += blockDim.x) {
-          const int t = cdivi(s_cnt[g], cg.BM) * n_tiles;
-          s_tiles[g] = t;
-          s_bpt[g] = t ? ((float)n_out * k_red * 2.f + (float)s_cnt[g] * (n_out + k_red) * 2.f) / t
-                       : 0.f;
-        }
-        __syncthreads();
-        if (tid == 0) {  // exclusive scans of tiles and bytes (G <= 1024 adds)
-          int run = 0;
-          float cb = 0.f;
-          for (int g = 0; g < G; ++g) {
-            s_tstart[g] = run;
-            s_cb[g] = cb;
-            run += s_tiles[g];
-            cb += s_bpt[g] * s_tiles[g];
-          }
-          s_total = run;
-        }
-        __syncthreads();
-        const int T = s_total, R = cdivi(T, p.P);
-        for (int r = tid; r < R && r < kMaxRounds; r += blockDim.x) s_flag[r] = 0;
-        __syncthreads();
-        for (int g = tid; g < G; g += blockDim.x)
-          if (s_tiles[g] > 0 && s_tstart[g] / p.P < kMaxRounds) s_flag[s_tstart[g] / p.P] = 1;
-        __syncthreads();
-        float part = 0.f;
-        for (int r = tid; r < R; r += blockDim.x) {
-          const int lo = r * p.P, hi = min(T, lo + p.P);
-          const float bytes = cum_bytes(hi, G, s_tstart, s_cb, s_bpt) -
-                              cum_bytes(lo, G, s_tstart, s_cb, s_bpt);
-          const bool sw = r < kMaxRounds ? s_flag[r] != 0 : true;
-          part += fmaxf(tau + (sw ? tau_sw : 0.f), bytes / bw);
-        }
-        atomicAdd(&s_acc, part);
-        __syncthreads();
-        if (tid == 0) s_cost[c] = tau0 + s_acc;
-      } else {
-        // wgrad: LPT order, a tile of group j costs ~M_j; CTA q runs tiles q, q+P, ...
-        const int t_w = cdivi(p.N, cg.BM) * cdivi(cdivi(p.K, cg.BN), cg.CN) * cg.CN;
-        const float out_bytes = p.kind == 2 ? 8.f : 2.f;  // fp32 read + write, or bf16 write
-        for (int i = tid; i < G; i += blockDim.x) {
-          const float m = (float)s_cnt[s_order[i]];
-          const float comp = 2.f * cg.BM * cg.BN * m / (peak * 1e6f / p.P * eta) + tau_epi;
-          const float mem = (m * (p.N + p.K) * 2.f + (float)p.N * p.K * out_bytes) / (float)t_w /
-                            (hbm * 1e6f * bw_frac / p.P);
-          s_bpt[i] = fmaxf(comp, mem);
-        }
-        __syncthreads();
-        const int nne = s_nonempty;
-        for (int q = tid; q < p.P; q += blockDim.x) {
-          float sum = 0.f;
-          int sw = 0;
-          for (int j = 0; j < nne; ++j) {
-            // tiles of group j: [j*t_w, (j+1)*t_w); how many are congruent to q mod P
-            const int e = (j + 1) * t_w, b = j * t_w;
-            const int n = (e > q ? (e - q + p.P - 1) / p.P : 0) - (b > q ? (b - q + p.P - 1) / p.P : 0);
-            sum += s_bpt[j] * n;
-            sw += n > 0;
-          }
-          atomicMax(&s_max, __float_as_uint(sum + sw * tau_sw));  // >= 0: uint order = float order
-        }
-        __syncthreads();
-        if (tid == 0) s_cost[c] = tau0 + __uint_as_float(s_max);
-      }
-      __syncthreads();
     }
     __syncthreads();
     if (tid == 0) {
@@ -296,13 +390,10 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
       p.ptr[3][i] = d;
       shape[0] = cnt > 0 ? N : 0; shape[1] = K; shape[2] = cnt;
     }
-    for (int c = 0; c < p.nconf; ++c) {
-      if (c != chosen && !(p.config < 0 && ((p.cand_mask >> c) & 1))) continue;
-      int* s = p.shapes[c] + 3 * i;
-      s[0] = c == chosen ? shape[0] : 0;
-      s[1] = shape[1];
-      s[2] = c == chosen ? shape[2] : (p.kind >= 2 ? 0 : shape[2]);
-    }
+    int* s = p.shapes[chosen] + 3 * i;  // only the chosen config runs (fused kernel)
+    s[0] = shape[0];
+    s[1] = shape[1];
+    s[2] = shape[2];
     memcpy(p.stride[0] + (size_t)i * p.sb.size_a, p.sb.a, p.sb.size_a);
     memcpy(p.stride[1] + (size_t)i * p.sb.size_b, p.sb.b, p.sb.size_b);
     memcpy(p.stride[2] + (size_t)i * p.sb.size_c, p.sb.c, p.sb.size_c);
@@ -333,7 +424,7 @@ int moonep_gemm_num_configs(int kind) {
 
 int moonep_gemm_config_info(int kind, int cfg, int* info) {
   if (kind < 0 || kind >= kNumKinds || cfg < 0 || cfg >= registry().n[kind]) return -1;
-  const ConfigGeom& g = registry().e[kind][cfg]->geom;
+  const ConfigGeom& g = registry().geom[kind][cfg];
   const int v[8] = {g.BM, g.BN, g.BK, g.CM, g.CN, g.pingpong, 0, 0};
   memcpy(info, v, sizeof(v));
   return 0;
@@ -351,11 +442,12 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   g_err[0] = 0;
   const Registry& reg = registry();
   if (kind < 0 || kind >= kNumKinds) return fail("bad kind");
+  if (reg.mismatch[0]) return fail(reg.mismatch);
   const int nconf = reg.n[kind];
   if (config < -1 || config >= nconf) return fail("bad config index");
   if (G <= 0 || G > kMaxGroups || G != 2 * epn) return fail("G must be 2*epn and <= 1024");
   if (M < 0 || N <= 0 || K <= 0 || N % 8 || K % 8) return fail("N, K must be positive multiples of 8");
-  if (sm_count <= 0) return fail("sm_count must be positive");
+  if (sm_count <= 0 || sm_count > kScratch) return fail("sm_count must be in [1, 1024]");
   const Layout L = layout(kind, G, sm_count);
   if (workspace_bytes < L.total) return fail("workspace too small");
   if (M == 0) return 0;
@@ -375,7 +467,7 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   p.chosen_out = reinterpret_cast<int*>(ws + L.chosen);
   for (int c = 0; c < nconf; ++c) {
     p.shapes[c] = reinterpret_cast<int*>(ws + L.shapes[c]);
-    p.geom[c] = reg.e[kind][c]->geom;
+    p.geom[c] = reg.geom[kind][c];
   }
   for (int i = 0; i < 4; ++i) {
     p.ptr[i] = reinterpret_cast<const void**>(ws + L.ptr[i]);
@@ -383,7 +475,7 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   }
   // Strides depend on N and K only (leading dimensions), never on the group's rows.
   const int pm = kind >= 2 ? N : 1, pn = kind == 0 ? N : K, pk = kind == 0 ? K : (kind == 1 ? N : 1);
-  reg.e[kind][0]->strides(pm, pn, pk, &p.sb);
+  reg.kind[kind]->strides(pm, pn, pk, &p.sb);
   if (tuning) {
     p.tuning.peak_tflops = tuning[0];
     p.tuning.hbm_tbps = tuning[1];
@@ -405,26 +497,26 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     return -1;
   }
 
-  RunArgs r{};
-  r.G = G;
-  r.ptr_A = p.ptr[0];
-  r.ptr_B = p.ptr[1];
-  r.ptr_C = p.ptr[2];
-  r.ptr_D = const_cast<void**>(p.ptr[3]);
-  r.stride_A = p.stride[0];
-  r.stride_B = p.stride[1];
-  r.stride_C = p.stride[2];
-  r.stride_D = p.stride[3];
-  r.sm_count = sm_count;
-  r.raster = raster;
-  r.stream = stream;
+  // One launch of the kind's fused kernel; it runs the config the prep kernel wrote to `chosen`.
+  RunArgs r[kMaxConfigs]{};
   for (int c = 0; c < nconf; ++c) {
-    if (config >= 0 ? c != config : !((p.cand_mask >> c) & 1)) continue;
-    r.shapes = ws + L.shapes[c];
-    r.cutlass_ws = ws + L.cutlass[c];
-    r.cutlass_ws_bytes = reg.e[kind][c]->workspace_bytes(G, sm_count);
-    if (reg.e[kind][c]->run(r, g_err, sizeof(g_err)) != 0) return -1;
+    r[c].G = G;
+    r[c].ptr_A = p.ptr[0];
+    r[c].ptr_B = p.ptr[1];
+    r[c].ptr_C = p.ptr[2];
+    r[c].ptr_D = const_cast<void**>(p.ptr[3]);
+    r[c].stride_A = p.stride[0];
+    r[c].stride_B = p.stride[1];
+    r[c].stride_C = p.stride[2];
+    r[c].stride_D = p.stride[3];
+    r[c].sm_count = sm_count;
+    r[c].raster = raster;
+    r[c].stream = stream;
+    r[c].shapes = ws + L.shapes[c];
+    r[c].cutlass_ws = ws + L.cutlass[c];
+    r[c].cutlass_ws_bytes = reg.kind[kind]->workspace_bytes(c, G, sm_count);
   }
+  if (reg.kind[kind]->run(r, p.chosen_out, g_err, sizeof(g_err)) != 0) return -1;
   return 0;
 }
 

@@ -6,6 +6,7 @@ kernels are pure Python, so they exist without any compiled library).
 from .geometry import Geometry, align_up
 from .planner import Plan, GroupResult, plan, plan_all_ranks, POLICIES
 from .buffer import Buffer
+from .comm_stream import EventHandle
 from .backends import Backend, CollectiveBackend, TorchDistBackend, SingleRankBackend
 from .grouped_gemm import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad, grouped_mm_wgrad_accumulate
 from . import gemm_cost_model
@@ -13,7 +14,7 @@ from .router import Router
 from .moe import MoonEPMoE, ExpertPool
 
 __all__ = ["Geometry", "align_up", "Plan", "GroupResult", "plan", "plan_all_ranks", "POLICIES",
-           "Buffer", "Backend", "CollectiveBackend", "TorchDistBackend", "SingleRankBackend",
+           "Buffer", "EventHandle", "Backend", "CollectiveBackend", "TorchDistBackend", "SingleRankBackend",
            "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate",
            "gemm_cost_model", "Router", "MoonEPMoE",
            "ExpertPool"]

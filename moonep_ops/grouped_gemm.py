@@ -305,18 +305,14 @@ def _tuning_table(kind: str):
 def candidate_mask(kind: str, M: int = 0, G: int = 1) -> int:
     """Configs the device selector chooses among (bit i = CONFIGS[kind][i]).
 
-    Every candidate is launched; the non-chosen ones find zero tiles and exit at once, so each
-    extra candidate costs one empty persistent launch (~10 µs measured on the H200).  So the set
-    is pruned on the host from what the host knows without a sync, the buffer's rows per group
-    M / G (padding included): 64-row tiles only pay off when groups are small, so they are
-    dropped when M / G >= 256.  Env MOONEP_GEMM_CANDIDATES (comma-separated names) overrides."""
+    All configs of a kind are branches of one fused kernel, launched once; a candidate costs only
+    its evaluation in the prep kernel (~1 µs), so every config is a candidate.  Env
+    MOONEP_GEMM_CANDIDATES (comma-separated names) narrows the set.  M and G are accepted for
+    callers that pruned by rows per group before the kernels were fused."""
     names = os.environ.get("MOONEP_GEMM_CANDIDATES", "")
     cfgs = gemm_cost_model.CONFIGS[kind]
     if not names:
-        mask = (1 << len(cfgs)) - 1
-        if M >= 256 * G:
-            mask &= ~sum(1 << i for i, c in enumerate(cfgs) if c.BM < 128)
-        return mask
+        return (1 << len(cfgs)) - 1
     wanted = {n.strip() for n in names.split(",") if n.strip()}
     mask = sum(1 << i for i, c in enumerate(cfgs) if c.name in wanted)
     return mask or (1 << len(cfgs)) - 1

@@ -3,8 +3,10 @@
 #   1. load the carried moonep_ops/lib/libmoonep_gemm.so, else build it there from CUTLASS headers
 #      carried in .gpu_carry/cutlass (include/ and tools/util/include/);
 #   2. CUDA tests (tests/test_grouped_gemm_cuda.py) and the CPU suite;
-#   3. calibration -> moonep_ops/gemm_tuning.py (copied to $OUT);
-#   4. the benchmark sweep with the calibrated constants.
+#   3. with CALIB=1: calibration -> moonep_ops/gemm_tuning.py (copied to $OUT); by default the
+#      committed constants are used (a refit from an earlier run's measurements needs no GPU:
+#      benchmarks/calibrate_grouped_gemm.py --from-json FILE);
+#   4. the benchmark sweep with those constants.
 # Results land in $OUT (default /tmp/gemm_out); the last lines printed are the targets table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,8 +32,10 @@ if [ "$STAGE" != bench ]; then
   $PY -m pytest -q tests/test_grouped_gemm.py 2>&1 | tail -2
 fi
 if [ "$STAGE" != test ]; then
-  timeout ${T_CALIB:-150} $PY benchmarks/calibrate_grouped_gemm.py --out "$OUT" 2>&1 | tee "$OUT/calibrate.log" | tail -14
-  cp moonep_ops/gemm_tuning.py "$OUT/gemm_tuning.py"
+  if [ "${CALIB:-0}" = 1 ]; then
+    timeout ${T_CALIB:-300} $PY benchmarks/calibrate_grouped_gemm.py --out "$OUT" 2>&1 | tee "$OUT/calibrate.log" | tail -14
+    cp moonep_ops/gemm_tuning.py "$OUT/gemm_tuning.py"
+  fi
   timeout ${T_BENCH:-250} $PY benchmarks/bench_grouped_gemm.py --out "$OUT" > "$OUT/bench.log" 2>&1
   nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu --format=csv
   tail -5 "$OUT/bench.log"

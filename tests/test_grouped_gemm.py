@@ -340,13 +340,14 @@ def test_native_loader_missing(tmp_path, monkeypatch):
         importlib.reload(_native)
 
 
-def test_candidate_mask_prunes_small_tiles_for_big_groups(monkeypatch):
+def test_candidate_mask_is_every_config(monkeypatch):
+    # The configs of a kind are fused into one kernel, so a candidate costs no launch: the
+    # device model chooses among all of them whatever the rows per group.
     monkeypatch.delenv("MOONEP_GEMM_CANDIDATES", raising=False)
-    small = [i for i, c in enumerate(gemm_cost_model.CONFIGS["fwd"]) if c.BM < 128]
-    assert small
-    full = (1 << len(gemm_cost_model.CONFIGS["fwd"])) - 1
-    assert gg.candidate_mask("fwd", M=100 * 64, G=64) == full
-    assert gg.candidate_mask("fwd", M=512 * 64, G=64) == full & ~sum(1 << i for i in small)
+    for kind in gemm_cost_model.KINDS:
+        full = (1 << len(gemm_cost_model.CONFIGS[kind])) - 1
+        assert gg.candidate_mask(kind, M=100 * 64, G=64) == full
+        assert gg.candidate_mask(kind, M=512 * 64, G=64) == full
 
 
 def test_candidate_mask_env(monkeypatch):
@@ -366,9 +367,14 @@ def test_cxx_config_table_matches_python():
         assert [(c.name, c.BM, c.BN, c.BK, c.CM, c.CN, int(c.pingpong)) for c in cfgs] == \
             from_cxx[kind]
         assert set(gemm_tuning.EFFICIENCY[kind]) == {c.name for c in cfgs}
+    # One fused kernel per kind: kernel_<kind>.cu lists the same configs in the same order.
     units = sorted(p.name for p in (ROOT / "cutlass_kernels").glob("kernel_*.cu"))
-    assert units == sorted(f"kernel_{k}_{c.name}.cu" for k, cfgs in gemm_cost_model.CONFIGS.items()
-                           for c in cfgs)
+    assert units == sorted(f"kernel_{k}.cu" for k in gemm_cost_model.CONFIGS)
+    for kid, (kind, cfgs) in enumerate(gemm_cost_model.CONFIGS.items()):
+        src = (ROOT / "cutlass_kernels" / f"kernel_{kind}.cu").read_text()
+        listed = re.findall(r"GroupedGemm<(\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (true|false)>", src)
+        assert [(int(k), *map(int, g[:5]), g[5] == "true") for k, *g in listed] == \
+            [(kid, c.BM, c.BN, c.BK, c.CM, c.CN, c.pingpong) for c in cfgs], kind
 
 
 # ------------------------------------------------------------------------------------------

@@ -230,6 +230,37 @@ def test_device_selector_agrees_with_python_model(kind):
         assert pred[name] <= min(pred.values()) * (1 + 1e-3), (pred, name)
 
 
+@needs_lib
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_one_gemm_launch_per_call(kind):
+    """Choosing costs no launch: one prep kernel and ONE fused GEMM kernel per call, whichever
+    config the device picks (before the fusion every candidate config was launched)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = [300, 0, 5, 129, 1, 700, 64, 2]
+    N, K = 256, 384
+    x, wl, ws, cu = make(counts, N, K, pad=0)
+    M, epn = x.shape[0], len(counts) // 2
+    if kind in ("wgrad", "wgrad_lp"):
+        dy = torch.randn(M, N, device="cuda").to(torch.bfloat16)
+        gl = torch.zeros(epn, N, K, device="cuda",
+                         dtype=torch.float32 if kind == "wgrad" else torch.bfloat16)
+        call = lambda: gg._launch(kind, -1, dy, x, None, gl, torch.zeros_like(gl), cu, epn, M, N, K)
+    else:
+        a = x if kind == "fwd" else torch.randn(M, N, device="cuda").to(torch.bfloat16)
+        out = torch.empty(M, N if kind == "fwd" else K, device="cuda", dtype=torch.bfloat16)
+        call = lambda: gg._launch(kind, -1, a, wl, ws, out, None, cu, epn, M, N, K)
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gemms = [n for n in names if "fused_grouped_gemm" in n]
+    preps = [n for n in names if "prep_kernel" in n]
+    assert len(gemms) == 1 and len(preps) == 1, names
+
+
 # ------------------------------------------------------------------------------------------
 # Public ops (auto backend) and the torch._grouped_mm fallback
 # ------------------------------------------------------------------------------------------

@@ -30,6 +30,11 @@ def table(res: dict) -> str:
             f"{_mb(row['token_bytes'])} | {_mb(row['weight_bytes'])} | "
             f"{'n/a' if row['wire_bytes'] is None else _mb(row['wire_bytes'])} | "
             f"{row['step_ms_median']:.1f} | {row['loss'][0]:.4f} → {row['loss'][-1]:.4f} |")
+    peaks = [r for r in res["rows"] if r.get("peak_mem_mib") is not None]
+    if peaks:   # accelerator runs: peak device memory of each model's steps, max over ranks
+        lines.append("")
+        lines.append("Peak device memory per rank (MiB, max over ranks): " + "; ".join(
+            f"maxvio {r['maxvio']:.2f} {LABEL[r['model']]} {r['peak_mem_mib']:.0f}" for r in peaks))
     return "\n".join(lines)
 
 

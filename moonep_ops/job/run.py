@@ -212,6 +212,8 @@ def rank_main(cfg: JobConfig, rank: int, R: int, device: torch.device) -> Option
             m.load_state_dict(init_state[kind])
             counters.clear()
             times, losses, wires, recv_meas = [], [], [], []
+            if device.type == "cuda":   # peak memory of this model's steps (the baseline's
+                torch.cuda.reset_peak_memory_stats(device)   # buffers grow with the imbalance)
             for st in range(cfg.steps):
                 m.set_routing([t[rank].to(device) for t in per_step_routing[st]])
                 x, y = batch(st, rank, s, D, cfg.seed, dtype, device)
@@ -229,8 +231,9 @@ def rank_main(cfg: JobConfig, rank: int, R: int, device: torch.device) -> Option
                     recv_meas.append([layer.last_recv_rows for layer in m.layers])
                 if bar:
                     bar.update(1, f"maxvio {v:g} {kind}")
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             got = [None] * R
-            dist.all_gather_object(got, dict(times=times, wires=wires, recv=recv_meas))
+            dist.all_gather_object(got, dict(times=times, wires=wires, recv=recv_meas, peak=peak))
             if rank == 0:
                 rows.append(_summarise(v, kind, stats, got, losses, counters, cfg))
                 if not wire_measured[kind]:
@@ -266,6 +269,8 @@ def _summarise(v, kind, stats, got, losses, counters, cfg) -> dict:
                       if kind == "moonep" else 0.0),
         wire_bytes=statistics.fmean(sum(g["wires"][i] for g in got) for i in range(steps)),
         step_ms=step_ms, step_ms_median=statistics.median(step_ms),
+        peak_mem_mib=(max(g["peak"] for g in got) / 2**20
+                      if all(g.get("peak") is not None for g in got) else None),
         loss=losses, graph_breaks=sum(counters["graph_break"].values()),
         recompiles=counters["stats"].get("unique_graphs", 0),
     )
