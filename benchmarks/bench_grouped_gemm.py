@@ -298,10 +298,13 @@ def run_selector_cost(iters: int):
                              iters=5)
         forced, auto = t["forced"], t["auto"]
         prep_auto, prep_forced = prep_kernel_us(case.ours(-1)), prep_kernel_us(case.ours(chosen))
+        case.ours(-1)()      # SM cycles of the choice itself, written by the prep kernel
+        model_cycles = int(case.workspace[8:16].view(torch.int64).item())
         case.free()
         out[label] = dict(kind=kind, G=G, rows=m, N=N, K=K, forced_us=forced, auto_us=auto,
                           overhead_us=auto - forced, prep_auto_us=prep_auto,
                           prep_forced_us=prep_forced, model_us=prep_auto - prep_forced,
+                          model_cycles=model_cycles, model_us_at_1980mhz=model_cycles / 1980.0,
                           candidates=bin(gg.candidate_mask(kind, case.M, G)).count("1"))
     counts = histogram("zipf1.5", 64, 32768)
     t0 = time.perf_counter()
@@ -376,7 +379,9 @@ def report(rows, stream, sel) -> str:
         per = {k: v for k, v in sel.items() if isinstance(v, dict)}
         ov = max(v["prep_auto_us"] for v in per.values())
         detail = "; ".join(f"{k} ({v['candidates']} cand.) prep {v['prep_auto_us']:.1f} us "
-                           f"(forced {v['prep_forced_us']:.1f}), end to end auto - forced "
+                           f"(forced {v['prep_forced_us']:.1f}; choice {v['model_cycles']} SM "
+                           f"cycles = {v['model_us_at_1980mhz']:.1f} us at 1980 MHz), "
+                           "end to end auto - forced "
                            f"{v['overhead_us']:.1f} us" for k, v in per.items())
         targets.append(("selector cost <= 5 us (one small kernel)", ov <= 5.0,
                         f"{detail}; Python model {sel['python_select_us']:.0f} us/call"))

@@ -216,8 +216,13 @@ __device__ float model_wgrad(const ModelIn& in, const ConfigGeom& cg, const floa
   if (nne == 0) return tau0;
   for (int q = lane; q <= P; q += 32) { diff[q] = 0.f; cover[q] = 0; }
   __syncwarp();
-  float total = 0.f;
-  for (int j = lane; j < nne; j += 32) {
+  float total = 0.f, wrap_v = 0.f;  // wrapped windows also cover CTA 0: summed in registers
+  int wrap_n = 0;                     // (nearly every window wraps when rem ~ P, and 32 lanes
+                                      // adding to diff[0] serialised: ~28 us at G = 256)
+  // off_j = j * t_w mod P, stepped by 32 groups per lane (no 64-bit modulo in the loop)
+  const int step = (int)((32LL * t_w) % P);
+  int off = (int)(((long long)lane * t_w) % P);
+  for (int j = lane; j < nne; j += 32, off = off + step >= P ? off + step - P : off + step) {
     const float m = (float)in.cnt[in.order[j]];
     const float comp = 2.f * cg.BM * cg.BN * m / (in.peak * 1e6f / P * eta) + tau_epi;
     const float mem = (m * (in.N + in.K) * 2.f + (float)in.N * in.K * out_bytes) / (float)t_w /
@@ -225,23 +230,28 @@ __device__ float model_wgrad(const ModelIn& in, const ConfigGeom& cg, const floa
     const float v = fmaxf(comp, mem);
     total += v;
     if (rem) {
-      const int off = (int)(((long long)j * t_w) % P), end = off + rem;
+      const int end = off + rem;
       atomicAdd(&diff[off], v);
       atomicAdd(&cover[off], 1);
       if (end <= P) {
         atomicAdd(&diff[end], -v);
         atomicAdd(&cover[end], -1);
-      } else {  // wraps: [off, P) and [0, end - P)
-        atomicAdd(&diff[P], -v);
-        atomicAdd(&cover[P], -1);
-        atomicAdd(&diff[0], v);
-        atomicAdd(&cover[0], 1);
+      } else {  // wraps: [off, P) and [0, end - P); diff[P] is never read
+        wrap_v += v;
+        wrap_n += 1;
         atomicAdd(&diff[end - P], -v);
         atomicAdd(&cover[end - P], -1);
       }
     }
   }
   total = __shfl_sync(0xffffffffu, warp_sum(total), 0);
+  wrap_v = warp_sum(wrap_v);
+  wrap_n = warp_sum(wrap_n);
+  __syncwarp();
+  if (lane == 0) {
+    diff[0] += wrap_v;
+    cover[0] += wrap_n;
+  }
   __syncwarp();
   // prefix sums over q (chunks of 32), per-CTA cost, max
   float run = 0.f, worst = 0.f;
@@ -319,7 +329,9 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
     int rank = g;
     if (p.kind >= 2) {  // wgrad: largest first, stable
       rank = 0;
-      for (int h = 0; h < G; ++h) rank += (s_cnt[h] > s_cnt[g]) || (s_cnt[h] == s_cnt[g] && h < g);
+      const int cg = s_cnt[g];
+#pragma unroll 8  // independent loads: unrolled, they are in flight together (G = 256: ~5 us)
+      for (int h = 0; h < G; ++h) rank += (s_cnt[h] > cg) | (s_cnt[h] == cg && h < g);
     }
     s_order[rank] = g;
   }
@@ -331,6 +343,48 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
   }
   __syncthreads();
 
+  // The problem arrays (pointers, shapes, strides) do not depend on the config: written for
+  // every config, by the warps the model leaves idle, while it runs.
+  auto write_arrays = [&](int first, int step) {
+    const int N = p.N, K = p.K, epn = p.epn;
+    for (int i = first; i < G; i += step) {
+      const int g = s_order[i];
+      const long long start = s_start[g];
+      const int cnt = s_cnt[g];
+      const long long wofs = (long long)(g < epn ? g : g - epn) * N * K;
+      int shape[3];
+      if (p.kind == 0) {  // fwd: (M_g, N, K)
+        p.ptr[0][i] = p.A + start * K * 2;
+        p.ptr[1][i] = (g < epn ? p.B : p.B_slot) + wofs * 2;
+        p.ptr[3][i] = p.D + start * N * 2;
+        shape[0] = cnt; shape[1] = N; shape[2] = K;
+      } else if (p.kind == 1) {  // dgrad: (M_g, K, N)
+        p.ptr[0][i] = p.A + start * N * 2;
+        p.ptr[1][i] = (g < epn ? p.B : p.B_slot) + wofs * 2;
+        p.ptr[3][i] = p.D + start * K * 2;
+        shape[0] = cnt; shape[1] = K; shape[2] = N;
+      } else {  // wgrad: (N, K, M_g); empty groups get no tiles (fp32: unchanged; lp: zeroed)
+        p.ptr[0][i] = p.A + start * N * 2;
+        p.ptr[1][i] = p.B + start * K * 2;
+        char* d = (g < epn ? p.D : p.D_slot) + wofs * (p.kind == 2 ? 4 : 2);
+        p.ptr[2][i] = d;
+        p.ptr[3][i] = d;
+        shape[0] = cnt > 0 ? N : 0; shape[1] = K; shape[2] = cnt;
+      }
+      for (int c = 0; c < p.nconf; ++c) {
+        int* sh = p.shapes[c] + 3 * i;
+        sh[0] = shape[0];
+        sh[1] = shape[1];
+        sh[2] = shape[2];
+      }
+      memcpy(p.stride[0] + (size_t)i * p.sb.size_a, p.sb.a, p.sb.size_a);
+      memcpy(p.stride[1] + (size_t)i * p.sb.size_b, p.sb.b, p.sb.size_b);
+      memcpy(p.stride[2] + (size_t)i * p.sb.size_c, p.sb.c, p.sb.size_c);
+      memcpy(p.stride[3] + (size_t)i * p.sb.size_d, p.sb.d, p.sb.size_d);
+    }
+  };
+
+  const long long t_model = clock64();
   if (p.config < 0) {
     // Warp w evaluates configs w, w + kModelWarps, ... (gemm_cost_model's formulas).
     const int warp = tid >> 5;
@@ -350,6 +404,8 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
         if ((tid & 31) == 0) s_cost[c] = cost;
         __syncwarp();
       }
+    } else {
+      write_arrays(tid - kModelWarps * 32, blockDim.x - kModelWarps * 32);
     }
     __syncthreads();
     if (tid == 0) {
@@ -358,47 +414,21 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
         if (((p.cand_mask >> c) & 1) && (best < 0 || s_cost[c] < s_cost[best])) best = c;
       s_chosen = best < 0 ? 0 : best;
     }
-  } else if (tid == 0) {
-    s_chosen = p.config;
+  } else {
+    write_arrays(tid, blockDim.x);
+    if (tid == 0) s_chosen = p.config;
   }
   __syncthreads();
   const int chosen = s_chosen;
-  if (tid == 0) *p.chosen_out = chosen;
-
-  const int N = p.N, K = p.K, epn = p.epn;
-  for (int i = tid; i < G; i += blockDim.x) {
-    const int g = s_order[i];
-    const long long start = s_start[g];
-    const int cnt = s_cnt[g];
-    const long long wofs = (long long)(g < epn ? g : g - epn) * N * K;
-    int shape[3];
-    if (p.kind == 0) {  // fwd: (M_g, N, K)
-      p.ptr[0][i] = p.A + start * K * 2;
-      p.ptr[1][i] = (g < epn ? p.B : p.B_slot) + wofs * 2;
-      p.ptr[3][i] = p.D + start * N * 2;
-      shape[0] = cnt; shape[1] = N; shape[2] = K;
-    } else if (p.kind == 1) {  // dgrad: (M_g, K, N)
-      p.ptr[0][i] = p.A + start * N * 2;
-      p.ptr[1][i] = (g < epn ? p.B : p.B_slot) + wofs * 2;
-      p.ptr[3][i] = p.D + start * K * 2;
-      shape[0] = cnt; shape[1] = K; shape[2] = N;
-    } else {  // wgrad: (N, K, M_g); empty groups get no tiles (fp32: unchanged; lp: zeroed above)
-      p.ptr[0][i] = p.A + start * N * 2;
-      p.ptr[1][i] = p.B + start * K * 2;
-      char* d = (g < epn ? p.D : p.D_slot) + wofs * (p.kind == 2 ? 4 : 2);
-      p.ptr[2][i] = d;
-      p.ptr[3][i] = d;
-      shape[0] = cnt > 0 ? N : 0; shape[1] = K; shape[2] = cnt;
-    }
-    int* s = p.shapes[chosen] + 3 * i;  // only the chosen config runs (fused kernel)
-    s[0] = shape[0];
-    s[1] = shape[1];
-    s[2] = shape[2];
-    memcpy(p.stride[0] + (size_t)i * p.sb.size_a, p.sb.a, p.sb.size_a);
-    memcpy(p.stride[1] + (size_t)i * p.sb.size_b, p.sb.b, p.sb.size_b);
-    memcpy(p.stride[2] + (size_t)i * p.sb.size_c, p.sb.c, p.sb.size_c);
-    memcpy(p.stride[3] + (size_t)i * p.sb.size_d, p.sb.d, p.sb.size_d);
+  if (tid == 0) {
+    *p.chosen_out = chosen;
+    // SM cycles from here to the chosen config being known, at byte 8 of the workspace: the
+    // benchmark's measure of the selector itself (the model; the idle warps write the problem
+    // arrays meanwhile), apart from the prep kernel's launch and set-up
+    reinterpret_cast<long long*>(p.chosen_out)[1] = clock64() - t_model;
   }
+
+
 }
 
 int fail(const char* msg) {
