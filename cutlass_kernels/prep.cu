@@ -282,15 +282,20 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
       // wgrad_lp writes dW once (beta = 0): an empty group has no tiles, so zero its [N, K] here.
       // The group bounds are read once per block into shared memory (every thread reading all
       // of cu[] from global memory cost ~20 us at G = 256).
-      __shared__ unsigned char s_empty[kMaxGroups];
+      // Only the empty groups are listed (a loop over all G groups per thread cost ~4 us at
+      // G = 256 even when none was empty).
+      __shared__ unsigned short s_empty[kMaxGroups];  // G <= 1024
+      __shared__ int s_nempty;
+      if (threadIdx.x == 0) s_nempty = 0;
+      __syncthreads();
       for (int g = threadIdx.x; g < G; g += blockDim.x) {
         const int start = g == 0 ? 0 : clampi(p.cu[g - 1], 0, M);
-        s_empty[g] = clampi(p.cu[g], start, M) <= start;
+        if (clampi(p.cu[g], start, M) <= start) s_empty[atomicAdd(&s_nempty, 1)] = (unsigned short)g;
       }
       __syncthreads();
       const long long per = (long long)p.N * p.K / 8;  // uint4 units of one bf16 [N, K]
-      for (int g = 0; g < G; ++g) {
-        if (!s_empty[g]) continue;
+      for (int e = 0; e < s_nempty; ++e) {
+        const int g = s_empty[e];
         uint4* out = reinterpret_cast<uint4*>((g < p.epn ? p.D : p.D_slot) +
                                               (long long)(g < p.epn ? g : g - p.epn) * per * 16);
         for (long long i = (long long)(blockIdx.x - 1) * blockDim.x + threadIdx.x; i < per;
@@ -315,7 +320,16 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
   __shared__ float s_fscr[kModelWarps][kScratch + 1];
   __shared__ float s_cost[kMaxConfigs];
   __shared__ int s_chosen, s_nonempty;
+  __shared__ long long s_sb[4][4];  // the stride bytes of A, B, C, D as 8-byte words
+  __shared__ int s_sbsize[4];
   const int tid = threadIdx.x;
+  if (tid < 4 * 32) {  // stride sizes are multiples of 8 (packed int64 strides); host-checked
+    const int a = tid >> 5, byte = tid & 31;
+    const unsigned char* src = a == 0 ? p.sb.a : a == 1 ? p.sb.b : a == 2 ? p.sb.c : p.sb.d;
+    reinterpret_cast<unsigned char*>(s_sb[a])[byte] = src[byte];
+    if (byte == 0) s_sbsize[a] = a == 0 ? p.sb.size_a : a == 1 ? p.sb.size_b : a == 2 ? p.sb.size_c
+                                                                                  : p.sb.size_d;
+  }
 
   for (int g = tid; g < G; g += blockDim.x) {
     const int start = g == 0 ? 0 : clampi(p.cu[g - 1], 0, M);
@@ -377,10 +391,13 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
         sh[1] = shape[1];
         sh[2] = shape[2];
       }
-      memcpy(p.stride[0] + (size_t)i * p.sb.size_a, p.sb.a, p.sb.size_a);
-      memcpy(p.stride[1] + (size_t)i * p.sb.size_b, p.sb.b, p.sb.size_b);
-      memcpy(p.stride[2] + (size_t)i * p.sb.size_c, p.sb.c, p.sb.size_c);
-      memcpy(p.stride[3] + (size_t)i * p.sb.size_d, p.sb.d, p.sb.size_d);
+      // strides: 8-byte words from the shared copy (byte-wise copies from the kernel
+      // parameters were ~96 scattered 1-byte stores per group)
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        long long* dst = reinterpret_cast<long long*>(p.stride[a] + (size_t)i * s_sbsize[a]);
+        for (int w = 0; w < s_sbsize[a] / 8; ++w) dst[w] = s_sb[a][w];
+      }
     }
   };
 
@@ -506,6 +523,8 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   // Strides depend on N and K only (leading dimensions), never on the group's rows.
   const int pm = kind >= 2 ? N : 1, pn = kind == 0 ? N : K, pk = kind == 0 ? K : (kind == 1 ? N : 1);
   reg.kind[kind]->strides(pm, pn, pk, &p.sb);
+  for (int sz : {p.sb.size_a, p.sb.size_b, p.sb.size_c, p.sb.size_d})
+    if (sz % 8 != 0 || sz > 32) return fail("internal: stride size not a multiple of 8 bytes");
   if (tuning) {
     p.tuning.peak_tflops = tuning[0];
     p.tuning.hbm_tbps = tuning[1];
