@@ -275,7 +275,9 @@ struct FusedKind {
     }
     fp.chosen = chosen;
     auto kernel = &fused_grouped_gemm<typename Gs::Kernel...>;
-    static const cudaError_t attr =
+    // Every call, as CUTLASS's adapter does: the attribute belongs to the current device's
+    // context, so a once-per-process static would miss the second GPU of a multi-GPU process.
+    const cudaError_t attr =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (attr != cudaSuccess) {
       snprintf(err, err_len, "cudaFuncSetAttribute(smem %d) failed: %s", kSmem,

@@ -71,7 +71,9 @@ def sources(lib: str) -> list[Path]:
 def _stale(src: Path, obj: Path) -> bool:
     if not obj.exists():
         return True
-    newest = max([src.stat().st_mtime] + [h.stat().st_mtime for h in src.parent.glob("*.h*")])
+    # every header of the folder: *.h, *.hpp and *.cuh (a "*.h*" glob missed *.cuh)
+    headers = [h for h in src.parent.iterdir() if h.suffix in (".h", ".hpp", ".cuh")]
+    newest = max([src.stat().st_mtime] + [h.stat().st_mtime for h in headers])
     return newest > obj.stat().st_mtime
 
 

@@ -440,3 +440,26 @@ def test_cost_model_bad_input():
     with pytest.raises(ValueError):
         gemm_cost_model.predict([1, 1], 16, 16, kind="bwd")
     assert len(gemm_cost_model.tuning_table("fwd")) == 2 + 5 * len(gemm_cost_model.CONFIGS["fwd"])
+
+
+def test_build_rebuilds_when_any_header_changes(tmp_path):
+    # A unit is stale when its source or any header of its folder (.h, .hpp, .cuh) is newer
+    # than its object: gemm_kernel.cuh holds every kernel's code.
+    import os
+
+    from moonep_ops import build
+
+    src, obj = tmp_path / "k.cu", tmp_path / "k.o"
+    src.write_text("")
+    obj.write_text("")
+    os.utime(src, (1000, 1000))
+    os.utime(obj, (2000, 2000))
+    assert not build._stale(src, obj)
+    for name in ("a.cuh", "b.h", "c.hpp"):
+        hdr = tmp_path / name
+        hdr.write_text("")
+        os.utime(hdr, (3000, 3000))
+        assert build._stale(src, obj), name
+        os.utime(hdr, (1500, 1500))
+    assert not build._stale(src, obj)
+    assert build._stale(src, tmp_path / "missing.o")
