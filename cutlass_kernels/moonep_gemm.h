@@ -22,7 +22,8 @@ MOONEP_API size_t moonep_gemm_workspace_bytes(int kind, int G, int sm_count);
 
 // One grouped GEMM on `stream`.  Rows of group g are [cu[g-1], cu[g]) (cu[-1] := 0), read on
 // the device.  config >= 0 forces a config; config == -1 evaluates the cost model on the device
-// for every config in cand_mask, runs the cheapest and lets the others exit at once.
+// for every config in cand_mask and runs the cheapest: one launch of the kind's fused kernel
+// either way.  Workspace bytes 0-3: the config that ran; 8-15: SM cycles of the choice.
 //   fwd:   A = x [M,K] bf16, B = w_local/w_slot [epn,N,K] bf16, D = y [M,N] bf16
 //   dgrad: A = dy [M,N] bf16, B = w_local/w_slot [epn,N,K] bf16, D = dx [M,K] bf16
 //   wgrad: A = dy [M,N] bf16, B = x [M,K] bf16, D = grad_local, D_slot = grad_slot [epn,N,K]

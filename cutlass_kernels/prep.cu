@@ -5,11 +5,13 @@
 //      never make the GEMM read or write out of bounds;
 //   2. for wgrad, orders the groups largest first (LPT: a wgrad tile costs ~M_g, and the static
 //      round-robin scheduler then balances better);
-//   3. evaluates the cost model (same formulas as moonep_ops/gemm_cost_model.py, spread over the
-//      block) for every candidate config and picks the cheapest;
-//   4. writes the problem-shape / pointer / stride arrays: real shapes for the chosen config and
-//      all-empty shapes for the other candidates, which are launched too and exit at once;
-//   5. (blocks >= 1) zeroes the output rows past cu_seqlens[G-1] for fwd and dgrad.
+//   3. evaluates the cost model (same formulas as moonep_ops/gemm_cost_model.py), one warp per
+//      candidate config, all at once, and picks the cheapest;
+//   4. meanwhile (the other warps) writes the problem-shape / pointer / stride arrays, which do not
+//      depend on the config; the kind's fused kernel (gemm_kernel.cuh) then runs the chosen
+//      config's branch, in one launch;
+//   5. (blocks >= 1) zeroes the output rows past cu_seqlens[G-1] for fwd and dgrad, and the dW
+//      of empty groups for wgrad_lp.
 #include <cuda_runtime.h>
 
 #include <cstdio>
