@@ -111,3 +111,19 @@ def test_end_to_end(tmp_path):
     assert res["warmup"]["moonep"]["graphs"] == 1
     assert rows[(0.0, "moonep")]["recompiles"] == rows[(4.0, "moonep")]["recompiles"] == 0
     assert res["warmup"]["baseline"]["graph_breaks"] > 0      # the host-sized all-to-all
+
+
+def test_profile_writes_top_ops(tmp_path):
+    """--profile: one profiled step per model after the sweep, its top ops by self time in
+    profile_<model>.txt (the moonep one shows the data-plane ops)."""
+    out = tmp_path / "out"
+    r = _run(["-R", "2", "-E", "8", "-K", "2", "-H", "16", "-F", "8", "-L", "1", "-s", "16",
+              "--steps", "1", "--maxvio", "2", "--no-compile", "--no-progress", "--profile",
+              "--out", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    moonep = (out / "profile_moonep.txt").read_text()
+    base = (out / "profile_baseline.txt").read_text()
+    assert "self_cpu_time_total" in moonep.splitlines()[0]
+    assert "moonep::combine" in moonep and "moonep::reduce_grad" in moonep
+    assert "moonep::combine" not in base and "moonep::reduce_grad" not in base
+    assert "alltoall" in base   # the baseline moves tokens with all_to_all_single

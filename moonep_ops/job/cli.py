@@ -77,6 +77,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=d.out, help=f"output folder (default ./{d.out})")
     ap.add_argument("--timeout", type=_float("timeout"), default=d.timeout_s,
                     help="seconds before a wedged run is killed")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the sweep, profile one step of each model (torch.profiler) and "
+                         "write the top ops by self time to OUT/profile_<model>.txt")
     ap.add_argument("--planner-only", action="store_true",
                     help="planner over simulated ranks only (no processes, no training)")
     return ap
@@ -124,7 +127,7 @@ def main(argv=None) -> int:
                     token_padding=a.token_padding, policy=a.policy, backend=a.backend,
                     ep_backend=a.ep_backend,
                     compile=not a.no_compile, out=a.out, progress=not a.no_progress,
-                    timeout_s=a.timeout)
+                    timeout_s=a.timeout, profile=a.profile)
     from . import report
     t0 = time.time()
     if torchrun:
@@ -145,5 +148,10 @@ def main(argv=None) -> int:
     print(report.table(res))
     print(report.footer(res))
     paths = report.write(res, cfg.out, command)
+    for kind, text in res.get("profile", {}).items():
+        path = os.path.join(cfg.out, f"profile_{kind}.txt")
+        with open(path, "w") as f:
+            f.write(text)
+        paths.append(path)
     print(f"wrote {', '.join(paths)} ({time.time() - t0:.0f} s)")
     return 0

@@ -62,6 +62,7 @@ class JobConfig:
     out: str = "moonep_out"
     progress: bool = True
     timeout_s: float = 900.0
+    profile: bool = False     # profile one step per model after the sweep (profile_<model>.txt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,11 +241,49 @@ def rank_main(cfg: JobConfig, rank: int, R: int, device: torch.device) -> Option
                     rows[-1]["wire_bytes"] = None
     if bar:
         bar.close()
+    profiles = _profile_steps(models, routing, train_step, cfg, rank, s, D, dtype, device) \
+        if cfg.profile else {}
     if rank != 0:
         return None
-    return dict(config=dataclasses.asdict(cfg), R=R, device=str(device), dtype=str(dtype),
-                ep_backend=type(buf.backend).__name__,
-                torch=torch.__version__, warmup=warm, rows=rows)
+    out = dict(config=dataclasses.asdict(cfg), R=R, device=str(device), dtype=str(dtype),
+               ep_backend=type(buf.backend).__name__,
+               torch=torch.__version__, warmup=warm, rows=rows)
+    if profiles:
+        out["profile"] = profiles
+    return out
+
+
+def _profile_steps(models, routing, train_step, cfg, rank, s, D, dtype, device) -> dict:
+    """One warm step, then one profiled step of each model at the hottest maxvio: the ops with
+    the largest self time (device time on CUDA, CPU time otherwise) as a text table per model
+    (rank 0's view; every rank runs the same steps, the collectives need them all)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .model import batch
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    v = max(cfg.maxvio)
+    tables = {}
+    for kind in MODELS:
+        models[kind].set_routing([t[rank].to(device) for t in routing(v, 30_000)])
+        x, y = batch(30_000, rank, s, D, cfg.seed, dtype, device)
+        train_step(kind, x, y)
+        if cuda:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        with profile(activities=acts) as prof:
+            train_step(kind, x, y)
+            if cuda:
+                torch.cuda.synchronize(device)
+        avg = prof.key_averages()
+        sort = "self_cpu_time_total"
+        if cuda:   # the name changed across torch versions
+            sort = "self_device_time_total" if hasattr(avg[0], "self_device_time_total") \
+                else "self_cuda_time_total"
+        tables[kind] = (f"{kind}: one training step at maxvio {v:g}, rank {rank}, sorted by "
+                        f"{sort}\n" + avg.table(sort_by=sort, row_limit=30) + "\n")
+    return tables
 
 
 def _summarise(v, kind, stats, got, losses, counters, cfg) -> dict:
