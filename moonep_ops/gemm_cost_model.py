@@ -29,9 +29,9 @@ wgrad (every non-empty group has the same tile count, but a tile costs ~ M_g):
 
 The constants (eta, bw_frac, tau_sw, tau0, tau_epi per config) live in moonep_ops/gemm_tuning.py and
 are fitted on the H200 by benchmarks/calibrate_grouped_gemm.py.  The same formulas run on the
-GPU inside the prep kernel (cutlass_kernels/selector.cuh), which is how the op selects a config
-from device-resident counts without a host sync; this module is the reference and the API a user
-asks ("what does the model predict for these counts?").
+GPU inside the prep kernel (cutlass_kernels/prep.cu, one warp per config), which is how the op
+selects a config from device-resident counts without a host sync; this module is the reference
+and the API a user asks ("what does the model predict for these counts?").
 """
 from __future__ import annotations
 
@@ -201,7 +201,8 @@ def flops(counts: Sequence[int], N: int, K: int) -> float:
 
 def tuning_table(kind: str) -> list[float]:
     """Constants flattened for the device selector: [peak TF/s, HBM TB/s, then per config
-    eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us] in CONFIGS[kind] order (selector.cuh)."""
+    eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us] in CONFIGS[kind] order (the Tuning struct of
+    cutlass_kernels/selector.cuh)."""
     _check_kind(kind)
     out = [float(gemm_tuning.PEAK_TFLOPS), float(gemm_tuning.HBM_TBPS)]
     for cfg in CONFIGS[kind]:
