@@ -305,7 +305,7 @@ def run_selector_cost(iters: int):
                           overhead_us=auto - forced, prep_auto_us=prep_auto,
                           prep_forced_us=prep_forced, model_us=prep_auto - prep_forced,
                           model_cycles=model_cycles, model_us_at_1980mhz=model_cycles / 1980.0,
-                          candidates=bin(gg.candidate_mask(kind, case.M, G)).count("1"))
+                          candidates=bin(gg.candidate_mask(kind)).count("1"))
     counts = histogram("zipf1.5", 64, 32768)
     t0 = time.perf_counter()
     for _ in range(100):

@@ -43,7 +43,6 @@ struct RunArgs {
   void* stride_C;
   void* stride_D;
   void* cutlass_ws;
-  size_t cutlass_ws_bytes;
   int sm_count;
   int raster;              // 0 along M (co-resident CTAs share a weight slice), 1 along N
   void* stream;

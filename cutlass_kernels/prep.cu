@@ -118,6 +118,13 @@ struct PrepParams {
 __device__ __forceinline__ int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 __device__ __forceinline__ int cdivi(int a, int b) { return (a + b - 1) / b; }
 
+// Rows [x, y) of group g from cu_seqlens, clamped to [0, M] so that bad offsets can never make
+// the GEMM read or write out of bounds (an empty group has y == x).
+__device__ __forceinline__ int2 group_rows(const int* cu, int g, int M) {
+  const int start = g == 0 ? 0 : clampi(cu[g - 1], 0, M);
+  return make_int2(start, clampi(cu[g], start, M));
+}
+
 template <class T>
 __device__ __forceinline__ T warp_sum(T v) {
   for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
@@ -291,8 +298,8 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
       if (threadIdx.x == 0) s_nempty = 0;
       __syncthreads();
       for (int g = threadIdx.x; g < G; g += blockDim.x) {
-        const int start = g == 0 ? 0 : clampi(p.cu[g - 1], 0, M);
-        if (clampi(p.cu[g], start, M) <= start) s_empty[atomicAdd(&s_nempty, 1)] = (unsigned short)g;
+        const int2 rows = group_rows(p.cu, g, M);
+        if (rows.y <= rows.x) s_empty[atomicAdd(&s_nempty, 1)] = (unsigned short)g;
       }
       __syncthreads();
       const long long per = (long long)p.N * p.K / 8;  // uint4 units of one bf16 [N, K]
@@ -334,10 +341,9 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
   }
 
   for (int g = tid; g < G; g += blockDim.x) {
-    const int start = g == 0 ? 0 : clampi(p.cu[g - 1], 0, M);
-    const int end = clampi(p.cu[g], start, M);
-    s_start[g] = start;
-    s_cnt[g] = end - start;
+    const int2 rows = group_rows(p.cu, g, M);
+    s_start[g] = rows.x;
+    s_cnt[g] = rows.y - rows.x;
   }
   if (tid == 0) s_nonempty = 0;
   __syncthreads();
@@ -549,23 +555,24 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   }
 
   // One launch of the kind's fused kernel; it runs the config the prep kernel wrote to `chosen`.
-  RunArgs r[kMaxConfigs]{};
-  for (int c = 0; c < nconf; ++c) {
-    r[c].G = G;
-    r[c].ptr_A = p.ptr[0];
-    r[c].ptr_B = p.ptr[1];
-    r[c].ptr_C = p.ptr[2];
-    r[c].ptr_D = const_cast<void**>(p.ptr[3]);
-    r[c].stride_A = p.stride[0];
-    r[c].stride_B = p.stride[1];
-    r[c].stride_C = p.stride[2];
-    r[c].stride_D = p.stride[3];
-    r[c].sm_count = sm_count;
-    r[c].raster = raster;
-    r[c].stream = stream;
+  RunArgs base{};
+  base.G = G;
+  base.ptr_A = p.ptr[0];
+  base.ptr_B = p.ptr[1];
+  base.ptr_C = p.ptr[2];
+  base.ptr_D = const_cast<void**>(p.ptr[3]);
+  base.stride_A = p.stride[0];
+  base.stride_B = p.stride[1];
+  base.stride_C = p.stride[2];
+  base.stride_D = p.stride[3];
+  base.sm_count = sm_count;
+  base.raster = raster;
+  base.stream = stream;
+  RunArgs r[kMaxConfigs];
+  for (int c = 0; c < nconf; ++c) {  // configs differ only in their shapes and CUTLASS workspace
+    r[c] = base;
     r[c].shapes = ws + L.shapes[c];
     r[c].cutlass_ws = ws + L.cutlass[c];
-    r[c].cutlass_ws_bytes = reg.kind[kind]->workspace_bytes(c, G, sm_count);
   }
   if (reg.kind[kind]->run(r, p.chosen_out, g_err, sizeof(g_err)) != 0) return -1;
   return 0;

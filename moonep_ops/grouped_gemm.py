@@ -38,6 +38,7 @@ Env MOONEP_GEMM_BACKEND = auto (default) | torch | reference forces a backend (t
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Optional
 
@@ -294,6 +295,13 @@ def _sm_count(device: torch.device) -> int:
     return _sm_counts[idx]
 
 
+@functools.lru_cache(maxsize=None)
+def _workspace_bytes(kind_id: int, G: int, sm_count: int) -> int:
+    # Depends on (kind, G, SM count) only; the C side derives it from every config's CUTLASS
+    # arguments, so it is asked once per shape, not on every call.
+    return _native.require_gemm_lib().moonep_gemm_workspace_bytes(kind_id, G, sm_count)
+
+
 def _tuning_table(kind: str):
     # Built once per process from gemm_tuning (the file the calibration rewrites).
     if kind not in _tables:
@@ -302,13 +310,12 @@ def _tuning_table(kind: str):
     return _tables[kind]
 
 
-def candidate_mask(kind: str, M: int = 0, G: int = 1) -> int:
+def candidate_mask(kind: str) -> int:
     """Configs the device selector chooses among (bit i = CONFIGS[kind][i]).
 
     All configs of a kind are branches of one fused kernel, launched once; a candidate costs only
     its evaluation in the prep kernel (~1 µs), so every config is a candidate.  Env
-    MOONEP_GEMM_CANDIDATES (comma-separated names) narrows the set.  M and G are accepted for
-    callers that pruned by rows per group before the kernels were fused."""
+    MOONEP_GEMM_CANDIDATES (comma-separated names) narrows the set."""
     names = os.environ.get("MOONEP_GEMM_CANDIDATES", "")
     cfgs = gemm_cost_model.CONFIGS[kind]
     if not names:
@@ -326,7 +333,7 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
     G = 2 * epn
     sm = _sm_count(dev)
     kid = _KIND_ID[kind]
-    nbytes = lib.moonep_gemm_workspace_bytes(kid, G, sm)
+    nbytes = _workspace_bytes(kid, G, sm)
     if workspace is None or workspace.numel() < nbytes:
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     stream = torch.cuda.current_stream(dev).cuda_stream
@@ -336,7 +343,7 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
             a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
             d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
             cu.data_ptr(), G, epn, M, N, K,
-            _tuning_table(kind), candidate_mask(kind, M, G),
+            _tuning_table(kind), candidate_mask(kind),
             workspace.data_ptr(), nbytes, sm, stream)
     if rc != 0:
         raise RuntimeError(f"moonep grouped GEMM ({kind}) failed: {_native.gemm_last_error()}")
