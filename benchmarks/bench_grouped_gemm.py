@@ -147,16 +147,18 @@ class Case:
             self.out = torch.empty(self.out_shape, dtype=torch.bfloat16, device="cuda")
         self.workspace = None
 
-    def ours(self, config: int):
+    def ours(self, config: int, raster: int = 0):
         k, N, K, M, epn = self.kind, self.N, self.K, self.M, self.epn
 
         def run():
             if k in ("wgrad", "wgrad_lp"):
                 self.workspace = gg._launch(k, config, self.a, self.x, None, self.gl, self.gs,
-                                            self.cu, epn, M, N, K, workspace=self.workspace)
+                                            self.cu, epn, M, N, K, raster=raster,
+                                            workspace=self.workspace)
             else:
                 self.workspace = gg._launch(k, config, self.a, self.wl, self.ws, self.out, None,
-                                            self.cu, epn, M, N, K, workspace=self.workspace)
+                                            self.cu, epn, M, N, K, raster=raster,
+                                            workspace=self.workspace)
         return run
 
     def torch_grouped(self):
@@ -239,6 +241,32 @@ def run_sweep(iters: int, quick: bool):
                   f"[{r['device_choice']}]", flush=True)
         torch.cuda.empty_cache()
     return rows
+
+
+def run_raster_study(iters: int, quick: bool):
+    """Would raster order along N (a run-time scheduler argument) be worth fused branches?
+    Every config with raster 0 (along M, the default) and 1, interleaved, per sweep case."""
+    rows = []
+    for spec in sweep_cases(quick):
+        counts = histogram(spec["skew"], spec["G"], spec["rows"], seed=spec["G"])
+        for kind in KINDS:
+            case = Case(kind, counts, spec["N"], spec["K"])
+            cfgs = gemm_cost_model.CONFIGS[kind]
+            fns = {f"{c.name}/r{r}": case.ours(i, r) for i, c in enumerate(cfgs) for r in (0, 1)}
+            t = time_interleaved(fns, rounds=iters)
+            best0 = min(v for k, v in t.items() if k.endswith("/r0"))
+            best = min(t.values())
+            rows.append(dict(spec, kind=kind, us=t, best_r0=best0, best_any=best,
+                             gain=best0 / best))
+            case.free()
+            print(f"raster {spec['proj']:4} H={spec['H']} G={spec['G']} {spec['skew']:8} "
+                  f"{kind:8} best r0 {best0:8.1f} us, best any {best:8.1f} us "
+                  f"({min(t, key=t.get)}), gain {best0 / best:.3f}", flush=True)
+        torch.cuda.empty_cache()
+    by_kind = {k: gmean([r["gain"] for r in rows if r["kind"] == k]) for k in KINDS}
+    print("raster study: oracle gain from adding raster-N variants (gm per kind): " +
+          ", ".join(f"{k} {v:.3f}" for k, v in by_kind.items()), flush=True)
+    return dict(rows=rows, gm_gain=by_kind)
 
 
 def run_streaming(iters: int):
@@ -399,7 +427,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=7, help="interleaved rounds (3 runs each)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="sweep,stream,selector",
-                    help="comma-separated parts: sweep, stream, selector")
+                    help="comma-separated parts: sweep, stream, selector, raster (study)")
     args = ap.parse_args(argv)
     assert torch.cuda.is_available(), "needs a GPU"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -408,11 +436,12 @@ def main(argv=None):
     rows = run_sweep(args.iters, args.quick) if "sweep" in parts else []
     stream = run_streaming(args.iters) if "stream" in parts else []
     sel = run_selector_cost(args.iters) if "selector" in parts else {}
+    raster = run_raster_study(args.iters, args.quick) if "raster" in parts else {}
     md = report(rows, stream, sel)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_grouped_gemm.json").write_text(json.dumps(
-        dict(rows=rows, stream=stream, selector=sel, torch=torch.__version__,
+        dict(rows=rows, stream=stream, selector=sel, raster=raster, torch=torch.__version__,
              device=torch.cuda.get_device_name(), tuning=gemm_tuning.CALIBRATION_SOURCE),
         indent=1, default=float))
     (out / "bench_grouped_gemm.md").write_text(md)

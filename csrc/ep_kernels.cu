@@ -311,42 +311,103 @@ __global__ void push_weights_kernel(TensorTable tt, const int32_t* etc, int R, i
 }
 
 // reduce_grad: the owner pulls every slot holding one of its experts and adds them into its
-// fp32 local grad one at a time in ascending (src*epn + b).  grid.y = local expert le.
-__global__ void reduce_grads_kernel(TensorTable tt, const int32_t* etc, int R, int B, int rank,
-                                    const int32_t* err) {
-  extern __shared__ int32_t srcs[];  // [R*B]: slot ids j = src*B + b holding expert rank*B+le
-  __shared__ int nsrc;
-  if (load_err(err) & MOONEP_ERR_TIMEOUT) return;
-  const int le = blockIdx.y;
-  const int target = rank * B + le;
-  if (threadIdx.x < 32) {
-    int cnt = 0;
-    const int lane = threadIdx.x;
-    for (int base = 0; base < R * B; base += 32) {
-      const bool hit = base + lane < R * B && etc[base + lane] == target;
-      const unsigned m = __ballot_sync(0xffffffffu, hit);
-      if (hit) {
-        int pos = cnt + __popc(m & ((1u << lane) - 1));
-        srcs[pos] = base + lane;  // pos < R*B: at most one entry per slot
-      }
-      cnt += __popc(m);
-    }
-    if (lane == 0) nsrc = cnt;
-  }
-  __syncthreads();
-  const int n = nsrc;
-  if (n == 0) return;
-  for (int i = 0; i < tt.n; ++i) {
-    const int64_t elems = tt.row_bytes[i] / 4;
-    float* dstp = reinterpret_cast<float*>(const_cast<char*>(tt.local[i])) + static_cast<int64_t>(le) * elems;
-    for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < elems;
-         j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      float acc = dstp[j];
+// local grad one at a time in ascending (src*epn + b), in fp32: fp32 grads in place, bf16 grads
+// (T = __nv_bfloat16) read once, summed in fp32 and rounded once (RNE).
+// Work split: every block takes a 1/gridDim slice of EVERY replicated expert's rows (it walks
+// the local experts and skips those without replicas).  Which experts have replicas is only
+// known on the device; a grid of (slices, expert) blocks sized for the worst case left a single
+// replicated expert to 4 blocks (4 ms for 3 x 2M bf16 elements at epn = 128).
+template <typename T>
+__device__ __forceinline__ void add_row_slice(T* dst, char* const* peers, const int32_t* srcs,
+                                              int n, int B, int64_t elems) {
+  constexpr int V = 16 / sizeof(T);  // elements per 16-byte access
+  bool vec = (elems % V) == 0 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0;
+  for (int q = 0; q < n && vec; ++q)
+    vec = (reinterpret_cast<uintptr_t>(peers[srcs[q] / B]) & 15) == 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (vec) {
+    for (int64_t jv = first; jv < elems / V; jv += stride) {
+      union { uint4 u; T t[V]; } d, v;
+      d.u = reinterpret_cast<const uint4*>(dst)[jv];
+      float acc[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] = to_acc<T>(d.t[k]);
       for (int q = 0; q < n; ++q) {
         const int src = srcs[q] / B, b = srcs[q] % B;
-        acc += reinterpret_cast<const float*>(tt.peers[i][src])[static_cast<int64_t>(b) * elems + j];
+        v.u = reinterpret_cast<const uint4*>(
+            reinterpret_cast<const T*>(peers[src]) + static_cast<int64_t>(b) * elems)[jv];
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] += to_acc<T>(v.t[k]);
       }
-      dstp[j] = acc;
+#pragma unroll
+      for (int k = 0; k < V; ++k) d.t[k] = from_acc<T>(acc[k]);
+      reinterpret_cast<uint4*>(dst)[jv] = d.u;
+    }
+    return;
+  }
+  for (int64_t j = first; j < elems; j += stride) {
+    float acc = to_acc<T>(dst[j]);
+    for (int q = 0; q < n; ++q) {
+      const int src = srcs[q] / B, b = srcs[q] % B;
+      acc += to_acc<T>(reinterpret_cast<const T*>(peers[src])[static_cast<int64_t>(b) * elems + j]);
+    }
+    dst[j] = from_acc<T>(acc);
+  }
+}
+
+template <typename T>
+__global__ void reduce_grads_kernel(TensorTable tt, const int32_t* etc, int R, int B, int rank,
+                                    const int32_t* err) {
+  // Shared: etc copy [R*B]; slot ids j = src*B + b grouped by local expert, ascending j inside a
+  // group [R*B] (at most one expert per slot, so R*B entries in all); group offsets [B+1].
+  extern __shared__ int32_t sm[];
+  const int RB = R * B;
+  int32_t* s_etc = sm;
+  int32_t* s_src = sm + RB;
+  int32_t* s_off = sm + 2 * RB;
+  if (load_err(err) & MOONEP_ERR_TIMEOUT) return;
+  for (int j = threadIdx.x; j < RB; j += blockDim.x) s_etc[j] = etc[j];
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+  for (int le = warp; le < B; le += nw) {  // count each expert's slots (one warp per expert)
+    int cnt = 0;
+    for (int base = 0; base < RB; base += 32)
+      cnt += __popc(__ballot_sync(0xffffffffu, base + lane < RB && s_etc[base + lane] == rank * B + le));
+    if (lane == 0) s_off[le + 1] = cnt;
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive offsets, 32 experts per step
+    int run = 0;
+    if (lane == 0) s_off[0] = 0;
+    for (int base = 0; base < B; base += 32) {
+      int v = base + lane < B ? s_off[base + lane + 1] : 0;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += u;
+      }
+      if (base + lane < B) s_off[base + lane + 1] = run + v;
+      run += __shfl_sync(0xffffffffu, v, 31);
+    }
+  }
+  __syncthreads();
+  for (int le = warp; le < B; le += nw) {  // fill, ascending j within each expert
+    int pos = s_off[le];
+    for (int base = 0; base < RB; base += 32) {
+      const bool hit = base + lane < RB && s_etc[base + lane] == rank * B + le;
+      const unsigned m = __ballot_sync(0xffffffffu, hit);
+      if (hit) s_src[pos + __popc(m & ((1u << lane) - 1))] = base + lane;
+      pos += __popc(m);
+    }
+  }
+  __syncthreads();
+  for (int le = 0; le < B; ++le) {
+    const int n = s_off[le + 1] - s_off[le];
+    if (n == 0) continue;
+    for (int i = 0; i < tt.n; ++i) {
+      const int64_t elems = tt.row_bytes[i] / static_cast<int64_t>(sizeof(T));
+      T* dst = reinterpret_cast<T*>(const_cast<char*>(tt.local[i])) + static_cast<int64_t>(le) * elems;
+      add_row_slice<T>(dst, tt.peers[i], s_src + s_off[le], n, B, elems);
     }
   }
 }
@@ -471,7 +532,7 @@ MOONEP_EXPORT int moonep_ep_combine_stage(const void* h, int64_t n_rows, int64_t
   return fail(e, "moonep_ep_combine_stage");
 }
 
-// dtype codes: 0 bf16, 1 fp16, 2 fp32, 3 fp64
+// dtype codes: MoonepEpDtype (moonep_ep.h)
 // Direct mode (one address space: virtual ranks): instead of staging h, every rank publishes
 // (h pointer, w pointer, rows) into row `rank` of every peer's [3, R] int64 table.
 __global__ void publish_ptrs_kernel(int64_t* const* table_peers, int rank, int R, int64_t h,
@@ -540,14 +601,23 @@ MOONEP_EXPORT int moonep_ep_push_weights(int n, const void* const* local, const 
 
 MOONEP_EXPORT int moonep_ep_reduce_grads(int n, const void* const* local, const void* const* peers,
                                          const int64_t* row_bytes, const void* etc, int R, int B,
-                                         int rank, const void* err, int num_sms, void* stream) {
+                                         int rank, const void* err, int num_sms, int dtype,
+                                         void* stream) {
   if (n < 1 || n > kMaxT) return fail(cudaErrorInvalidValue, "moonep_ep_reduce_grads (n)");
+  if (dtype != MOONEP_DTYPE_F32 && dtype != MOONEP_DTYPE_BF16)
+    return fail(cudaErrorInvalidValue, "moonep_ep_reduce_grads (dtype)");
   TensorTable tt = make_table(n, local, peers, row_bytes);
+  const size_t smem = (2 * static_cast<size_t>(R) * B + B + 1) * sizeof(int32_t);
+  if (smem > 48 * 1024) return fail(cudaErrorInvalidValue, "moonep_ep_reduce_grads (R*epn > 6000)");
+  const int64_t esize = dtype == MOONEP_DTYPE_F32 ? 4 : 2;
   int64_t max_elems = 1;
-  for (int i = 0; i < n; ++i) max_elems = max(max_elems, row_bytes[i] / 4);
-  const int per_le = grid_for(max_elems, 256, max(1, num_sms * 4 / max(B, 1)) );
-  dim3 grid(per_le, B);
-  reduce_grads_kernel<<<grid, 256, R * B * sizeof(int32_t), static_cast<cudaStream_t>(stream)>>>(
+  for (int i = 0; i < n; ++i) max_elems = max(max_elems, row_bytes[i] / esize);
+  // Each block handles a slice of every replicated expert (see the kernel): size the grid for
+  // one row's 16-byte vectors, at most a few waves.
+  dim3 grid(grid_for((max_elems * esize + 15) / 16, 256, num_sms * 4));
+  auto kernel = dtype == MOONEP_DTYPE_F32 ? reduce_grads_kernel<float>
+                                          : reduce_grads_kernel<__nv_bfloat16>;
+  kernel<<<grid, 256, smem, static_cast<cudaStream_t>(stream)>>>(
       tt, static_cast<const int32_t*>(etc), R, B, rank, static_cast<const int32_t*>(err));
   return fail(cudaGetLastError(), "moonep_ep_reduce_grads");
 }

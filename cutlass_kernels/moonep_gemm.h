@@ -7,11 +7,17 @@
 extern "C" {
 #endif
 
-#define MOONEP_GEMM_ABI_VERSION 3
+#define MOONEP_GEMM_ABI_VERSION 4
 #define MOONEP_API __attribute__((visibility("default")))
 
 // kind: 0 fwd (y = x W^T), 1 dgrad (dx = dy W), 2 wgrad (dW += dy^T x, fp32),
 //       3 wgrad_lp (dW = dy^T x written in bf16; empty groups' dW set to zero).
+// flags (bit mask):
+//   MOONEP_GEMM_KEEP_EMPTY_SLOTS  wgrad_lp only: an empty *slot* group (g >= epn) is left
+//       untouched instead of zeroed.  The MoE backward writes slot grads into a pool whose
+//       slots are zero outside a backward (reduce_grad re-zeroes what it consumes), so zeroing
+//       the unused slots again would only burn N*K*2 bytes of bandwidth per unused slot.
+#define MOONEP_GEMM_KEEP_EMPTY_SLOTS 1
 MOONEP_API int moonep_gemm_abi_version(void);
 MOONEP_API const char* moonep_gemm_last_error(void);
 MOONEP_API int moonep_gemm_num_configs(int kind);
@@ -35,7 +41,7 @@ MOONEP_API int moonep_grouped_gemm(int kind, int config, int raster,
                         const void* A, const void* B, const void* B_slot,
                         void* D, void* D_slot, const int* cu_seqlens,
                         int G, int epn, int M, int N, int K,
-                        const float* tuning, int cand_mask,
+                        const float* tuning, int cand_mask, int flags,
                         void* workspace, size_t workspace_bytes, int sm_count,
                         void* stream);
 

@@ -103,6 +103,7 @@ Layout layout(int kind, int G, int sm_count) {
 
 struct PrepParams {
   int kind, G, epn, M, N, K, P, config, cand_mask, nconf;
+  int zero_groups;  // wgrad_lp: empty groups g < zero_groups are zeroed (G, or epn: keep slots)
   const int* cu;
   const char *A, *B, *B_slot;
   char *D, *D_slot;
@@ -297,7 +298,7 @@ __global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) 
       __shared__ int s_nempty;
       if (threadIdx.x == 0) s_nempty = 0;
       __syncthreads();
-      for (int g = threadIdx.x; g < G; g += blockDim.x) {
+      for (int g = threadIdx.x; g < p.zero_groups; g += blockDim.x) {
         const int2 rows = group_rows(p.cu, g, M);
         if (rows.y <= rows.x) s_empty[atomicAdd(&s_nempty, 1)] = (unsigned short)g;
       }
@@ -493,7 +494,7 @@ size_t moonep_gemm_workspace_bytes(int kind, int G, int sm_count) {
 int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const void* B,
                         const void* B_slot, void* D, void* D_slot, const int* cu_seqlens,
                         int G, int epn, int M, int N, int K, const float* tuning, int cand_mask,
-                        void* workspace, size_t workspace_bytes, int sm_count, void* stream) {
+                        int flags, void* workspace, size_t workspace_bytes, int sm_count, void* stream) {
   g_err[0] = 0;
   const Registry& reg = registry();
   if (kind < 0 || kind >= kNumKinds) return fail("bad kind");
@@ -511,6 +512,10 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
 
   PrepParams p{};
   p.kind = kind; p.G = G; p.epn = epn; p.M = M; p.N = N; p.K = K; p.P = sm_count;
+  if (flags & ~MOONEP_GEMM_KEEP_EMPTY_SLOTS) return fail("unknown flags");
+  if ((flags & MOONEP_GEMM_KEEP_EMPTY_SLOTS) && kind != 3)
+    return fail("MOONEP_GEMM_KEEP_EMPTY_SLOTS applies to wgrad_lp only");
+  p.zero_groups = (flags & MOONEP_GEMM_KEEP_EMPTY_SLOTS) ? epn : G;
   p.config = config; p.cand_mask = cand_mask & ((1 << nconf) - 1); p.nconf = nconf;
   if (p.cand_mask == 0) p.cand_mask = (1 << nconf) - 1;
   p.cu = cu_seqlens;

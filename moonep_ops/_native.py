@@ -18,8 +18,8 @@ from pathlib import Path
 
 # Bumped whenever an exported signature changes; the library reports its own value and a
 # mismatch is treated as "not loadable" rather than risking a call with the wrong arguments.
-GEMM_ABI_VERSION = 3
-EP_ABI_VERSION = 1          # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
+GEMM_ABI_VERSION = 4
+EP_ABI_VERSION = 2          # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 
 _LIB_DIR = Path(__file__).resolve().parent / "lib"
 _gemm = None
@@ -55,7 +55,7 @@ def _declare_gemm(lib: ctypes.CDLL) -> None:
         c_void_p, c_void_p,             # D (or D_local), D_slot (wgrad only)
         c_void_p,                       # cu_seqlens (int32, device)
         c_int, c_int, c_int, c_int, c_int,  # G, epn, M, N, K
-        ctypes.POINTER(ctypes.c_float), c_int,  # tuning table (host), candidate mask
+        ctypes.POINTER(ctypes.c_float), c_int, c_int,  # tuning table (host), candidate mask, flags
         c_void_p, c_size_t, c_int,      # workspace (device), its bytes, sm_count
         c_void_p,                       # cudaStream_t
     ]

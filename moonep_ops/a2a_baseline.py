@@ -28,10 +28,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import grouped_gemm as _gg  # noqa: F401  (registers moonep::grouped_mm)
+from . import swiglu as _sw  # noqa: F401  (registers moonep::swiglu)
 from .moe import SwiGLU, check_backend_dims
 from .router import Router
 
@@ -133,8 +133,9 @@ class AllToAllEPMoE(nn.Module):
     def experts(self, h: Tensor, cu: Tensor) -> Tensor:
         g = torch.ops.moonep.grouped_mm(h, self.w1, self._no_slots13, cu)
         u = torch.ops.moonep.grouped_mm(h, self.w3, self._no_slots13, cu)
-        a = (F.silu(g.float()) * u.float()).to(h.dtype)
-        return torch.ops.moonep.grouped_mm(a, self.w2, self._no_slots2, cu)
+        # the same fused SwiGLU as MoonEP's experts, so that the comparison isolates EP
+        return torch.ops.moonep.grouped_mm(torch.ops.moonep.swiglu(g, u), self.w2,
+                                           self._no_slots2, cu)
 
     def forward(self, x_sD: Tensor) -> Tensor:
         s, K, E, R, B = x_sD.shape[0], self.K, self.E, self.R, self.B

@@ -85,7 +85,8 @@ class Backend(abc.ABC):
     def reduce_grads(self, buf, etc_RB: Tensor, local: Sequence[Tensor],
                      slots: Sequence[Tensor]) -> None:
         """reduce_grad: local[i][le] += slots of every rank holding expert rank*epn + le, added
-        one by one in ascending (src*epn + b); then zero this rank's consumed slots."""
+        one by one in ascending (src*epn + b) in fp32 (bf16 grads: one rounding at the end);
+        then zero this rank's consumed slots."""
 
 
 class CollectiveBackend(Backend):
@@ -264,8 +265,12 @@ class CollectiveBackend(Backend):
         landing = torch.empty((len(flat_in), block.shape[1]), dtype=torch.uint8, device=dev)
         self.all_to_all_v(landing, block, [len(x) for x in incoming], [len(x) for x in outgoing])
         for t, recv in zip(local, self._unpack(landing, slots)):
+            acc = t if t.dtype == torch.float32 else t.float()    # fp32 sum, one rounding
             for j, le in enumerate(flat_in):                      # ascending (src, b)
-                t[le] += recv[j]
+                acc[le] += recv[j].float()
+            if acc is not t:
+                for le in set(flat_in):
+                    t[le] = acc[le].to(t.dtype)
         consumed = [b for b, e in enumerate(etc[me]) if e >= 0]
         if consumed:
             idx = torch.tensor(consumed, dtype=torch.long, device=dev)

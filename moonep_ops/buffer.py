@@ -308,8 +308,9 @@ class Buffer:
                     previous_event=None) -> Optional[EventHandle]:
         """Owners add their experts' slot grads from every rank into the local grads (collective).
 
-        fp32 [epn, ...] tensors.  local[le] += slot grads of expert rank*epn + le, one by one in
-        ascending (src*epn + b); then every rank zeroes its own consumed slots.
+        [epn, ...] tensors, all fp32 or all bf16.  local[le] += slot grads of expert
+        rank*epn + le, one by one in ascending (src*epn + b), summed in fp32 (bf16: rounded once);
+        then every rank zeroes its own consumed slots.
         ``async_op=True``: returns an ``EventHandle`` (wait before reading either list);
         otherwise None.
         """

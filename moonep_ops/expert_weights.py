@@ -8,12 +8,14 @@ the redundant slots named by the plan's global ``experts_to_copy`` table.
       rows of -1 slots are untouched.
   reduce_grad(experts_to_copy, local_grads(a!) Tensor[], slot_grads(b!) Tensor[], buffer) -> ()
       owner: local_grads[i][le] += slot_grads[i] row b of rank src, for every (src, b) holding
-      expert rank*epn + le, added one at a time in ascending src*epn + b (fp32, deterministic);
+      expert rank*epn + le, added one at a time in ascending src*epn + b in fp32
+      (deterministic): fp32 grads in place; bf16 grads read once, summed in fp32, rounded once;
       then every rank zeroes its own consumed slots (experts_to_copy[rank, b] >= 0); unconsumed
       slots are untouched.
 
 Every tensor of the lists is [epn, ...] and contiguous; local[i] and slot[i] share shape and
-dtype (reduce_grad: fp32).  All checks run before anything is written or communicated.
+dtype (reduce_grad: all fp32 or all bf16).  All checks run before anything is written or
+communicated.
 Neither op is differentiable; Buffer.prefetch_weight / reduce_grad pass detached tensors.
 """
 from __future__ import annotations
@@ -27,7 +29,10 @@ from .buffer import lookup
 _TAGS = ()   # capturable on the CUDA backend (see dispatch_combine.py)
 
 
-def check_pool_args(etc, local, slots, buf, op: str, fp32: bool) -> None:
+_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_pool_args(etc, local, slots, buf, op: str, grads: bool) -> None:
     if not isinstance(etc, Tensor) or etc.dtype != torch.int32:
         raise TypeError(f"{op}: experts_to_copy must be an int32 tensor")
     if tuple(etc.shape) != (buf.R, buf.epn):
@@ -41,8 +46,8 @@ def check_pool_args(etc, local, slots, buf, op: str, fp32: bool) -> None:
         for name, t in ((f"local[{i}]", lt), (f"slots[{i}]", st)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-            if fp32 and t.dtype != torch.float32:
-                raise TypeError(f"{op}: {name} must be float32, got {t.dtype}")
+            if grads and t.dtype not in _GRAD_DTYPES:
+                raise TypeError(f"{op}: {name} must be float32 or bfloat16, got {t.dtype}")
             if t.dim() < 1 or t.shape[0] != buf.epn:
                 raise ValueError(f"{op}: {name} must be [epn={buf.epn}, ...], got {tuple(t.shape)}")
             if not t.is_contiguous():
@@ -52,6 +57,9 @@ def check_pool_args(etc, local, slots, buf, op: str, fp32: bool) -> None:
         if lt.dtype != st.dtype or lt.shape != st.shape:
             raise ValueError(f"{op}: local[{i}] {tuple(lt.shape)} {lt.dtype} and slots[{i}] "
                              f"{tuple(st.shape)} {st.dtype} must match")
+        if grads and lt.dtype != local[0].dtype:
+            raise TypeError(f"{op}: all grads of one call must share a dtype; local[0] is "
+                            f"{local[0].dtype}, local[{i}] {lt.dtype}")
 
 
 def check_no_alias(local, slots, op: str) -> None:

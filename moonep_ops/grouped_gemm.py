@@ -23,6 +23,9 @@ compiled library):
   grouped_mm_wgrad_accumulate(dy, x, cu_seqlens, grad_local!, grad_slot!, config=-1) -> ()
       adds dW into given fp32 [epn, N, K] tensors (e.g. main grads), the kernel's epilogue does
       the += (beta = 1), so no temporary of the weights' size is made.
+  grouped_mm_wgrad_into(dy, x, cu_seqlens, grad_local!, grad_slot!, config=-1) -> ()
+      writes dW once in the input dtype into given [epn, N, K] tensors (the MoE backward's
+      path): empty local groups are zeroed, empty slot groups are left untouched.
 
 Backends, picked per call from the device and dtype (never from data, so no host sync):
   CUDA, bf16, libmoonep_gemm.so loaded  -> CUTLASS sm90 grouped kernels (cutlass_kernels/), with
@@ -49,6 +52,7 @@ from .config import should_validate
 
 __all__ = [
     "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate",
+    "grouped_mm_wgrad_into",
     "reference_grouped_mm", "backend_for",
 ]
 
@@ -161,14 +165,15 @@ def _check_wgrad(dy, x, cu, epn, config, values=True):
     return dy.shape[1], x.shape[1]
 
 
-def _check_grads(grad_local, grad_slot, epn, N, K, device):
+def _check_grads(grad_local, grad_slot, epn, N, K, device, dtype=torch.float32,
+                 what="float32 (the accumulation dtype)"):
     for name, g in (("grad_local", grad_local), ("grad_slot", grad_slot)):
         if not isinstance(g, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(g).__name__}")
         if tuple(g.shape) != (epn, N, K):
             raise ValueError(f"{name} must have shape {(epn, N, K)}, got {tuple(g.shape)}")
-        if g.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32 (the accumulation dtype), got {g.dtype}")
+        if g.dtype != dtype:
+            raise TypeError(f"{name} must be {what}, got {g.dtype}")
         if g.device != device:
             raise ValueError(f"{name} is on {g.device}, the data on {device}")
         if not g.is_contiguous():
@@ -272,6 +277,20 @@ def _torch_dgrad(dy, w_local, w_slot, cu):
     return _zero_tail_rows(dx, cu)
 
 
+def _ref_wgrad_into(dy, x, cu, grad_local, grad_slot):
+    epn = grad_local.shape[0]
+    acc = _acc_dtype(dy.dtype)
+    filled = set()
+    for g, s, e in _bounds(cu):
+        if e > s:
+            dw = (dy[s:e].to(acc).t() @ x[s:e].to(acc)).to(grad_local.dtype)
+            (grad_local[g] if g < epn else grad_slot[g - epn]).copy_(dw)
+            filled.add(g)
+    for g in range(epn):
+        if g not in filled:
+            grad_local[g].zero_()
+
+
 def _torch_wgrad_acc(dy, x, cu, grad_local, grad_slot):
     # dy^T as a column-major view: the layout for which empty groups are allowed.
     dw = torch._grouped_mm(dy.t(), x, offs=cu)              # [G, N, K] bf16
@@ -325,8 +344,12 @@ def candidate_mask(kind: str) -> int:
     return mask or (1 << len(cfgs)) - 1
 
 
+_KEEP_EMPTY_SLOTS = 1      # moonep_gemm.h MOONEP_GEMM_KEEP_EMPTY_SLOTS
+
+
 def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
-            raster: int = 0, workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+            raster: int = 0, workspace: Optional[torch.Tensor] = None,
+            flags: int = 0) -> torch.Tensor:
     """Run one CUTLASS grouped GEMM on the current stream; returns the workspace it used."""
     lib = _native.require_gemm_lib()
     dev = a.device
@@ -343,7 +366,7 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
             a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
             d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
             cu.data_ptr(), G, epn, M, N, K,
-            _tuning_table(kind), candidate_mask(kind),
+            _tuning_table(kind), candidate_mask(kind), flags,
             workspace.data_ptr(), nbytes, sm, stream)
     if rc != 0:
         raise RuntimeError(f"moonep grouped GEMM ({kind}) failed: {_native.gemm_last_error()}")
@@ -377,6 +400,16 @@ def _cutlass_wgrad_acc(dy, x, cu, grad_local, grad_slot, config):
     if M:
         _launch("wgrad", config, dy.contiguous(), x.contiguous(), None, grad_local, grad_slot,
                 cu.contiguous(), epn, M, N, K)
+
+
+def _cutlass_wgrad_into(dy, x, cu, grad_local, grad_slot, config):
+    M, N = dy.shape
+    K = x.shape[1]
+    if M == 0:
+        grad_local.zero_()             # every group is empty; slots stay untouched
+        return
+    _launch("wgrad_lp", config, dy.contiguous(), x.contiguous(), None, grad_local, grad_slot,
+            cu.contiguous(), grad_local.shape[0], M, N, K, flags=_KEEP_EMPTY_SLOTS)
 
 
 def _cutlass_wgrad_lp(dy, x, cu, epn, config):
@@ -466,6 +499,36 @@ def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
     _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device)
 
 
+@torch.library.custom_op(
+    "moonep::grouped_mm_wgrad_into", mutates_args=("grad_local", "grad_slot"),
+    schema="(Tensor dy, Tensor x, Tensor cu_seqlens, Tensor(a!) grad_local, "
+           "Tensor(b!) grad_slot, int config=-1) -> ()")
+def _grouped_mm_wgrad_into_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
+                              grad_local: torch.Tensor, grad_slot: torch.Tensor,
+                              config: int = -1) -> None:
+    N, K = _check_wgrad(dy, x, cu_seqlens, grad_local.shape[0], config)
+    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device, dy.dtype,
+                 f"{dy.dtype} (the input dtype)")
+    backend = backend_for(dy, N, K)
+    if backend == "cutlass":
+        _cutlass_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config)
+    elif backend == "torch":
+        epn = grad_local.shape[0]
+        dw = torch._grouped_mm(dy.t(), x, offs=cu_seqlens)               # [G, N, K]
+        full = (cu_seqlens.diff(prepend=cu_seqlens.new_zeros(1)) > 0)[:, None, None]
+        grad_local.copy_(dw[:epn].masked_fill_(~full[:epn], 0))
+        grad_slot.copy_(torch.where(full[epn:], dw[epn:], grad_slot))
+    else:
+        _ref_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot)
+
+
+@_grouped_mm_wgrad_into_op.register_fake
+def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
+    N, K = _check_wgrad(dy, x, cu_seqlens, grad_local.shape[0], config, values=False)
+    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device, dy.dtype,
+                 f"{dy.dtype} (the input dtype)")
+
+
 def _check_out_dtype(out_dtype, dy):
     if out_dtype is not None and out_dtype not in (torch.float32, dy.dtype):
         raise TypeError(f"out_dtype must be None/float32 or the input dtype {dy.dtype}, "
@@ -518,7 +581,14 @@ def _backward(ctx, dy):
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         # Written straight in the weights' dtype (bf16: one bf16 store per element instead of an
         # fp32 zero-fill, read-modify-write and cast).
-        gl, gs = torch.ops.moonep.grouped_mm_wgrad(dy, x, cu, w_local.shape[0], -1, w_local.dtype)
+        if ctx.needs_input_grad[2] or w_local.dtype != dy.dtype:
+            gl, gs = torch.ops.moonep.grouped_mm_wgrad(dy, x, cu, w_local.shape[0], -1,
+                                                       w_local.dtype)
+        else:
+            # No slot grad wanted (e.g. an EP layer without replicas): the slot groups' output
+            # is scratch, and its empty groups are not zero-filled (N*K*2 bytes each).
+            gl, gs = torch.empty_like(w_local), torch.empty_like(w_slot)
+            torch.ops.moonep.grouped_mm_wgrad_into(dy, x, cu, gl, gs)
         dwl = gl if ctx.needs_input_grad[1] else None
         dws = gs if ctx.needs_input_grad[2] else None
     return dx, dwl, dws, None, None
@@ -574,6 +644,18 @@ def grouped_mm_wgrad(dy_MN, x_MK, cu_seqlens_G, epn: int, *, config=None, out_dt
     kind = "wgrad" if out_dtype in (None, torch.float32) else "wgrad_lp"
     return torch.ops.moonep.grouped_mm_wgrad(dy_MN, x_MK, cu_seqlens_G, epn,
                                              _config_arg(config, kind), out_dtype)
+
+
+def grouped_mm_wgrad_into(dy_MN, x_MK, cu_seqlens_G, grad_local_BNK, grad_slot_BNK, *,
+                          config=None) -> None:
+    """Write-once weight grads in the input dtype (fp32 accumulation, one rounding):
+    grad_local_BNK[g] = dW_g for every g < epn (zero when group g is empty);
+    grad_slot_BNK[b] = dW_{epn+b} when that group has rows, else left untouched (the MoE pool's
+    slots are zero outside a backward, so the unused ones are not rewritten every step)."""
+    _require_tensors(dy_MN=dy_MN, x_MK=x_MK, cu_seqlens_G=cu_seqlens_G,
+                     grad_local_BNK=grad_local_BNK, grad_slot_BNK=grad_slot_BNK)
+    torch.ops.moonep.grouped_mm_wgrad_into(dy_MN, x_MK, cu_seqlens_G, grad_local_BNK,
+                                           grad_slot_BNK, _config_arg(config, "wgrad_lp"))
 
 
 def grouped_mm_wgrad_accumulate(dy_MN, x_MK, cu_seqlens_G, grad_local_BNK, grad_slot_BNK, *,

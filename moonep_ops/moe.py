@@ -16,14 +16,19 @@ B..2B-1 use the *redundant slots*: an ``ExpertPool`` of the same three shapes, f
 
 Memory.  One ExpertPool per (Buffer, D, F, dtype) and process, shared by every layer:
     slot weights  3 * B * D * F * sizeof(dtype)      (bf16: 6*B*D*F bytes)
-    slot grads    3 * B * D * F * 4                   (fp32, the reduce_grad landing area)
-e.g. B=48, D=7168, F=2048: 4.2 GB + 8.5 GB per process whatever the number of layers.  Layers
+    slot grads    3 * B * D * F * sizeof(dtype)      (the reduce_grad landing area)
+e.g. B=48, D=7168, F=2048: 4.2 GB + 4.2 GB per process whatever the number of layers.  Layers
 share the slots, so a layer's backward re-runs prefetch_weight before its dgrad (the slots may
 hold a later layer's experts by then), exactly as upstream MoonEP's ExpertPools protocol.
 
 Backward of moe_experts (one op, so the pool never appears in an autograd graph): re-prefetch,
 dgrad/wgrad of the three GEMMs, slot weight-grads land in the pool and ``reduce_grad`` adds them
 into the owners' local grads in a fixed order (deterministic) and zeroes the consumed slots.
+Weight grads are written once in the weights' dtype (``grouped_mm_wgrad_into``: fp32
+accumulation in the GEMM, one rounding); reduce_grad sums an expert's local grad and its
+replicas' grads in fp32 and rounds once more.  Per weight element that is 2 bytes written
+(+ the replicas), against 18 for fp32 zero-fill, fp32 += and a cast to bf16.  The SwiGLU is
+one fused kernel each way (moonep_ops/swiglu.py).
 The returned weight grads therefore already hold every rank's contribution for this rank's home
 experts.  The router is replicated like any data-parallel parameter: all-reduce its grad over
 the EP group (the layer's ``reduce_router_grad``) as DDP/FSDP would.
@@ -45,6 +50,7 @@ from torch import Tensor, nn
 from . import grouped_gemm as _gg  # noqa: F401  (registers moonep::grouped_mm*)
 from .buffer import Buffer
 from .router import Router
+from .swiglu import swiglu, swiglu_backward
 
 _POOLS: "weakref.WeakValueDictionary[str, ExpertPool]" = weakref.WeakValueDictionary()
 _POOL_IDS = itertools.count()
@@ -52,7 +58,7 @@ _POOL_BY_KEY: dict = {}
 
 
 class ExpertPool:
-    """Redundant-expert slots of one process: weights and fp32 grad landing area (see module doc)."""
+    """Redundant-expert slots of one process: weights and grad landing area (see module doc)."""
 
     def __init__(self, buffer: Buffer, D: int, F: int, dtype: torch.dtype):
         B, dev = buffer.epn, buffer.device
@@ -63,9 +69,9 @@ class ExpertPool:
         self.w1 = z((B, F, D), dtype)
         self.w3 = z((B, F, D), dtype)
         self.w2 = z((B, D, F), dtype)
-        self.g1 = z((B, F, D), torch.float32)
-        self.g3 = z((B, F, D), torch.float32)
-        self.g2 = z((B, D, F), torch.float32)
+        self.g1 = z((B, F, D), dtype)
+        self.g3 = z((B, F, D), dtype)
+        self.g2 = z((B, D, F), dtype)
         self.name = f"moonep_pool_{next(_POOL_IDS)}"
         _POOLS[self.name] = self
 
@@ -125,8 +131,7 @@ def _moe_experts(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Ten
     _prefetch(p, experts_to_copy, w1, w3, w2)
     g = torch.ops.moonep.grouped_mm(h, w1, p.w1, cu_seqlens)
     u = torch.ops.moonep.grouped_mm(h, w3, p.w3, cu_seqlens)
-    a = F.silu(g.float()).mul_(u.float()).to(h.dtype)
-    return torch.ops.moonep.grouped_mm(a, w2, p.w2, cu_seqlens), g, u
+    return torch.ops.moonep.grouped_mm(swiglu(g, u), w2, p.w2, cu_seqlens), g, u
 
 
 @_moe_experts.register_fake
@@ -145,26 +150,21 @@ def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlen
     _prefetch(p, experts_to_copy, w1, w3, w2)         # slots may hold another layer by now
     cu = cu_seqlens
     dy = dy.contiguous()
-    gf, uf = g.float(), u.float()
-    sg = F.silu(gf)
-    a = (sg * uf).to(h.dtype)
-    da = torch.ops.moonep.grouped_mm_dgrad(dy, w2, p.w2, cu).float()
-    dsilu = torch.sigmoid(gf) * (1 + gf * (1 - torch.sigmoid(gf)))
-    dg = (da * uf * dsilu).to(h.dtype)
-    du = (da * sg).to(h.dtype)
-    dh = (torch.ops.moonep.grouped_mm_dgrad(dg, w1, p.w1, cu).float()
-          + torch.ops.moonep.grouped_mm_dgrad(du, w3, p.w3, cu).float()).to(h.dtype)
-    l1 = torch.zeros(w1.shape, dtype=torch.float32, device=h.device)
-    l3 = torch.zeros(w3.shape, dtype=torch.float32, device=h.device)
-    l2 = torch.zeros(w2.shape, dtype=torch.float32, device=h.device)
-    # Slot grads land in the shared pool (zero outside a backward: reduce_grad re-zeroes the
-    # slots it consumes, and unused slots only ever receive empty groups).
-    torch.ops.moonep.grouped_mm_wgrad_accumulate(dg, h, cu, l1, p.g1)
-    torch.ops.moonep.grouped_mm_wgrad_accumulate(du, h, cu, l3, p.g3)
-    torch.ops.moonep.grouped_mm_wgrad_accumulate(dy, a, cu, l2, p.g2)
-    torch.ops.moonep.reduce_grad(experts_to_copy, [l1, l3, l2], [p.g1, p.g3, p.g2],
+    da = torch.ops.moonep.grouped_mm_dgrad(dy, w2, p.w2, cu)
+    dg, du, a = swiglu_backward(g, u, da)
+    # One bf16 add (fp32 math, one rounding) of the two dgrads.
+    dh = torch.ops.moonep.grouped_mm_dgrad(dg, w1, p.w1, cu) \
+        + torch.ops.moonep.grouped_mm_dgrad(du, w3, p.w3, cu)
+    # Weight grads written once in the weights' dtype (fp32 accumulation inside the GEMM); slot
+    # grads land in the shared pool, whose slots are zero outside a backward (reduce_grad
+    # re-zeroes what it consumes), so empty slot groups are not rewritten.
+    d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
+    torch.ops.moonep.grouped_mm_wgrad_into(dg, h, cu, d1, p.g1)
+    torch.ops.moonep.grouped_mm_wgrad_into(du, h, cu, d3, p.g3)
+    torch.ops.moonep.grouped_mm_wgrad_into(dy, a, cu, d2, p.g2)
+    torch.ops.moonep.reduce_grad(experts_to_copy, [d1, d3, d2], [p.g1, p.g3, p.g2],
                                  p.buffer_name)
-    return dh, l1.to(w1.dtype), l3.to(w3.dtype), l2.to(w2.dtype)
+    return dh, d1, d3, d2
 
 
 @_moe_experts_backward.register_fake

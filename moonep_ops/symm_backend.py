@@ -201,7 +201,7 @@ def _fns():
             push=d("moonep_ep_push_weights", i, [i, vpp, vpp, ctypes.POINTER(i64), vp, i, i, i, vp,
                                                  i, vp]),
             reduce=d("moonep_ep_reduce_grads", i, [i, vpp, vpp, ctypes.POINTER(i64), vp, i, i, i,
-                                                   vp, i, vp]),
+                                                   vp, i, i, vp]),
             zero=d("moonep_ep_zero_slots", i, [i, vpp, ctypes.POINTER(i64), vp, i, i, i, vp]),
         )
     return _FNS
@@ -422,7 +422,7 @@ class SymmBackend(Backend):
         n, lp, pp, rb = self._table(local, slots, "reduce_grad")
         self.barrier()        # every rank's slot grads are complete
         _call("reduce", n, lp, pp, rb, etc_RB.data_ptr(), buf.R, buf.epn, self.rank,
-              self.err.data_ptr(), self.num_sms, self._stream())
+              self.err.data_ptr(), self.num_sms, _DTYPE_CODE[local[0].dtype], self._stream())
         self.barrier()        # every owner has read the slots
         sp = _ptrs([t.data_ptr() for t in slots])
         _call("zero", n, sp, rb, etc_RB.data_ptr(), buf.epn, self.rank, self.num_sms,

@@ -7,6 +7,7 @@ Single-process tests (R = 1 Buffer: opcheck, bad input, compile) are at the bott
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 
@@ -390,21 +391,22 @@ def case_reduce_grad_random_table(ctx):
     R, epn, rank, dev = ctx.R, 3, ctx.rank, ctx.device
     buf = Buffer(4, 8, 2, R * epn, group=ctx.group, device=dev, backend="torch")
     shape = (4, 5)
-    for seed in range(3):
+    for seed, dt in itertools.product(range(3), (torch.float32, torch.bfloat16)):
         etc = _random_table(R, epn, seed + 10)
 
         def slot_of(r):
-            return torch.randn(epn, *shape, generator=torch.Generator().manual_seed(50 + r + seed))
-        local = torch.randn(epn, *shape, generator=torch.Generator().manual_seed(7 + rank))
-        expect = local.clone()
+            g = torch.Generator().manual_seed(50 + r + seed)
+            return torch.randn(epn, *shape, generator=g).to(dt)
+        local = torch.randn(epn, *shape, generator=torch.Generator().manual_seed(7 + rank)).to(dt)
+        expect = local.float()                             # fp32 sum, rounded once at the end
         for src in range(R):                               # ascending (src, b): the fixed order
             for b, e in enumerate(etc[src].tolist()):
                 if e >= 0 and e // epn == rank:
-                    expect[e % epn] = expect[e % epn] + slot_of(src)[b]
+                    expect[e % epn] = expect[e % epn] + slot_of(src)[b].float()
         local, slots = local.to(dev), slot_of(rank).to(dev)
         before = slots.clone()
         torch.ops.moonep.reduce_grad(etc.to(dev), [local], [slots], buf.name)
-        assert torch.equal(local.cpu(), expect), "reduce_grad is not the fixed-order fp32 sum"
+        assert torch.equal(local.cpu(), expect.to(dt)), f"not the fixed-order fp32 sum ({dt})"
         for b, e in enumerate(etc[rank].tolist()):
             assert torch.equal(slots[b], torch.zeros_like(slots[b]) if e >= 0 else before[b])
 

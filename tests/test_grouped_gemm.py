@@ -165,6 +165,33 @@ def test_wgrad_accumulates():
     assert rel_err(gl, base_l.double() + 2 * rl) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(COUNTS))
+def test_wgrad_into_writes_once(case, dtype):
+    """Local grads overwritten (empty local groups -> 0), non-empty slots overwritten, empty
+    slots untouched: the pool's unused slots keep whatever they hold (zero, in the MoE path)."""
+    counts = COUNTS[case]
+    epn = len(counts) // 2
+    x, wl, ws, cu = inputs(counts, dtype=dtype, seed=21)
+    dy = torch.randn(x.shape[0], wl.shape[1]).to(dtype)
+    gl = torch.full((epn, wl.shape[1], wl.shape[2]), 7.0, dtype=dtype)   # poison
+    gs = torch.full_like(gl, -3.0)
+    gg.grouped_mm_wgrad_into(dy, x, cu, gl, gs)
+    rl, rs = naive_wgrad(dy, x, cu, epn)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel_err(gl, rl) < tol                    # empty local groups: rl is 0 there
+    for b in range(epn):
+        if counts[epn + b] > 0:
+            assert rel_err(gs[b], rs[b]) < tol
+        else:
+            assert torch.all(gs[b] == -3.0), f"empty slot {b} was written"
+    with pytest.raises(TypeError, match="input dtype"):
+        gg.grouped_mm_wgrad_into(dy, x, cu, gl.double(), gs.double())
+    with pytest.raises(ValueError, match="shape"):
+        gg.grouped_mm_wgrad_into(dy, x, cu, gl[:, 1:], gs)
+    opcheck(torch.ops.moonep.grouped_mm_wgrad_into.default, (dy, x, cu, gl, gs, -1))
+
+
 def test_padding_rows_not_read():
     x, wl, ws, cu = inputs(COUNTS["skewed"], pad=5, seed=4)
     x2 = x.clone()

@@ -152,6 +152,36 @@ def test_cutlass_wgrad_lp_bf16_out(case, config):
             assert rel_err(got[g % epn], r[g % epn]) < TOL, f"group {g}"
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("case", list(COUNTS))
+def test_wgrad_into_keeps_empty_slots(case, backend, monkeypatch):
+    """grouped_mm_wgrad_into: local groups written (empty -> 0), non-empty slots written, empty
+    slots keep their bytes (the CUTLASS path's MOONEP_GEMM_KEEP_EMPTY_SLOTS)."""
+    if backend == "auto" and _native.gemm_lib() is None:
+        pytest.skip("CUTLASS library not loaded")
+    if backend == "torch":
+        monkeypatch.setenv("MOONEP_GEMM_BACKEND", "torch")
+    counts = COUNTS[case]
+    epn = len(counts) // 2
+    N, K = 384, 512
+    x, wl, ws, cu = make(counts, N, K)
+    dy = torch.randn(x.shape[0], N, device="cuda", generator=fresh_gen()).to(torch.bfloat16)
+    gl = poisoned(epn, N, K, dtype=torch.bfloat16)
+    marker = torch.randn(epn, N, K, device="cuda", generator=fresh_gen()).to(torch.bfloat16)
+    gs = marker.clone()
+    gg.grouped_mm_wgrad_into(dy, x, cu, gl, gs)
+    rl, rs = ref_wgrad(dy, x, cu, epn)
+    for g, c in enumerate(counts):
+        got, r = (gl, rl) if g < epn else (gs, rs)
+        if c == 0 and g < epn:
+            assert torch.all(got[g] == 0), f"empty local group {g} not zeroed"
+        elif c == 0:
+            assert torch.equal(got[g - epn], marker[g - epn]), f"empty slot {g - epn} written"
+        else:
+            assert rel_err(got[g % epn], r[g % epn]) < TOL, f"group {g}"
+    opcheck(torch.ops.moonep.grouped_mm_wgrad_into.default, (dy, x, cu, gl, gs, -1))
+
+
 @needs_lib
 @pytest.mark.parametrize("skew", ["zipf1.5", "hot", "tiny"])
 def test_cutlass_large_shapes(skew):

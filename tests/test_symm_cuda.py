@@ -194,22 +194,23 @@ def prefetch_reduce_case(R, make_buffer):
                 else:
                     exp = owner(e // epn, shape, dt, i + 1)[e % epn]
                 assert torch.equal(got, exp), f"rank {r} slot {b} tensor {i}"
-        # reduce_grad: fp32, fixed order, consumed slots zeroed
-        lg = [owner(r, (6,), torch.float32, 3).to(dev)]
-        sg = [buf.symmetric_zeros((epn, 6), torch.float32)]
-        sg[0].copy_(owner(r, (6,), torch.float32, 4).to(dev))
-        torch.ops.moonep.reduce_grad(etc.to(dev), lg, sg, buf.name)
-        exp = owner(r, (6,), torch.float32, 3).clone()
-        for src in range(R):
+        # reduce_grad: fixed order, fp32 sum (bf16: rounded once), consumed slots zeroed
+        for dt in (torch.float32, torch.bfloat16):
+            lg = [owner(r, (6,), dt, 3).to(dev)]
+            sg = [buf.symmetric_zeros((epn, 6), dt)]
+            sg[0].copy_(owner(r, (6,), dt, 4).to(dev))
+            torch.ops.moonep.reduce_grad(etc.to(dev), lg, sg, buf.name)
+            exp = owner(r, (6,), dt, 3).float()
+            for src in range(R):
+                for b in range(epn):
+                    e = int(etc[src, b])
+                    if e >= 0 and e // epn == r:
+                        exp[e % epn] += owner(src, (6,), dt, 4)[b].float()
+            assert torch.equal(lg[0].cpu(), exp.to(dt)), f"rank {r}: reduced grads ({dt})"
+            mine = owner(r, (6,), dt, 4)
             for b in range(epn):
-                e = int(etc[src, b])
-                if e >= 0 and e // epn == r:
-                    exp[e % epn] += owner(src, (6,), torch.float32, 4)[b]
-        assert torch.equal(lg[0].cpu(), exp), f"rank {r}: reduced grads"
-        mine = owner(r, (6,), torch.float32, 4)
-        for b in range(epn):
-            exp_slot = torch.zeros(6) if int(etc[r, b]) >= 0 else mine[b]
-            assert torch.equal(sg[0][b].cpu(), exp_slot), f"rank {r}: slot {b} after reduce"
+                exp_slot = torch.zeros(6, dtype=dt) if int(etc[r, b]) >= 0 else mine[b]
+                assert torch.equal(sg[0][b].cpu(), exp_slot), f"rank {r}: slot {b} after reduce"
         with pytest.raises(ValueError, match="symmetric_zeros"):
             torch.ops.moonep.prefetch_weight(etc.to(dev), local, [torch.zeros_like(t) for t in local],
                                              buf.name)

@@ -1,0 +1,149 @@
+"""SwiGLU of the routed experts: the elementwise part of ``moonep::moe_experts`` and its backward.
+
+    a_MF                = bf16(silu(g_MF) * u_MF)                      silu(x) = x * sigmoid(x)
+    dg_MF, du_MF, a_MF  = swiglu_backward(g_MF, u_MF, da_MF)           (a recomputed, not saved)
+
+Ops: ``moonep::swiglu(g, u) -> a`` (differentiable in g and u, fake kernel, opcheck-tested) and
+``moonep::swiglu_backward(g, u, da) -> (dg, du, a)``; ``moe_experts`` calls the Python functions
+directly (it is one custom op already), the all-to-all baseline uses the op.
+
+M rows of the dispatched token buffer (padding rows included: there g = u = 0, so a = 0 and, with
+da = 0 there, dg = du = 0), F the expert FFN dim.  All math in fp32, one rounding per output.
+
+Backends, from device and dtype only (no host sync):
+  CUDA bf16 contiguous, libmoonep_ep.so loaded -> one fused kernel each way (csrc/swiglu.cu):
+      6 bytes per element forward, 12 backward, against ~38 / ~90 for the unfused torch ops
+      (every fp32 temporary is a full [M, F] pass, and inside the opaque moe_experts custom op
+      torch.compile cannot fuse them);
+  anything else -> the torch reference below (same formulas, same operation order).
+Kernel and reference agree to within one bf16 ulp (fp32 ``exp`` rounding), not bitwise;
+tests/test_swiglu_cuda.py checks it.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from . import _native
+
+_fns = None
+
+
+def _kernels():
+    global _fns
+    if _fns is None:
+        vp, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        d = _native.declare_ep
+        _fns = (d("moonep_ep_swiglu_fwd", i, [vp, vp, vp, i64, i, vp]),
+                d("moonep_ep_swiglu_bwd", i, [vp, vp, vp, vp, vp, vp, i64, i, vp]))
+    return _fns
+
+
+_SMS: dict = {}
+
+
+def _native_ok(*ts: Tensor) -> bool:
+    t0 = ts[0]
+    # 16-byte loads: base pointers must be 16-byte aligned (a contiguous view may not be).
+    return (t0.is_cuda and all(t.dtype == torch.bfloat16 and t.is_contiguous()
+                               and t.device == t0.device and t.data_ptr() % 16 == 0 for t in ts)
+            and _native.ep_lib() is not None)
+
+
+def _launch_args(t: Tensor):
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx], torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _acc(t: Tensor) -> Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))     # fp32 (fp64 stays fp64)
+
+
+def reference_swiglu(g: Tensor, u: Tensor) -> Tensor:
+    gf = _acc(g)
+    return (gf * torch.sigmoid(gf)).mul_(_acc(u)).to(g.dtype)
+
+
+def reference_swiglu_backward(g: Tensor, u: Tensor, da: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    gf, uf, daf = _acc(g), _acc(u), _acc(da)
+    sig = torch.sigmoid(gf)
+    s = gf * sig
+    a = (s * uf).to(g.dtype)
+    dg = (daf * uf * (sig * (1 + gf * (1 - sig)))).to(g.dtype)
+    du = (daf * s).to(g.dtype)
+    return dg, du, a
+
+
+def swiglu(g_MF: Tensor, u_MF: Tensor) -> Tensor:
+    if g_MF.shape != u_MF.shape:
+        raise ValueError(f"g {tuple(g_MF.shape)} and u {tuple(u_MF.shape)} must match")
+    if not _native_ok(g_MF, u_MF):
+        return reference_swiglu(g_MF, u_MF)
+    a = torch.empty_like(g_MF)
+    sms, stream = _launch_args(g_MF)
+    with torch.cuda.device(g_MF.device):
+        rc = _kernels()[0](g_MF.data_ptr(), u_MF.data_ptr(), a.data_ptr(), g_MF.numel(), sms,
+                           stream)
+    _native.ep_check(rc, "moonep swiglu")
+    return a
+
+
+def swiglu_backward(g_MF: Tensor, u_MF: Tensor, da_MF: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dg, du, a) from the forward's inputs and the grad of its output."""
+    if not (g_MF.shape == u_MF.shape == da_MF.shape):
+        raise ValueError(f"g {tuple(g_MF.shape)}, u {tuple(u_MF.shape)} and da "
+                         f"{tuple(da_MF.shape)} must match")
+    if not _native_ok(g_MF, u_MF, da_MF):
+        return reference_swiglu_backward(g_MF, u_MF, da_MF)
+    dg, du, a = (torch.empty_like(g_MF) for _ in range(3))
+    sms, stream = _launch_args(g_MF)
+    with torch.cuda.device(g_MF.device):
+        rc = _kernels()[1](g_MF.data_ptr(), u_MF.data_ptr(), da_MF.data_ptr(), dg.data_ptr(),
+                           du.data_ptr(), a.data_ptr(), g_MF.numel(), sms, stream)
+    _native.ep_check(rc, "moonep swiglu backward")
+    return dg, du, a
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops (schema + fake + autograd here; the kernel is csrc/swiglu.cu)
+# --------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("moonep::swiglu", mutates_args=())
+def _swiglu_op(g: Tensor, u: Tensor) -> Tensor:
+    return swiglu(g, u)
+
+
+@_swiglu_op.register_fake
+def _(g, u):
+    if g.shape != u.shape:
+        raise ValueError(f"g {tuple(g.shape)} and u {tuple(u.shape)} must match")
+    return torch.empty_like(g)
+
+
+@torch.library.custom_op("moonep::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(g: Tensor, u: Tensor, da: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return swiglu_backward(g, u, da)
+
+
+@_swiglu_backward_op.register_fake
+def _(g, u, da):
+    if not (g.shape == u.shape == da.shape):
+        raise ValueError("g, u and da must match")
+    return torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, da):
+    g, u = ctx.saved_tensors
+    dg, du, _ = torch.ops.moonep.swiglu_backward(g, u, da.contiguous())
+    return dg, du
+
+
+_swiglu_op.register_autograd(_backward, setup_context=_setup)
