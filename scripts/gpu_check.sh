@@ -43,8 +43,11 @@ if [[ $STAGES == *dataplane* ]]; then
 fi
 if [[ $STAGES == *job* ]]; then    # the main job under torchrun on every GPU (CUDA backends)
   NG=$($PY -c "import torch; print(torch.cuda.device_count())")
-  timeout ${T_JOB:-240} $PY -m torch.distributed.run --standalone --nproc-per-node $NG \
-    -m moonep_ops --steps 2 --no-progress --out "$OUT/job" 2>&1 | tee "$OUT/job.log" | grep -v "^W1" | tail -16
+  # JOB_ARGS default: the 9-layer, 256-expert, top-8 setting of issue #8 (about 200 s at R=2,
+  # most of it start-up and the profile; a shorter timeout kills it before the table prints).
+  JOB_ARGS=${JOB_ARGS:--E 256 -K 8 --hidden 2048 --ffn 1024 --layers 9 --tokens 4096 --steps 2 --maxvio 0.2 20 --no-compile --profile}
+  timeout ${T_JOB:-330} $PY -m torch.distributed.run --standalone --nproc-per-node $NG \
+    -m moonep_ops $JOB_ARGS --no-progress --out "$OUT/job" 2>&1 | tee "$OUT/job.log" | grep -v "^W1" | tail -16
   summary+=("job: $(grep -c '^| ' "$OUT/job.log") table rows")
 fi
 if [[ $STAGES == *moe* ]]; then

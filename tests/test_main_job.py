@@ -127,3 +127,19 @@ def test_profile_writes_top_ops(tmp_path):
     assert "moonep::combine" in moonep and "moonep::reduce_grad" in moonep
     assert "moonep::combine" not in base and "moonep::reduce_grad" not in base
     assert "alltoall" in base   # the baseline moves tokens with all_to_all_single
+
+
+def test_git_commit_marks_a_dirty_tree(tmp_path, monkeypatch):
+    import re
+    import subprocess
+    from moonep_ops.job import report
+    got = report.git_commit()
+    assert got is None or re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", got), got
+    calls = []
+
+    def fake_run(args, **kw):
+        calls.append(args)
+        out = "abc1234" if "rev-parse" in args else " M moonep_ops/moe.py"
+        return subprocess.CompletedProcess(args, 0, stdout=out + "\n", stderr="")
+    monkeypatch.setattr(report.subprocess, "run", fake_run)
+    assert report.git_commit() == "abc1234+dirty"

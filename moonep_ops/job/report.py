@@ -98,10 +98,17 @@ def machine() -> str:
 
 
 def git_commit() -> Optional[str]:
+    """Short HEAD, with "+dirty" when tracked files differ from it (a copied work tree whose .git
+    is older than its files, e.g. the GPU box's copy, then reads as "<old>+dirty", not as <old>)."""
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
-                              capture_output=True, timeout=5).stdout.strip() or None
+        run = lambda *a: subprocess.run(["git", *a], cwd=here, text=True, capture_output=True,
+                                        timeout=5).stdout.strip()
+        head = run("rev-parse", "--short", "HEAD")
+        if not head:
+            return None
+        dirty = run("status", "--porcelain", "--untracked-files=no")
+        return head + ("+dirty" if dirty else "")
     except Exception:                                   # noqa: BLE001
         return None
 
