@@ -104,6 +104,13 @@ class Buffer:
         _REGISTRY[self.name] = self
         if hasattr(self.backend, "attach"):
             self.backend.attach(self)          # device backends allocate their regions here
+        if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            # The zero fills above ran on the current stream; the ops may later run on other
+            # streams (a comm stream, a virtual rank's stream), which never wait for this one.
+            # A recycled block still holding an old Buffer's barrier counter (backend.epoch)
+            # then let a barrier pass early: a flaky async test that failed only after other
+            # tests had run.  Set-up only, once per Buffer.
+            torch.cuda.current_stream(self.device).synchronize()
 
     # -- geometry (Python ints) ---------------------------------------------------------------
     R = property(lambda self: self.geo.R)

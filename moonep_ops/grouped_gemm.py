@@ -499,6 +499,13 @@ def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
     _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device)
 
 
+def _check_wgrad_into(dy, x, cu, grad_local, grad_slot, config, values=True):
+    N, K = _check_wgrad(dy, x, cu, grad_local.shape[0], config, values)
+    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device, dy.dtype,
+                 f"{dy.dtype} (the input dtype)")
+    return N, K
+
+
 @torch.library.custom_op(
     "moonep::grouped_mm_wgrad_into", mutates_args=("grad_local", "grad_slot"),
     schema="(Tensor dy, Tensor x, Tensor cu_seqlens, Tensor(a!) grad_local, "
@@ -506,9 +513,7 @@ def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
 def _grouped_mm_wgrad_into_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
                               grad_local: torch.Tensor, grad_slot: torch.Tensor,
                               config: int = -1) -> None:
-    N, K = _check_wgrad(dy, x, cu_seqlens, grad_local.shape[0], config)
-    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device, dy.dtype,
-                 f"{dy.dtype} (the input dtype)")
+    N, K = _check_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config)
     backend = backend_for(dy, N, K)
     if backend == "cutlass":
         _cutlass_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config)
@@ -524,9 +529,7 @@ def _grouped_mm_wgrad_into_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: tor
 
 @_grouped_mm_wgrad_into_op.register_fake
 def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
-    N, K = _check_wgrad(dy, x, cu_seqlens, grad_local.shape[0], config, values=False)
-    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device, dy.dtype,
-                 f"{dy.dtype} (the input dtype)")
+    _check_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config, values=False)
 
 
 def _check_out_dtype(out_dtype, dy):
