@@ -269,8 +269,7 @@ class CollectiveBackend(Backend):
             for j, le in enumerate(flat_in):                      # ascending (src, b)
                 acc[le] += recv[j].float()
             if acc is not t:
-                for le in set(flat_in):
-                    t[le] = acc[le].to(t.dtype)
+                t.copy_(acc)            # untouched rows round-trip exactly (bf16 -> fp32 -> bf16)
         consumed = [b for b, e in enumerate(etc[me]) if e >= 0]
         if consumed:
             idx = torch.tensor(consumed, dtype=torch.long, device=dev)

@@ -89,24 +89,24 @@ class EventHandle:
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_stream(s) -> bool:
-    if isinstance(s, torch.Stream):
+def _is_torch_or_cuda(obj, name: str) -> bool:
+    """isinstance of torch.<name> or torch.cuda.<name> (the latter may be missing or not a class
+    on some builds)."""
+    if isinstance(obj, getattr(torch, name)):
         return True
-    cuda_stream = getattr(torch.cuda, "Stream", None)
+    cuda_cls = getattr(torch.cuda, name, None)
     try:
-        return cuda_stream is not None and isinstance(s, cuda_stream)
+        return cuda_cls is not None and isinstance(obj, cuda_cls)
     except TypeError:
         return False
+
+
+def _is_stream(s) -> bool:
+    return _is_torch_or_cuda(s, "Stream")
 
 
 def _is_event(e) -> bool:
-    if isinstance(e, torch.Event):
-        return True
-    cuda_event = getattr(torch.cuda, "Event", None)
-    try:
-        return cuda_event is not None and isinstance(e, cuda_event)
-    except TypeError:
-        return False
+    return _is_torch_or_cuda(e, "Event")
 
 
 def backend_error(backend) -> Optional[str]:

@@ -12,6 +12,17 @@ import os
 import torch
 
 
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device (cached: the launchers need it on every call)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNTS:
+        _SM_COUNTS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNTS[idx]
+
+
 def validate_mode() -> str:
     return os.environ.get("MOONEP_VALIDATE", "auto").lower()
 

@@ -48,7 +48,7 @@ from typing import Optional
 import torch
 
 from . import _native, gemm_cost_model
-from .config import should_validate
+from .config import should_validate, sm_count
 
 __all__ = [
     "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate",
@@ -239,14 +239,19 @@ def _ref_dgrad(dy, w_local, w_slot, cu):
     return dx
 
 
-def _ref_wgrad_acc(dy, x, cu, grad_local, grad_slot):
-    epn = grad_local.shape[0]
+def _ref_group_dw(dy, x, cu):
+    """(g, dW_g) for every non-empty group, dW_g in the accumulation dtype."""
     acc = _acc_dtype(dy.dtype)
     for g, s, e in _bounds(cu):
         if e > s:
-            dw = dy[s:e].to(acc).t() @ x[s:e].to(acc)
-            tgt = grad_local[g] if g < epn else grad_slot[g - epn]
-            tgt += dw.to(tgt.dtype)
+            yield g, dy[s:e].to(acc).t() @ x[s:e].to(acc)
+
+
+def _ref_wgrad_acc(dy, x, cu, grad_local, grad_slot):
+    epn = grad_local.shape[0]
+    for g, dw in _ref_group_dw(dy, x, cu):
+        tgt = grad_local[g] if g < epn else grad_slot[g - epn]
+        tgt += dw.to(tgt.dtype)
 
 
 def reference_grouped_mm(x_MK, w_local_BNK, w_slot_BNK, cu_seqlens_G):
@@ -279,16 +284,14 @@ def _torch_dgrad(dy, w_local, w_slot, cu):
 
 def _ref_wgrad_into(dy, x, cu, grad_local, grad_slot):
     epn = grad_local.shape[0]
-    acc = _acc_dtype(dy.dtype)
-    filled = set()
-    for g, s, e in _bounds(cu):
-        if e > s:
-            dw = (dy[s:e].to(acc).t() @ x[s:e].to(acc)).to(grad_local.dtype)
-            (grad_local[g] if g < epn else grad_slot[g - epn]).copy_(dw)
-            filled.add(g)
-    for g in range(epn):
-        if g not in filled:
-            grad_local[g].zero_()
+    grad_local.zero_()                       # empty local groups read 0; empty slots untouched
+    for g, dw in _ref_group_dw(dy, x, cu):
+        (grad_local[g] if g < epn else grad_slot[g - epn]).copy_(dw)
+
+
+def _nonempty_G11(cu: torch.Tensor) -> torch.Tensor:
+    """[G, 1, 1] bool: group g has rows (sync-free, for masking [G, N, K] outputs)."""
+    return (cu.diff(prepend=cu.new_zeros(1)) > 0)[:, None, None]
 
 
 def _torch_wgrad_acc(dy, x, cu, grad_local, grad_slot):
@@ -303,15 +306,7 @@ def _torch_wgrad_acc(dy, x, cu, grad_local, grad_slot):
 # CUTLASS (libmoonep_gemm.so)
 # --------------------------------------------------------------------------------------------
 
-_sm_counts: dict[int, int] = {}
 _tables: dict[str, ctypes.Array] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _sm_counts:
-        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_counts[idx]
 
 
 @functools.lru_cache(maxsize=None)
@@ -354,7 +349,7 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
     lib = _native.require_gemm_lib()
     dev = a.device
     G = 2 * epn
-    sm = _sm_count(dev)
+    sm = sm_count(dev)
     kid = _KIND_ID[kind]
     nbytes = _workspace_bytes(kid, G, sm)
     if workspace is None or workspace.numel() < nbytes:
@@ -520,7 +515,7 @@ def _grouped_mm_wgrad_into_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: tor
     elif backend == "torch":
         epn = grad_local.shape[0]
         dw = torch._grouped_mm(dy.t(), x, offs=cu_seqlens)               # [G, N, K]
-        full = (cu_seqlens.diff(prepend=cu_seqlens.new_zeros(1)) > 0)[:, None, None]
+        full = _nonempty_G11(cu_seqlens)
         grad_local.copy_(dw[:epn].masked_fill_(~full[:epn], 0))
         grad_slot.copy_(torch.where(full[epn:], dw[epn:], grad_slot))
     else:
@@ -554,8 +549,7 @@ def _grouped_mm_wgrad_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Te
             return _cutlass_wgrad_lp(dy, x, cu_seqlens, epn, config)
         if backend == "torch":
             dw = torch._grouped_mm(dy.t(), x, offs=cu_seqlens)          # [G, N, K] bf16
-            dw = dw.masked_fill_(
-                (cu_seqlens.diff(prepend=cu_seqlens.new_zeros(1)) <= 0)[:, None, None], 0)
+            dw = dw.masked_fill_(~_nonempty_G11(cu_seqlens), 0)
             return dw[:epn].clone(), dw[epn:].clone()
     gl = torch.zeros(epn, N, K, dtype=torch.float32, device=x.device)
     gs = torch.zeros(epn, N, K, dtype=torch.float32, device=x.device)

@@ -61,7 +61,7 @@ class ExpertPool:
     """Redundant-expert slots of one process: weights and grad landing area (see module doc)."""
 
     def __init__(self, buffer: Buffer, D: int, F: int, dtype: torch.dtype):
-        B, dev = buffer.epn, buffer.device
+        B = buffer.epn
         self.buffer_name = buffer.name
         self.D, self.F, self.dtype = D, F, dtype
         # symmetric on the CUDA backend: owners push weights into / pull grads from the slots

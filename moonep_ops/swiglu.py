@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from . import _native
+from .config import sm_count
 
 _fns = None
 
@@ -41,9 +42,6 @@ def _kernels():
     return _fns
 
 
-_SMS: dict = {}
-
-
 def _native_ok(*ts: Tensor) -> bool:
     t0 = ts[0]
     # 16-byte loads: base pointers must be 16-byte aligned (a contiguous view may not be).
@@ -53,10 +51,7 @@ def _native_ok(*ts: Tensor) -> bool:
 
 
 def _launch_args(t: Tensor):
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx], torch.cuda.current_stream(t.device).cuda_stream
+    return sm_count(t.device), torch.cuda.current_stream(t.device).cuda_stream
 
 
 def _acc(t: Tensor) -> Tensor:
@@ -78,9 +73,15 @@ def reference_swiglu_backward(g: Tensor, u: Tensor, da: Tensor) -> tuple[Tensor,
     return dg, du, a
 
 
+def _check_shapes(**named: Tensor) -> None:
+    shapes = {n: tuple(t.shape) for n, t in named.items()}
+    first = next(iter(shapes.values()))
+    if any(sh != first for sh in shapes.values()):          # (SymInts: compare, don't hash)
+        raise ValueError(", ".join(f"{n} {s}" for n, s in shapes.items()) + " must match")
+
+
 def swiglu(g_MF: Tensor, u_MF: Tensor) -> Tensor:
-    if g_MF.shape != u_MF.shape:
-        raise ValueError(f"g {tuple(g_MF.shape)} and u {tuple(u_MF.shape)} must match")
+    _check_shapes(g=g_MF, u=u_MF)
     if not _native_ok(g_MF, u_MF):
         return reference_swiglu(g_MF, u_MF)
     a = torch.empty_like(g_MF)
@@ -94,9 +95,7 @@ def swiglu(g_MF: Tensor, u_MF: Tensor) -> Tensor:
 
 def swiglu_backward(g_MF: Tensor, u_MF: Tensor, da_MF: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dg, du, a) from the forward's inputs and the grad of its output."""
-    if not (g_MF.shape == u_MF.shape == da_MF.shape):
-        raise ValueError(f"g {tuple(g_MF.shape)}, u {tuple(u_MF.shape)} and da "
-                         f"{tuple(da_MF.shape)} must match")
+    _check_shapes(g=g_MF, u=u_MF, da=da_MF)
     if not _native_ok(g_MF, u_MF, da_MF):
         return reference_swiglu_backward(g_MF, u_MF, da_MF)
     dg, du, a = (torch.empty_like(g_MF) for _ in range(3))
@@ -119,8 +118,7 @@ def _swiglu_op(g: Tensor, u: Tensor) -> Tensor:
 
 @_swiglu_op.register_fake
 def _(g, u):
-    if g.shape != u.shape:
-        raise ValueError(f"g {tuple(g.shape)} and u {tuple(u.shape)} must match")
+    _check_shapes(g=g, u=u)
     return torch.empty_like(g)
 
 
@@ -131,8 +129,7 @@ def _swiglu_backward_op(g: Tensor, u: Tensor, da: Tensor) -> tuple[Tensor, Tenso
 
 @_swiglu_backward_op.register_fake
 def _(g, u, da):
-    if not (g.shape == u.shape == da.shape):
-        raise ValueError("g, u and da must match")
+    _check_shapes(g=g, u=u, da=da)
     return torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
 
 
