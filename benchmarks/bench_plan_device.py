@@ -110,6 +110,7 @@ def main(argv=None) -> int:
                     help="8192^3 bf16 matmuls queued before every timed replay (0: idle GPU)")
     ap.add_argument("--skip-torch-graph", action="store_true",
                     help="leave out the last table (the torch planner captured as a CUDA graph)")
+    ap.add_argument("--max-r", type=int, default=1 << 30, help="only configurations with R <= this")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available() or not pdv.available():
         print("needs a CUDA device and libmoonep_ep.so (python -m moonep_ops.build --lib ep)")
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
     tp, rank = 128, 1
     later, stages = [], []
     for R, E, s, K, kind in CONFIGS:
+        if R > a.max_r:
+            continue
         tk = routing(kind, R, E, s, K)
         tpe = histogram(tk, E)
         geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp)

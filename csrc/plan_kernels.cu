@@ -24,6 +24,12 @@
 //        Piece counts come from steps 2 (one per move) and 3 (the home piece).
 //     The greedy loops use one warp reduction per argmax/argmin on packed (value, index) keys
 //     when the values leave room for the index bits (2T < 2^(31 - log2 R)), else two.
+//     When R < 32 a spare warp scans the piece counts during step 3 (no block scan in step 4),
+//     and errors go straight to the error word (no end-of-kernel barrier).
+//     Tried and measured slower at R = 8 (session 5): one lane per donor walking its experts
+//     sorted by count (sorted by the idle warps during step 1), and register argmaxes over all
+//     R balances in step 1; a lane's dependent shared loads and stores cost more per greedy
+//     round than the two warp reductions they replace, and the sort lengthened step 1.
 //   blocks 1.. per chunk of C = tpc*K entries of topk: the expert histogram of the chunk.
 // Launch 2, plan_assign_kernel, one block per chunk (the pieces table in shared memory): the
 //   stable rank of every entry among this rank's entries of its expert (ordered by flat
@@ -348,7 +354,8 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   int* hpos = donors + R;                            // [R]  receivers of h below h
   int* rlist = hpos + R;                             // [R]  receivers grouped by donor, ascending
   int* wsum = rlist + R;                             // [34]
-  int* misc = wsum + 34;                             // [8]: err bits, ndonors, sum of s_r, valid
+  int* misc = wsum + 34;                             // [8]: err bits, ndonors, sum of s_r, valid,
+                                                     //      pieces total (spare-warp scan)
   int* rbeg = reinterpret_cast<int*>(rowlo);         // [R]  after validation: start in rlist
   int* rcnt = reinterpret_cast<int*>(rowhi);         // [R]  after validation: receivers of h
 
@@ -543,6 +550,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     }
     qerr = static_cast<int>(__reduce_or_sync(kFull, static_cast<unsigned>(qerr)));
     if (lane == 0) {
+      if (ev | qerr) atomicOr(a.err, ev | qerr);
       misc[0] = ev | qerr;                           // no other writer until the barrier
       misc[1] = nd;
       misc[3] = vq ? 1 : 0;
@@ -678,6 +686,24 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   // ---- 3. layout (one warp per destination) ---------------------------------------------------
   const unsigned lt_mask = (1u << lane) - 1u;
   const int NvS = a.NvS;
+  // Each lane scans a contiguous run of experts in two passes unrolled by 4 (loads in flight
+  // together; a fully unrolled pass spills at 1024 threads), well within the layout's time.
+  const bool spare = R < nwarps;
+  if (spare && warp == nwarps - 1) {
+    const int per = (E + 31) / 32, i0 = min(E, lane * per), i1 = min(E, i0 + per);
+    int sum = 0;
+#pragma unroll 4
+    for (int i = i0; i < i1; ++i) sum += pcnt[i] + (remE[i] > 0 ? 1 : 0);
+    const int incl = warp_incl_scan(sum, lane);
+    int run = incl - sum;
+#pragma unroll 4
+    for (int i = i0; i < i1; ++i) {
+      const int n = pcnt[i] + (remE[i] > 0 ? 1 : 0);
+      pcnt[i] = run;
+      run += n;
+    }
+    if (lane == 31) misc[4] = incl;
+  }
   for (int d = warp; d < R; d += nwarps) {
     const int h = donor_of[d];
     const bool mine = d == rank;
@@ -685,13 +711,13 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     for (int j0 = 0; j0 < B; j0 += 32) {             // home experts d*B + j
       const int j = j0 + lane;
       const int c = j < B ? remE[d * B + j] : 0;
-      const int np = j < B ? pcnt[d * B + j] : 0;
+      const int np = j < B && !spare ? pcnt[d * B + j] : 0;
       const int p = align_tp(c, tp);
       const int incl = warp_incl_scan(p, lane);
       const int end = run + incl, start = end - p;
       if (j < B) {
         offL[d * B + j] = c > 0 ? start : -1;
-        pcnt[d * B + j] = np + (c > 0 ? 1 : 0);      // slot pieces + the home piece
+        if (!spare) pcnt[d * B + j] = np + (c > 0 ? 1 : 0);   // slot pieces + the home piece
         if (mine) {
           a.cu[j] = clamp_i(end, 0, NvS);
           const bool pad = p > c;
@@ -735,7 +761,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     if (lane == 0) {
       nrem[d] = ns;
       if (h >= 0) atomicAdd(&copies[h], ns);
-      if (run > nvs_s) atomicOr(&misc[0], MOONEP_ERR_PLAN);   // impossible for a valid plan
+      if (run > nvs_s) atomicOr(a.err, MOONEP_ERR_PLAN);      // impossible for a valid plan
     }
   }
   __syncthreads();
@@ -745,7 +771,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   // Pieces of e = h*B + le in rank order: the slot pieces on h's receivers below h, the home
   // piece at d = h, the slot pieces on h's receivers above h.  Counts came from the split (moves)
   // and the layout (home piece); the receiver lists from the last warp of step 2.
-  const int npieces_total = block_excl_scan(pcnt, E, wsum);   // <= 2E
+  const int npieces_total = spare ? misc[4] : block_excl_scan(pcnt, E, wsum);   // <= 2E
   for (int e = tid; e < E; e += nthr) {
     const int h = e / B, le = e - h * B;
     int k = pcnt[e], acc = 0;
@@ -785,8 +811,6 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     a.scalars[0] = nvs_s;
     a.scalars[1] = valid ? 1 : 0;
   }
-  __syncthreads();
-  if (tid == 0 && misc[0] != 0) atomicOr(a.err, misc[0]);
 }
 
 // ---------------------------------------------------------------------------------------------

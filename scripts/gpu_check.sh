@@ -3,6 +3,7 @@
 #   1. install carried wheels (expecttest) and the package; print the environment
 #   2. tests: the whole suite on the GPU box (CPU tests on torch 2.11 + every CUDA test);
 #      cuda: only the CUDA test files (tests/*_cuda.py)
+#      nccl: (several GPUs) the multi-rank cases of test_data_plane / test_moe over NCCL
 #   3. dataplane: device planner latency, dispatch/combine bandwidth, eager vs CUDA-graph steps,
 #      the 1000-step soak
 #   4. moe: MoE layer step benchmark (eager vs compiled vs reduce-overhead)
@@ -27,8 +28,16 @@ if [[ $STAGES == *tests* ]]; then
   summary+=("tests: $(tail -1 "$OUT/pytest_all.log")")
 fi
 if [[ $STAGES == *cuda* ]]; then
-  timeout ${T_CUDA:-300} $PY -m pytest -q -rs -x tests/*_cuda.py 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
+  timeout ${T_CUDA:-300} $PY -m pytest -q -rs tests/*_cuda.py 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
   summary+=("cuda tests: $(tail -1 "$OUT/pytest_cuda.log")")
+fi
+if [[ $STAGES == *nccl* ]]; then   # several GPUs: the multi-rank test cases over NCCL, a GPU per rank
+  NG=$($PY -c "import torch; print(torch.cuda.device_count())")
+  if [ "$NG" -ge 2 ]; then
+    MOONEP_TEST_DIST=nccl timeout ${T_NCCL:-300} $PY -m pytest -q -rs tests/test_data_plane.py \
+      tests/test_moe.py 2>&1 | tee "$OUT/pytest_nccl.log" | tail -6
+    summary+=("nccl tests (R <= $NG): $(tail -1 "$OUT/pytest_nccl.log")")
+  fi
 fi
 if [[ $STAGES == *dataplane* ]]; then
   [ -f benchmarks/bench_plan_device.py ] && timeout ${T_PLAN:-120} $PY benchmarks/bench_plan_device.py 2>&1 | tee "$OUT/bench_plan_device.log" | tail -12

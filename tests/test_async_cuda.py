@@ -322,7 +322,10 @@ def test_kernels_on_comm_stream_and_overlap(tmp_path):
     b = torch.randn(8192, 8192, device=dev, dtype=BF16)
 
     def step():
-        torch.cuda._sleep(50_000_000)             # the current stream is busy ~25 ms
+        # The current stream is busy ~200 ms: long enough for the host to enqueue the async ops
+        # and the matmuls before it ends, even under the profiler after compile-heavy tests (a
+        # 25 ms sleep ended before the matmuls were enqueued in one run of the whole suite).
+        torch.cuda._sleep(400_000_000)
         h, wn, cu, plan, ev = buf.dispatch(x, t, w, async_op=True)
         y, _, ev2 = buf.combine(plan, h, async_op=True)
         c = None
@@ -353,9 +356,12 @@ def test_kernels_on_comm_stream_and_overlap(tmp_path):
     gemms = [k for k in on_cur if "spin" not in k["name"] and k["end"] - k["ts"] > 200.0]
     assert gemms, [k["name"][:60] for k in on_cur]
     overlap = any(m["ts"] < g["end"] and g["ts"] < m["end"] for m in moon for g in gemms)
-    assert overlap, ("no moonep kernel overlaps the matmuls",
-                     [(m["name"][:30], m["ts"], m["end"]) for m in moon],
-                     [(g["ts"], g["end"]) for g in gemms])
+    t0 = min(k["ts"] for k in moon)
+    span = lambda k: f"{k['name'][:24]} {k['ts'] - t0:.0f}..{k['end'] - t0:.0f}"  # noqa: E731
+    assert overlap, ("no moonep kernel overlaps the matmuls (us, from the first moonep kernel)",
+                     f"moonep: {len(moon)} kernels, {span(moon[0])} .. last end "
+                     f"{max(k['end'] for k in moon) - t0:.0f}",
+                     "current stream: " + "; ".join(span(k) for k in on_cur[:8]))
     last = on_cur[-1]                             # the consumer, queued after ev2.wait()
     assert last["ts"] >= max(k["end"] for k in moon) - 1.0
     buf.check_errors()

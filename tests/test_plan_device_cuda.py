@@ -44,6 +44,9 @@ def _cases():
         ("hot", 64, 1024, 4097, 16, 128, 0, 14),
         ("one_expert", 64, 1024, 1023, 8, 128, 0, 15),   # one expert split over all ranks
         ("duplicates", 64, 64, 300, 16, 1, 0, 16),
+        ("one_group", 7, 336, 257, 8, 128, 0, 17),      # R not a power of 2
+        ("hot", 5, 40, 99, 6, 8, 0, 18),
+        ("one_group", 8, 512, 1025, 8, 1, 0, 19),       # B = 64: two experts per lane
     ]
     rng = random.Random(20251129)
     kinds = ("uniform", "balanced", "zipf", "hot", "one_expert", "all_remote", "all_local",
