@@ -5,15 +5,17 @@
 //      never make the GEMM read or write out of bounds;
 //   2. for wgrad, orders the groups largest first (LPT: a wgrad tile costs ~M_g, and the static
 //      round-robin scheduler then balances better);
-//   3. evaluates the cost model (same formulas as moonep_ops/gemm_cost_model.py), one warp per
-//      candidate config, all at once, and picks the cheapest;
-//   4. meanwhile (the other warps) writes the problem-shape / pointer / stride arrays, which do not
-//      depend on the config; the kind's fused kernel (gemm_kernel.cuh) then runs the chosen
-//      config's branch, in one launch;
-//   5. (blocks >= 1) zeroes the output rows past cu_seqlens[G-1] for fwd and dgrad, and the dW
-//      of empty groups for wgrad_lp.
+//   3. evaluates the cost model (same formulas as moonep_ops/gemm_cost_model.py) for every
+//      candidate config at once, each on its share of the block's 1024 threads, and picks the
+//      cheapest (see prep_kernel for the parallel forms of the model and of the LPT sort);
+//   4. writes the problem-shape / pointer / stride arrays, which do not depend on the config (in
+//      block 1, beside block 0's choice; for wgrad it sorts the groups too); the kind's fused
+//      kernel (gemm_kernel.cuh) then runs the chosen config's branch, in one launch;
+//   5. (blocks >= 2, at most 32) zeroes the output rows past cu_seqlens[G-1] for fwd and dgrad,
+//      and the dW of empty groups for wgrad_lp.
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 
@@ -30,7 +32,9 @@ namespace {
 thread_local char g_err[512] = "";
 
 constexpr int kMaxGroups = 1024;
-constexpr int kPrepThreads = 256;
+constexpr int kPrepThreads = 1024;  // block 0: one thread per group (G <= 1024)
+constexpr int kWarps = kPrepThreads / 32;
+constexpr int kMaxSms = 1024;       // P <= 1024 (checked on the host)
 constexpr size_t kAlign = 256;
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -101,360 +105,461 @@ Layout layout(int kind, int G, int sm_count) {
   return L;
 }
 
-struct PrepParams {
-  int kind, G, epn, M, N, K, P, config, cand_mask, nconf;
-  int zero_groups;  // wgrad_lp: empty groups g < zero_groups are zeroed (G, or epn: keep slots)
+// One candidate config of the device cost model: the config-dependent constants of
+// gemm_cost_model.py's formulas, computed on the host (in double, rounded to float once).
+struct Cand {
+  int cfg;                    // config index
+  int bm, bm_shift, nt;       // fwd/dgrad: BM, log2(BM) (-1: not a power of two), N-tiles per M-tile
+  int base, rem, d, Q, S, log2S;  // wgrad: t_w / P, t_w % P, gcd(rem, P), P / d, lanes per class
+  unsigned magic_d;           // wgrad: udiv_small magic of d
+  float tau_sw, tau0;
+  float tau, inv_bw;          // fwd/dgrad: tile time (us), us per byte
+  float ca, cb, ma, mb;       // wgrad: a tile of a group of m rows costs max(m*ca + cb, m*ma + mb)
+};
+
+struct PrepParams {  // the fields block 0 reads first come first (one or two constant-cache lines)
+  int kind, G, M, P, ncand;
+  int tc;             // threads per candidate in the model phases (a multiple of 32)
+  int sx;             // wgrad ranks: threads per group in the cross-chunk phase (power of two <= 32)
+  int nprefetch;      // 64-byte lines of this struct that block 0 touches at once
+  unsigned magic_P, magic_tc;
+  float wbytes, rbytes;  // fwd/dgrad: first-touch bytes of a group: wbytes + rows * rbytes
   const int* cu;
+  int* chosen_out;
+  Cand cand[kMaxConfigs];  // ncand candidates (ncand == 1: forced, cand[0].cfg is the config)
+  // problem arrays (block 1) and tails (blocks >= 2)
+  int N, K, epn, nconf;
+  int zero_groups;  // wgrad_lp: empty groups g < zero_groups are zeroed (G, or epn: keep slots)
   const char *A, *B, *B_slot;
   char *D, *D_slot;
-  int* chosen_out;
   int* shapes[kMaxConfigs];
   const void** ptr[4];  // A, B, C, D
-  char* stride[4];
-  StrideBytes sb;
-  ConfigGeom geom[kMaxConfigs];
-  Tuning tuning;
+  long long* stride[4];
+  long long sb[4][4];   // the stride of A, B, C, D (8-byte words; the same for every group)
+  int sbw[4];           // words per stride
 };
 
 __device__ __forceinline__ int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
-__device__ __forceinline__ int cdivi(int a, int b) { return (a + b - 1) / b; }
+
+// x / d for x < 2^22 and 1 <= d <= 1024 (magic = ceil(2^32 / d), unused for d == 1)
+__device__ __forceinline__ int udiv_small(int x, int d, unsigned magic) {
+  return d == 1 ? x : (int)__umulhi((unsigned)x, magic);
+}
 
 // Rows [x, y) of group g from cu_seqlens, clamped to [0, M] so that bad offsets can never make
 // the GEMM read or write out of bounds (an empty group has y == x).
 __device__ __forceinline__ int2 group_rows(const int* cu, int g, int M) {
-  const int start = g == 0 ? 0 : clampi(cu[g - 1], 0, M);
-  return make_int2(start, clampi(cu[g], start, M));
+  const int start = g == 0 ? 0 : clampi(__ldg(cu + g - 1), 0, M);
+  return make_int2(start, clampi(__ldg(cu + g), start, M));
 }
 
-template <class T>
-__device__ __forceinline__ T warp_sum(T v) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
 }
-__device__ __forceinline__ float warp_max(float v) {
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, off));
+__device__ __forceinline__ int warp_sum_i(int v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
 }
 
-// The cost model runs ONE WARP PER CONFIG, all configs at once, with warp-level sync only (the
-// block-wide version cost 2-6 us per config in barriers and shared atomics; the H200 measured
-// 7-17 us for three configs).  Scratch per warp: kScratch ints + kScratch floats of shared memory.
-constexpr int kModelWarps = 4;     // configs evaluated concurrently (more are done in turns)
-constexpr int kScratch = 1024;     // >= kMaxGroups and >= the SM count (checked on the host)
+// fwd / dgrad: tiles of a group of c rows (c >= 0)
+__device__ __forceinline__ int rows_tiles(const Cand& C, int c) {
+  const int mt = C.bm_shift >= 0 ? (c + C.bm - 1) >> C.bm_shift : (c + C.bm - 1) / C.bm;
+  return mt * C.nt;
+}
+// wgrad: cost of one tile of a group of m rows
+__device__ __forceinline__ float wgrad_tile(const Cand& C, int m) {
+  const float f = (float)m;
+  return fmaxf(fmaf(f, C.ca, C.cb), fmaf(f, C.ma, C.mb));
+}
 
-struct ModelIn {
-  int G, P, N, K, kind, nonempty;
-  const int* cnt;    // rows per group (shared)
-  const int* order;  // wgrad: groups largest first (shared)
-  float peak, hbm;
+constexpr int kChunkPad = 33;  // sorted chunks of 32 groups, one word apart: no bank conflicts
+
+// Shared memory (block-wide phases separated by __syncthreads):
+//   cnt[g], start[g]       rows of group g (cnt = -1 past G: padding of the sort chunks)
+//   fwd/dgrad: cb[g]       first-touch bytes of the groups before g (config-independent)
+//              ts[k][g]    first linear tile of group g under candidate k
+//   wgrad:     sorted[j]   rows of the j-th largest group (LPT order)
+//              kc[33c + r], rin[g]   chunks of 32 groups sorted by the warps (rows; rank of g)
+//              dw[k][m]    difference array of candidate k at CTA m * d (after the sort)
+struct Smem {
+  int cnt[kMaxGroups], start[kMaxGroups];
+  union {
+    struct {
+      float cb[kMaxGroups];
+      int ts[kMaxConfigs][kMaxGroups];
+    } rows;
+    struct {
+      int sorted[kMaxGroups];
+      union {
+        struct {
+          int kc[kWarps * kChunkPad], rin[kMaxGroups];
+        } sort;
+        float dw[kMaxConfigs][kMaxSms];
+      } u;
+    } wg;
+    unsigned short empty[kMaxGroups];  // tail blocks of wgrad_lp
+  } u;
+  float wpart[kWarps], wtot[kWarps], wd0[kWarps], cost[kMaxConfigs];
+  int wnz[kWarps], wtile[kMaxConfigs][kWarps], nempty;
 };
 
-// fwd / dgrad (gemm_cost_model._predict_rows): the linear tile order cut into rounds of P tiles;
-// a round costs max(tau + [a group starts in it] * tau_sw, its first-touch bytes / bw).
-__device__ float model_rows(const ModelIn& in, const ConfigGeom& cg, const float* k, int* tstart,
-                            float* cb) {
-  const int lane = threadIdx.x & 31;
-  const int n_out = in.kind == 0 ? in.N : in.K, k_red = in.kind == 0 ? in.K : in.N;
-  const int n_tiles = cdivi(cdivi(n_out, cg.BN), cg.CN) * cg.CN;
-  const float eta = k[0], bw = in.hbm * 1e6f * k[1], tau_sw = k[2], tau0 = k[3], tau_epi = k[4];
-  const float tau = 2.f * cg.BM * cg.BN * (float)k_red / (in.peak * 1e6f / in.P * eta) + tau_epi;
-  const float wbytes = (float)n_out * k_red * 2.f, rbytes = (float)(n_out + k_red) * 2.f;
-  // exclusive scans of tiles and bytes over the groups, 32 groups per step
-  int run = 0;
-  float acc = 0.f;
-  for (int g0 = 0; g0 < in.G; g0 += 32) {
-    const int g = g0 + lane;
-    const int c = g < in.G ? in.cnt[g] : 0;
-    const int t = cdivi(c, cg.BM) * n_tiles;
-    const float by = t ? wbytes + c * rbytes : 0.f;
-    int xi = t;
-    float xf = by;
-    for (int off = 1; off < 32; off <<= 1) {
-      const int vi = __shfl_up_sync(0xffffffffu, xi, off);
-      const float vf = __shfl_up_sync(0xffffffffu, xf, off);
-      if (lane >= off) { xi += vi; xf += vf; }
-    }
-    if (g < in.G) { tstart[g] = run + xi - t; cb[g] = acc + xf - by; }
-    run += __shfl_sync(0xffffffffu, xi, 31);
-    acc += __shfl_sync(0xffffffffu, xf, 31);
+// The problem arrays of group g at position i of the order the GEMM runs (i == g for fwd/dgrad;
+// LPT position for wgrad).  Strides are written separately (the same for every group).
+__device__ __forceinline__ void write_group(const PrepParams& p, int i, int g, long long start,
+                                            int cnt) {
+  const int N = p.N, K = p.K, epn = p.epn;
+  const long long wofs = (long long)(g < epn ? g : g - epn) * N * K;
+  int s0, s1, s2;
+  if (p.kind == 0) {  // fwd: (M_g, N, K)
+    p.ptr[0][i] = p.A + start * K * 2;
+    p.ptr[1][i] = (g < epn ? p.B : p.B_slot) + wofs * 2;
+    p.ptr[3][i] = p.D + start * N * 2;
+    s0 = cnt; s1 = N; s2 = K;
+  } else if (p.kind == 1) {  // dgrad: (M_g, K, N)
+    p.ptr[0][i] = p.A + start * N * 2;
+    p.ptr[1][i] = (g < epn ? p.B : p.B_slot) + wofs * 2;
+    p.ptr[3][i] = p.D + start * K * 2;
+    s0 = cnt; s1 = K; s2 = N;
+  } else {  // wgrad: (N, K, M_g); empty groups get no tiles (fp32: unchanged; lp: zeroed)
+    p.ptr[0][i] = p.A + start * N * 2;
+    p.ptr[1][i] = p.B + start * K * 2;
+    char* d = (g < epn ? p.D : p.D_slot) + wofs * (p.kind == 2 ? 4 : 2);
+    p.ptr[2][i] = d;
+    p.ptr[3][i] = d;
+    s0 = cnt > 0 ? N : 0; s1 = K; s2 = cnt;
   }
-  __syncwarp();
-  const int T = run;
-  if (T == 0) return tau0;
-  const int R = cdivi(T, in.P);
-  float part = 0.f;
-  for (int r = lane; r < R; r += 32) {
-    const int lo = r * in.P, hi = min(T, lo + in.P);
-    // bytes first touched by tiles [0, t): the group holding tile t spreads its bytes evenly
-    // over its tiles (g = last group with tstart <= t; empty groups share the next start)
-    float cum[2];
-    const int ts[2] = {lo, hi};
-    for (int e = 0; e < 2; ++e) {
-      int a = 0, b = in.G - 1;
-      while (a < b) {
-        const int mid = (a + b + 1) >> 1;
-        if (tstart[mid] <= ts[e]) a = mid; else b = mid - 1;
-      }
-      const int c = in.cnt[a];
-      const int t = cdivi(c, cg.BM) * n_tiles;
-      cum[e] = cb[a] + (t ? (float)(ts[e] - tstart[a]) * ((wbytes + c * rbytes) / t) : 0.f);
-    }
-    // a group starts in [lo, hi): the first group with tstart >= lo starts before hi
-    int a = 0, b = in.G;
-    while (a < b) {
-      const int mid = (a + b) >> 1;
-      if (tstart[mid] >= lo) b = mid; else a = mid + 1;
-    }
-    const bool sw = a < in.G && tstart[a] < hi;
-    part += fmaxf(tau + (sw ? tau_sw : 0.f), (cum[1] - cum[0]) / bw);
+  for (int c = 0; c < p.nconf; ++c) {
+    int* sh = p.shapes[c] + 3 * i;
+    sh[0] = s0;
+    sh[1] = s1;
+    sh[2] = s2;
   }
-  return tau0 + warp_sum(part);
 }
 
-// wgrad (gemm_cost_model._predict_wgrad): groups in LPT order j = 0.., group j owns linear tiles
-// [j*t_w, (j+1)*t_w), CTA q runs tiles q, q+P, ...  CTA q gets base = t_w / P tiles of every group
-// plus one when q lies in the circular window [off_j, off_j + rem) with off_j = j*t_w mod P and
-// rem = t_w mod P; so per-CTA sums are base * sum_j cost_j plus window sums, built with a
-// difference array over the P CTAs (O(G + P), not O(G * P)).
-__device__ float model_wgrad(const ModelIn& in, const ConfigGeom& cg, const float* k, int* cover,
-                             float* diff) {
-  const int lane = threadIdx.x & 31, P = in.P;
-  const float eta = k[0], bw_frac = k[1], tau_sw = k[2], tau0 = k[3], tau_epi = k[4];
-  const int t_w = cdivi(in.N, cg.BM) * cdivi(cdivi(in.K, cg.BN), cg.CN) * cg.CN;
-  const float out_bytes = in.kind == 2 ? 8.f : 2.f;  // fp32 read + write, or bf16 write
-  const int nne = in.nonempty, base = t_w / P, rem = t_w % P;
-  if (nne == 0) return tau0;
-  for (int q = lane; q <= P; q += 32) { diff[q] = 0.f; cover[q] = 0; }
-  __syncwarp();
-  float total = 0.f, wrap_v = 0.f;  // wrapped windows also cover CTA 0: summed in registers
-  int wrap_n = 0;                     // (nearly every window wraps when rem ~ P, and 32 lanes
-                                      // adding to diff[0] serialised: ~28 us at G = 256)
-  // off_j = j * t_w mod P, stepped by 32 groups per lane (no 64-bit modulo in the loop)
-  const int step = (int)((32LL * t_w) % P);
-  int off = (int)(((long long)lane * t_w) % P);
-  for (int j = lane; j < nne; j += 32, off = off + step >= P ? off + step - P : off + step) {
-    const float m = (float)in.cnt[in.order[j]];
-    const float comp = 2.f * cg.BM * cg.BN * m / (in.peak * 1e6f / P * eta) + tau_epi;
-    const float mem = (m * (in.N + in.K) * 2.f + (float)in.N * in.K * out_bytes) / (float)t_w /
-                      (in.hbm * 1e6f * bw_frac / P);
-    const float v = fmaxf(comp, mem);
-    total += v;
-    if (rem) {
-      const int end = off + rem;
-      atomicAdd(&diff[off], v);
-      atomicAdd(&cover[off], 1);
-      if (end <= P) {
-        atomicAdd(&diff[end], -v);
-        atomicAdd(&cover[end], -1);
-      } else {  // wraps: [off, P) and [0, end - P); diff[P] is never read
-        wrap_v += v;
-        wrap_n += 1;
-        atomicAdd(&diff[end - P], -v);
-        atomicAdd(&cover[end - P], -1);
-      }
-    }
-  }
-  total = __shfl_sync(0xffffffffu, warp_sum(total), 0);
-  wrap_v = warp_sum(wrap_v);
-  wrap_n = warp_sum(wrap_n);
-  __syncwarp();
-  if (lane == 0) {
-    diff[0] += wrap_v;
-    cover[0] += wrap_n;
-  }
-  __syncwarp();
-  // prefix sums over q (chunks of 32), per-CTA cost, max
-  float run = 0.f, worst = 0.f;
-  int crun = 0;
-  for (int q0 = 0; q0 < P; q0 += 32) {
-    const int q = q0 + lane;
-    float x = q < P ? diff[q] : 0.f;
-    int ci = q < P ? cover[q] : 0;
-    for (int off = 1; off < 32; off <<= 1) {
-      const float vf = __shfl_up_sync(0xffffffffu, x, off);
-      const int vi = __shfl_up_sync(0xffffffffu, ci, off);
-      if (lane >= off) { x += vf; ci += vi; }
-    }
-    if (q < P) {
-      const int groups_entered = base > 0 ? nne : crun + ci;
-      worst = fmaxf(worst, base * total + run + x + groups_entered * tau_sw);
-    }
-    run += __shfl_sync(0xffffffffu, x, 31);
-    crun += __shfl_sync(0xffffffffu, ci, 31);
-  }
-  return tau0 + __shfl_sync(0xffffffffu, warp_max(worst), 0);
-}
-
-__global__ void __launch_bounds__(kPrepThreads) prep_kernel(const PrepParams p) {
+// Blocks >= 2: zero the output rows past cu_seqlens[G-1] (fwd, dgrad) or the dW of empty groups
+// (wgrad_lp, which writes dW once with beta = 0: an empty group has no tiles).
+__device__ __noinline__ void zero_tails(const PrepParams& p, Smem& sm) {
   const int G = p.G, M = p.M;
-  if (blockIdx.x > 0) {
-    if (p.kind == 3) {
-      // wgrad_lp writes dW once (beta = 0): an empty group has no tiles, so zero its [N, K] here.
-      // The group bounds are read once per block into shared memory (every thread reading all
-      // of cu[] from global memory cost ~20 us at G = 256).
-      // Only the empty groups are listed (a loop over all G groups per thread cost ~4 us at
-      // G = 256 even when none was empty).
-      __shared__ unsigned short s_empty[kMaxGroups];  // G <= 1024
-      __shared__ int s_nempty;
-      if (threadIdx.x == 0) s_nempty = 0;
-      __syncthreads();
-      for (int g = threadIdx.x; g < p.zero_groups; g += blockDim.x) {
-        const int2 rows = group_rows(p.cu, g, M);
-        if (rows.y <= rows.x) s_empty[atomicAdd(&s_nempty, 1)] = (unsigned short)g;
-      }
-      __syncthreads();
-      const long long per = (long long)p.N * p.K / 8;  // uint4 units of one bf16 [N, K]
-      for (int e = 0; e < s_nempty; ++e) {
-        const int g = s_empty[e];
-        uint4* out = reinterpret_cast<uint4*>((g < p.epn ? p.D : p.D_slot) +
-                                              (long long)(g < p.epn ? g : g - p.epn) * per * 16);
-        for (long long i = (long long)(blockIdx.x - 1) * blockDim.x + threadIdx.x; i < per;
-             i += (long long)(gridDim.x - 1) * blockDim.x)
-          out[i] = make_uint4(0, 0, 0, 0);
-      }
-      return;
-    }
-    // Zero the padding rows of the fwd/dgrad output: [cu[G-1], M) x cols, bf16, 16-byte stores.
-    if (p.kind == 2) return;
-    const int cols = p.kind == 0 ? p.N : p.K;
-    const long long first = (long long)clampi(p.cu[G - 1], 0, M) * cols / 8;  // uint4 units
-    const long long last = (long long)M * cols / 8;
-    uint4* out = reinterpret_cast<uint4*>(p.D);
-    for (long long i = first + (long long)(blockIdx.x - 1) * blockDim.x + threadIdx.x; i < last;
-         i += (long long)(gridDim.x - 1) * blockDim.x)
-      out[i] = make_uint4(0, 0, 0, 0);
-    return;
-  }
-  __shared__ int s_cnt[kMaxGroups], s_start[kMaxGroups], s_order[kMaxGroups];
-  __shared__ int s_iscr[kModelWarps][kScratch + 1];
-  __shared__ float s_fscr[kModelWarps][kScratch + 1];
-  __shared__ float s_cost[kMaxConfigs];
-  __shared__ int s_chosen, s_nonempty;
-  __shared__ long long s_sb[4][4];  // the stride bytes of A, B, C, D as 8-byte words
-  __shared__ int s_sbsize[4];
-  const int tid = threadIdx.x;
-  if (tid < 4 * 32) {  // stride sizes are multiples of 8 (packed int64 strides); host-checked
-    const int a = tid >> 5, byte = tid & 31;
-    const unsigned char* src = a == 0 ? p.sb.a : a == 1 ? p.sb.b : a == 2 ? p.sb.c : p.sb.d;
-    reinterpret_cast<unsigned char*>(s_sb[a])[byte] = src[byte];
-    if (byte == 0) s_sbsize[a] = a == 0 ? p.sb.size_a : a == 1 ? p.sb.size_b : a == 2 ? p.sb.size_c
-                                                                                  : p.sb.size_d;
-  }
-
-  for (int g = tid; g < G; g += blockDim.x) {
-    const int2 rows = group_rows(p.cu, g, M);
-    s_start[g] = rows.x;
-    s_cnt[g] = rows.y - rows.x;
-  }
-  if (tid == 0) s_nonempty = 0;
-  __syncthreads();
-  for (int g = tid; g < G; g += blockDim.x) {
-    int rank = g;
-    if (p.kind >= 2) {  // wgrad: largest first, stable
-      rank = 0;
-      const int cg = s_cnt[g];
-#pragma unroll 8  // independent loads: unrolled, they are in flight together (G = 256: ~5 us)
-      for (int h = 0; h < G; ++h) rank += (s_cnt[h] > cg) | (s_cnt[h] == cg && h < g);
-    }
-    s_order[rank] = g;
-  }
-  {  // non-empty groups: one shared atomic per warp (per-group atomics on one word serialise)
-    int mine = 0;
-    for (int g = tid; g < G; g += blockDim.x) mine += s_cnt[g] > 0;
-    mine = warp_sum(mine);
-    if ((tid & 31) == 0 && mine) atomicAdd(&s_nonempty, mine);
-  }
-  __syncthreads();
-
-  // The problem arrays (pointers, shapes, strides) do not depend on the config: written for
-  // every config, by the warps the model leaves idle, while it runs.
-  auto write_arrays = [&](int first, int step) {
-    const int N = p.N, K = p.K, epn = p.epn;
-    for (int i = first; i < G; i += step) {
-      const int g = s_order[i];
-      const long long start = s_start[g];
-      const int cnt = s_cnt[g];
-      const long long wofs = (long long)(g < epn ? g : g - epn) * N * K;
-      int shape[3];
-      if (p.kind == 0) {  // fwd: (M_g, N, K)
-        p.ptr[0][i] = p.A + start * K * 2;
-        p.ptr[1][i] = (g < epn ? p.B : p.B_slot) + wofs * 2;
-        p.ptr[3][i] = p.D + start * N * 2;
-        shape[0] = cnt; shape[1] = N; shape[2] = K;
-      } else if (p.kind == 1) {  // dgrad: (M_g, K, N)
-        p.ptr[0][i] = p.A + start * N * 2;
-        p.ptr[1][i] = (g < epn ? p.B : p.B_slot) + wofs * 2;
-        p.ptr[3][i] = p.D + start * K * 2;
-        shape[0] = cnt; shape[1] = K; shape[2] = N;
-      } else {  // wgrad: (N, K, M_g); empty groups get no tiles (fp32: unchanged; lp: zeroed)
-        p.ptr[0][i] = p.A + start * N * 2;
-        p.ptr[1][i] = p.B + start * K * 2;
-        char* d = (g < epn ? p.D : p.D_slot) + wofs * (p.kind == 2 ? 4 : 2);
-        p.ptr[2][i] = d;
-        p.ptr[3][i] = d;
-        shape[0] = cnt > 0 ? N : 0; shape[1] = K; shape[2] = cnt;
-      }
-      for (int c = 0; c < p.nconf; ++c) {
-        int* sh = p.shapes[c] + 3 * i;
-        sh[0] = shape[0];
-        sh[1] = shape[1];
-        sh[2] = shape[2];
-      }
-      // strides: 8-byte words from the shared copy (byte-wise copies from the kernel
-      // parameters were ~96 scattered 1-byte stores per group)
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        long long* dst = reinterpret_cast<long long*>(p.stride[a] + (size_t)i * s_sbsize[a]);
-        for (int w = 0; w < s_sbsize[a] / 8; ++w) dst[w] = s_sb[a][w];
-      }
-    }
-  };
-
-  const long long t_model = clock64();
-  if (p.config < 0) {
-    // Warp w evaluates configs w, w + kModelWarps, ... (gemm_cost_model's formulas).
-    const int warp = tid >> 5;
-    if (warp < kModelWarps) {
-      ModelIn in{G, p.P, p.N, p.K, p.kind, s_nonempty, s_cnt, s_order, p.tuning.peak_tflops,
-                 p.tuning.hbm_tbps};
-      for (int c = warp; c < p.nconf; c += kModelWarps) {
-        float cost = 3.0e38f;
-        if ((p.cand_mask >> c) & 1) {
-          const ConfigGeom cg = p.geom[c];
-          float k[5];
-#pragma unroll
-          for (int j = 0; j < 5; ++j) k[j] = p.tuning.c[c][j];
-          cost = p.kind < 2 ? model_rows(in, cg, k, s_iscr[warp], s_fscr[warp])
-                            : model_wgrad(in, cg, k, s_iscr[warp], s_fscr[warp]);
-        }
-        if ((tid & 31) == 0) s_cost[c] = cost;
-        __syncwarp();
-      }
-    } else {
-      write_arrays(tid - kModelWarps * 32, blockDim.x - kModelWarps * 32);
+  const long long nthr = (long long)(gridDim.x - 2) * blockDim.x;
+  const long long first_i = (long long)(blockIdx.x - 2) * blockDim.x + threadIdx.x;
+  if (p.kind == 3) {
+    // The empty groups are listed once per block in shared memory (every thread reading all of
+    // cu[] from global memory, or looping over all G groups, cost ~20 / ~4 us at G = 256).
+    if (threadIdx.x == 0) sm.nempty = 0;
+    __syncthreads();
+    const int g = threadIdx.x;  // G <= blockDim
+    if (g < p.zero_groups) {
+      const int2 rows = group_rows(p.cu, g, M);
+      if (rows.y <= rows.x) sm.u.empty[atomicAdd(&sm.nempty, 1)] = (unsigned short)g;
     }
     __syncthreads();
+    const long long per = (long long)p.N * p.K / 8;  // uint4 units of one bf16 [N, K]
+    for (int e = 0; e < sm.nempty; ++e) {
+      const int ge = sm.u.empty[e];
+      uint4* out = reinterpret_cast<uint4*>((ge < p.epn ? p.D : p.D_slot) +
+                                            (long long)(ge < p.epn ? ge : ge - p.epn) * per * 16);
+      for (long long i = first_i; i < per; i += nthr) out[i] = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  if (p.kind == 2) return;
+  const int cols = p.kind == 0 ? p.N : p.K;
+  const long long first = (long long)clampi(__ldg(p.cu + G - 1), 0, M) * cols / 8;  // uint4 units
+  const long long last = (long long)M * cols / 8;
+  uint4* out = reinterpret_cast<uint4*>(p.D);
+  for (long long i = first + first_i; i < last; i += nthr) out[i] = make_uint4(0, 0, 0, 0);
+}
+
+// Block 0 chooses the config, block 1 writes the problem arrays (the same for every config),
+// blocks >= 2 zero the tails; the blocks run side by side.  In block 0 thread g reads group g,
+// and candidate k of the cost model (gemm_cost_model.py's formulas) owns the threads
+// [k * tc, (k + 1) * tc).  Every phase is O(log) or O(G/32) deep, with 3 (fwd/dgrad) or 5 (wgrad)
+// block barriers in all.
+//   fwd/dgrad: the tile counts of every candidate are scanned block-wide (warp scans, then the
+//     warp totals around the first barrier); then every thread of a candidate takes rounds of
+//     P tiles and finds the groups holding the round's first and last tile by binary search;
+//     per-round roofline, summed.
+//   wgrad: LPT order by ranks (blocks 0 and 1 both sort): each warp sorts its chunk of 32 groups
+//     (brute force from shared memory), then a group's rank adds the count of beating groups in
+//     every other chunk (binary searches, sx threads per group).  Model: group j (LPT order)
+//     adds one tile more than base = t_w / P to the CTAs of the circular window
+//     [j*rem, (j+1)*rem) mod P, rem = t_w % P.  The windows follow each other around the circle,
+//     so the per-CTA sums come from a difference array with one entry per window start: at CTA
+//     j*rem mod P, v_j - v_{j-1} (whole-circle wraps add v_j at CTA 0).  Windows j and j + Q
+//     start at the same CTA (Q = P / gcd(rem, P)): class rho = j mod Q is summed by S lanes and
+//     reduced by shuffles, so no atomics (32 lanes adding floats to one shared word serialise:
+//     ~28 us at G = 256 once).  Entries sit at multiples of d = gcd(rem, P), and a CTA's window
+//     sum is constant between them while its tile count only falls, so the max over CTAs is a
+//     max over the Q points.
+__global__ void __launch_bounds__(kPrepThreads, 1) prep_kernel(const __grid_constant__ PrepParams p) {
+  __shared__ Smem sm;
+  if (blockIdx.x >= 2) {
+    zero_tails(p, sm);
+    return;
+  }
+  const bool chooser = blockIdx.x == 0;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int G = p.G, P = p.P, ncand = p.ncand;
+  const long long t_entry = clock64();
+  if (chooser && ncand == 1) {  // forced config (or one candidate): nothing to choose
     if (tid == 0) {
-      int best = -1;
-      for (int c = 0; c < p.nconf; ++c)
-        if (((p.cand_mask >> c) & 1) && (best < 0 || s_cost[c] < s_cost[best])) best = c;
-      s_chosen = best < 0 ? 0 : best;
+      long long* st = reinterpret_cast<long long*>(p.chosen_out);
+      p.chosen_out[0] = p.cand[0].cfg;
+      st[1] = 0;
+    }
+    return;
+  }
+  int start = 0, cnt = -1;  // -1: no group (sort padding)
+  if (tid < G) {
+    const int2 rows = group_rows(p.cu, tid, p.M);
+    start = rows.x;
+    cnt = rows.y - rows.x;
+  }
+  const bool rows_kind = p.kind < 2;
+  int sink = 0;  // block 0: every line of the parameters at once, while cu_seqlens is in flight
+  if (chooser) {
+    if (lane == 0 && warp < p.nprefetch) sink = reinterpret_cast<const int*>(&p)[warp * 16];
+  } else {  // block 1: the problem arrays
+    if (tid < G) {
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+          if (w < p.sbw[a]) p.stride[a][(long long)tid * p.sbw[a] + w] = p.sb[a][w];
+    }
+    if (rows_kind) {
+      if (tid < G) write_group(p, tid, tid, start, cnt);
+      return;
+    }
+    sm.start[tid] = start;
+  }
+  sm.cnt[tid] = cnt;
+  const unsigned nzmask = __ballot_sync(0xffffffffu, cnt > 0);
+  const int tc = p.tc;
+  const int k = udiv_small(tid, tc, p.magic_tc), u = tid - k * tc;  // candidate k (k >= ncand: idle)
+  long long t_rows, t_model;
+  int chosen = 0;
+
+  if (rows_kind) {
+    // tiles of group tid under every candidate; scans within the warp
+    int part[kMaxConfigs];
+#pragma unroll
+    for (int c = 0; c < kMaxConfigs; ++c) {
+      part[c] = 0;
+      if (c < ncand) {
+        const int t = cnt > 0 ? rows_tiles(p.cand[c], cnt) : 0;
+        int incl = t;
+        for (int off = 1; off < 32; off <<= 1) {
+          const int v = __shfl_up_sync(0xffffffffu, incl, off);
+          if (lane >= off) incl += v;
+        }
+        part[c] = incl - t;
+        if (lane == 31) sm.wtile[c][warp] = incl;
+      }
+    }
+    if (lane == 0) sm.wnz[warp] = __popc(nzmask);
+    __syncthreads();  // barrier 1
+    t_rows = t_model = clock64();
+    // add the tiles of the warps before; the total; the bytes of the groups before g
+    // (nonempty ones * weights + rows * (row in + row out))
+    int T = 0;
+    {
+      const int before = __popc(nzmask & ((1u << lane) - 1)) +
+                         warp_sum_i(lane < warp ? sm.wnz[lane] : 0);
+      if (tid < G) sm.u.rows.cb[tid] = (float)before * p.wbytes + (float)start * p.rbytes;
+    }
+#pragma unroll
+    for (int c = 0; c < kMaxConfigs; ++c) {
+      if (c < ncand) {
+        const int wt = sm.wtile[c][lane];
+        const int off = warp_sum_i(lane < warp ? wt : 0), tot = warp_sum_i(wt);
+        if (tid < G) sm.u.rows.ts[c][tid] = off + part[c];
+        if (c == k) T = tot;
+      }
+    }
+    __syncthreads();  // barrier 2
+    if (k < ncand) {
+      const Cand& C = p.cand[k];
+      const int* ts = sm.u.rows.ts[k];
+      const int top = G > 1 ? 1 << (31 - __clz(G - 1)) : 0;
+      const float wb = p.wbytes, rb = p.rbytes;
+      float part_t = 0.f;
+      for (int r = u; r * P < T; r += tc) {
+        const int lo = r * P, hi = min(T, lo + P);
+        // last groups with ts <= lo and ts <= hi (ts[0] == 0); empty groups share the next
+        // group's start, so a is the nonempty group holding tile lo
+        int a = 0, b = 0;
+        for (int s = top; s > 0; s >>= 1) {
+          if (a + s < G && ts[a + s] <= lo) a += s;
+          if (b + s < G && ts[b + s] <= hi) b += s;
+        }
+        const int ca = sm.cnt[a], cb = sm.cnt[b], ta = rows_tiles(C, ca), tb = rows_tiles(C, cb);
+        const int tsa = ts[a], tsb = ts[b];
+        const float cum_lo = sm.u.rows.cb[a] +
+            (ta ? (float)(lo - tsa) * __fdividef(fmaf((float)ca, rb, wb), (float)ta) : 0.f);
+        const float cum_hi = sm.u.rows.cb[b] +
+            (tb ? (float)(hi - tsb) * __fdividef(fmaf((float)cb, rb, wb), (float)tb) : 0.f);
+        // a group starts in [lo, hi): group a at lo, or the next one before hi
+        const bool sw = tsa == lo || tsa + ta < hi;
+        part_t += fmaxf(C.tau + (sw ? C.tau_sw : 0.f), (cum_hi - cum_lo) * C.inv_bw);
+      }
+      part_t = warp_sum(part_t);
+      if (lane == 0) sm.wpart[warp] = part_t;
+    }
+    __syncthreads();  // barrier 3
+    if (warp == 0) {  // lane k: candidate k's time; argmin (ties: the first listed); ncand <= 8
+      float cost = 3.0e38f;
+      if (lane < ncand) {
+        const int nw = tc >> 5, w0 = lane * nw;
+        float s = 0.f;
+        for (int w = 0; w < nw; ++w) s += sm.wpart[w0 + w];
+        cost = p.cand[lane].tau0 + s;
+      }
+      int best = lane;
+      for (int off = 4; off > 0; off >>= 1) {
+        const float oc = __shfl_xor_sync(0xffffffffu, cost, off);
+        const int ob = __shfl_xor_sync(0xffffffffu, best, off);
+        if (oc < cost || (oc == cost && ob < best)) { cost = oc; best = ob; }
+      }
+      chosen = p.cand[best].cfg;
     }
   } else {
-    write_arrays(tid, blockDim.x);
-    if (tid == 0) s_chosen = p.config;
+    const int nne = __syncthreads_count(cnt > 0);  // barrier 1
+    t_rows = clock64();
+    // LPT order: rank of group g = groups with more rows, or as many and a smaller index
+    if (warp * 32 < G) {  // this warp's chunk of 32 groups, sorted by brute force
+      const int4* row = reinterpret_cast<const int4*>(sm.cnt + warp * 32);
+      const int cm1 = cnt - 1;
+      int rin = 0;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const int4 v = row[q];
+        const int h = 4 * q;
+        rin += (v.x > (h < lane ? cm1 : cnt)) + (v.y > (h + 1 < lane ? cm1 : cnt)) +
+               (v.z > (h + 2 < lane ? cm1 : cnt)) + (v.w > (h + 3 < lane ? cm1 : cnt));
+      }
+      sm.u.wg.u.sort.kc[warp * kChunkPad + rin] = cnt;
+      sm.u.wg.u.sort.rin[tid] = rin;
+    }
+    __syncthreads();  // barrier 2
+    {
+      const int sx = p.sx, g = tid >> (__ffs(sx) - 1), sub = tid & (sx - 1), nch = (G + 31) >> 5;
+      int cross = 0, cg = 0;
+      if (g < G) {
+        cg = sm.cnt[g];
+        const int mine = g >> 5;
+        const int* kc = sm.u.wg.u.sort.kc;
+        // entries of sorted chunk c beating g: rows >= cg (lower indices) or > cg (higher);
+        // two chunks at a time (independent searches)
+        for (int c = sub; c < nch; c += 2 * sx) {
+          const int c2 = c + sx;
+          const bool va = c != mine, vb = c2 < nch && c2 != mine;
+          const int ta = c < mine ? cg : cg + 1, tb = c2 < mine ? cg : cg + 1;
+          const int* ka = kc + c * kChunkPad;
+          const int* kb = kc + min(c2, nch - 1) * kChunkPad;
+          int na = 0, nb = 0;
+          for (int s = 16; s > 0; s >>= 1) {
+            if (ka[na + s - 1] >= ta) na += s;
+            if (kb[nb + s - 1] >= tb) nb += s;
+          }
+          na += ka[na] >= ta;
+          nb += kb[nb] >= tb;
+          cross += (va ? na : 0) + (vb ? nb : 0);
+        }
+      }
+      for (int off = sx >> 1; off > 0; off >>= 1) cross += __shfl_xor_sync(0xffffffffu, cross, off);
+      if (g < G && sub == 0) {
+        const int rank = sm.u.wg.u.sort.rin[g] + cross;
+        if (chooser) sm.u.wg.sorted[rank] = cg;
+        else write_group(p, rank, g, sm.start[g], cg);
+      }
+    }
+    if (!chooser) return;
+    __syncthreads();  // barrier 3
+    t_model = clock64();
+    if (k < ncand) {  // window classes of candidate k
+      const Cand& C = p.cand[k];
+      const int Q = C.Q, S = C.S, s = u & (S - 1), span = tc >> C.log2S, rem = C.rem, d = C.d;
+      const unsigned md = C.magic_d, mP = p.magic_P;
+      float tot = 0.f, d0 = 0.f;
+      for (int rb = 0; rb < Q; rb += span) {
+        const int rho = rb + (u >> C.log2S);
+        float w = 0.f;
+        int pos = 0;
+        if (rho < Q) {
+          const int x = rho * rem;
+          pos = x - udiv_small(x, P, mP) * P;  // rho * rem mod P
+          const bool wraps = rem > 0 && (pos == 0 || pos + rem > P);
+          for (int j = rho + Q * s; j <= nne; j += Q * S) {
+            const float vj = j < nne ? wgrad_tile(C, sm.u.wg.sorted[j]) : 0.f;
+            const float vp = j > 0 ? wgrad_tile(C, sm.u.wg.sorted[j - 1]) : 0.f;
+            w += vj - vp;
+            tot += vj;
+            if (wraps) d0 += vj;
+          }
+        }
+        for (int off = S >> 1; off > 0; off >>= 1) w += __shfl_xor_sync(0xffffffffu, w, off);
+        if (rho < Q && s == 0) sm.u.wg.u.dw[k][udiv_small(pos, d, md)] = pos ? w : 0.f;
+      }
+      tot = warp_sum(tot);
+      d0 = warp_sum(d0);
+      if (lane == 0) {
+        sm.wtot[warp] = tot;
+        sm.wd0[warp] = d0;
+      }
+    }
+    __syncthreads();  // barrier 4
+    if (k < ncand && u < 32) {  // first warp of candidate k: per-CTA sums, max
+      const Cand& C = p.cand[k];
+      const int nw = tc >> 5, w0 = k * nw, Q = C.Q, d = C.d, base = C.base;
+      const float tot = warp_sum(lane < nw ? sm.wtot[w0 + lane] : 0.f);
+      const float d0 = warp_sum(lane < nw ? sm.wd0[w0 + lane] : 0.f);
+      const float* dw = sm.u.wg.u.dw[k];
+      const int per = (Q + 31) >> 5, m0 = lane * per, m1 = min(Q, m0 + per);
+      float sum = 0.f;
+      for (int m = m0; m < m1; ++m) sum += dw[m];
+      float incl = sum;
+      for (int off = 1; off < 32; off <<= 1) {
+        const float v = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += v;
+      }
+      float run = incl - sum, worst = 0.f;
+      const float bt = base * tot;
+      const int tiles = nne * C.rem;  // base == 0: CTA q runs ceil((tiles - q) / P) tiles
+      for (int m = m0; m < m1; ++m) {
+        run += dw[m];
+        const int q = m * d;
+        const int entered =
+            base > 0 ? nne : (q < tiles ? udiv_small(tiles - q + P - 1, P, p.magic_P) : 0);
+        worst = fmaxf(worst, bt + (d0 + run) + entered * C.tau_sw);
+      }
+      for (int off = 16; off > 0; off >>= 1)
+        worst = fmaxf(worst, __shfl_xor_sync(0xffffffffu, worst, off));
+      if (lane == 0) sm.cost[k] = C.tau0 + (nne > 0 ? worst : 0.f);
+    }
+    __syncthreads();  // barrier 5
+    if (tid == 0) {
+      int best = 0;
+      for (int c = 1; c < ncand; ++c)
+        if (sm.cost[c] < sm.cost[best]) best = c;
+      chosen = p.cand[best].cfg;
+    }
   }
-  __syncthreads();
-  const int chosen = s_chosen;
   if (tid == 0) {
-    *p.chosen_out = chosen;
-    // SM cycles from here to the chosen config being known, at byte 8 of the workspace: the
-    // benchmark's measure of the selector itself (the model; the idle warps write the problem
-    // arrays meanwhile), apart from the prep kernel's launch and set-up
-    reinterpret_cast<long long*>(p.chosen_out)[1] = clock64() - t_model;
+    const long long t_end = clock64();
+    long long* st = reinterpret_cast<long long*>(p.chosen_out);
+    p.chosen_out[0] = chosen;
+    // SM cycles from the model's start (rows known; wgrad: LPT order known) to the chosen config
+    // being known, at byte 8 of the workspace: the benchmark's measure of the selector itself.
+    st[1] = t_end - t_model;
+    // diagnostics (bytes 16..39): block 0's cycles from entry to the end, to the rows being
+    // known (first barrier), to the model's start
+    st[2] = t_end - t_entry;
+    st[3] = t_rows - t_entry;
+    st[4] = t_model - t_entry;
   }
-
-
+  if (sink == 0x7fffffff && tid == 1) p.chosen_out[1] = sink;  // keeps the prefetch (never true)
 }
 
 int fail(const char* msg) {
@@ -503,7 +608,7 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   if (config < -1 || config >= nconf) return fail("bad config index");
   if (G <= 0 || G > kMaxGroups || G != 2 * epn) return fail("G must be 2*epn and <= 1024");
   if (M < 0 || N <= 0 || K <= 0 || N % 8 || K % 8) return fail("N, K must be positive multiples of 8");
-  if (sm_count <= 0 || sm_count > kScratch) return fail("sm_count must be in [1, 1024]");
+  if (sm_count <= 0 || sm_count > kMaxSms) return fail("sm_count must be in [1, 1024]");
   const Layout L = layout(kind, G, sm_count);
   if (workspace_bytes < L.total) return fail("workspace too small");
   if (M == 0) return 0;
@@ -516,8 +621,9 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   if ((flags & MOONEP_GEMM_KEEP_EMPTY_SLOTS) && kind != 3)
     return fail("MOONEP_GEMM_KEEP_EMPTY_SLOTS applies to wgrad_lp only");
   p.zero_groups = (flags & MOONEP_GEMM_KEEP_EMPTY_SLOTS) ? epn : G;
-  p.config = config; p.cand_mask = cand_mask & ((1 << nconf) - 1); p.nconf = nconf;
-  if (p.cand_mask == 0) p.cand_mask = (1 << nconf) - 1;
+  p.nconf = nconf;
+  int mask = cand_mask & ((1 << nconf) - 1);
+  if (mask == 0) mask = (1 << nconf) - 1;
   p.cu = cu_seqlens;
   p.A = static_cast<const char*>(A);
   p.B = static_cast<const char*>(B);
@@ -525,34 +631,99 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   p.D = static_cast<char*>(D);
   p.D_slot = static_cast<char*>(D_slot);
   p.chosen_out = reinterpret_cast<int*>(ws + L.chosen);
-  for (int c = 0; c < nconf; ++c) {
-    p.shapes[c] = reinterpret_cast<int*>(ws + L.shapes[c]);
-    p.geom[c] = reg.geom[kind][c];
-  }
+  for (int c = 0; c < nconf; ++c) p.shapes[c] = reinterpret_cast<int*>(ws + L.shapes[c]);
   for (int i = 0; i < 4; ++i) {
     p.ptr[i] = reinterpret_cast<const void**>(ws + L.ptr[i]);
-    p.stride[i] = ws + L.stride[i];
+    p.stride[i] = reinterpret_cast<long long*>(ws + L.stride[i]);
   }
   // Strides depend on N and K only (leading dimensions), never on the group's rows.
   const int pm = kind >= 2 ? N : 1, pn = kind == 0 ? N : K, pk = kind == 0 ? K : (kind == 1 ? N : 1);
-  reg.kind[kind]->strides(pm, pn, pk, &p.sb);
-  for (int sz : {p.sb.size_a, p.sb.size_b, p.sb.size_c, p.sb.size_d})
-    if (sz % 8 != 0 || sz > 32) return fail("internal: stride size not a multiple of 8 bytes");
-  if (tuning) {
-    p.tuning.peak_tflops = tuning[0];
-    p.tuning.hbm_tbps = tuning[1];
-    for (int c = 0; c < nconf; ++c)
-      for (int j = 0; j < 5; ++j) p.tuning.c[c][j] = tuning[2 + 5 * c + j];
-  } else if (config < 0) {
-    return fail("tuning table required when config == -1");
+  StrideBytes sb{};
+  reg.kind[kind]->strides(pm, pn, pk, &sb);
+  const unsigned char* sbsrc[4] = {sb.a, sb.b, sb.c, sb.d};
+  const int sbsize[4] = {sb.size_a, sb.size_b, sb.size_c, sb.size_d};
+  for (int a = 0; a < 4; ++a) {
+    if (sbsize[a] % 8 != 0 || sbsize[a] > 32) return fail("internal: stride size not a multiple of 8 bytes");
+    p.sbw[a] = sbsize[a] / 8;
+    memcpy(p.sb[a], sbsrc[a], sbsize[a]);
   }
-  int tail_blocks = kind == 3 ? sm_count : 0;
+
+  // The candidates of the device cost model and their constants (gemm_cost_model.py's formulas,
+  // the config-dependent factors computed here once in double).  A forced config is the one
+  // candidate.
+  if (!tuning && config < 0) return fail("tuning table required when config == -1");
+  const int P = sm_count;
+  auto magic = [](int d) { return d <= 1 ? 0u : (unsigned)(((1ull << 32) + d - 1) / d); };
+  const double peak = tuning ? tuning[0] : 0.0, hbm = tuning ? tuning[1] : 0.0;
+  const int n_out = kind == 0 ? N : K, k_red = kind == 0 ? K : N;
+  p.wbytes = (float)((double)n_out * k_red * 2.0);
+  p.rbytes = (float)((double)(n_out + k_red) * 2.0);
+  int ncand = 0;
+  for (int c = 0; c < nconf; ++c) {
+    if (config >= 0 ? c != config : !((mask >> c) & 1)) continue;
+    Cand& C = p.cand[ncand++];
+    C.cfg = c;
+    if (config >= 0) continue;
+    const ConfigGeom& g = reg.geom[kind][c];
+    const double eta = tuning[2 + 5 * c], bw_frac = tuning[3 + 5 * c];
+    const double tau_epi = tuning[6 + 5 * c];
+    C.tau_sw = tuning[4 + 5 * c];
+    C.tau0 = tuning[5 + 5 * c];
+    const double tile_flops_us = peak * 1e6 / P * eta;  // flop per us of one CTA
+    C.bm = g.BM;
+    C.bm_shift = -1;
+    for (int sh = 0; sh < 31; ++sh)
+      if ((1 << sh) == g.BM) C.bm_shift = sh;
+    if (kind < 2) {
+      C.nt = (int)(cdiv_ll(cdiv_ll(n_out, g.BN), g.CN) * g.CN);
+      C.tau = (float)(2.0 * g.BM * g.BN * k_red / tile_flops_us + tau_epi);
+      C.inv_bw = (float)(1.0 / (hbm * 1e6 * bw_frac));
+    } else {
+      const long long t_w = cdiv_ll(N, g.BM) * (cdiv_ll(cdiv_ll(K, g.BN), g.CN) * g.CN);
+      if (t_w > (1 << 30)) return fail("N, K too large for the wgrad cost model");
+      C.base = (int)(t_w / P);
+      C.rem = (int)(t_w % P);
+      int a = C.rem, b = P;  // gcd(rem, P); rem == 0: one class at CTA 0, no windows
+      while (a) { const int t = b % a; b = a; a = t; }
+      C.d = b;
+      C.magic_d = magic(b);
+      C.Q = P / b;
+      const double bwp = hbm * 1e6 * bw_frac / P;  // bytes per us of one CTA
+      const double out_bytes = kind == 2 ? 8.0 : 2.0;
+      C.ca = (float)(2.0 * g.BM * g.BN / tile_flops_us);
+      C.cb = (float)tau_epi;
+      C.ma = (float)((N + (double)K) * 2.0 / (double)t_w / bwp);
+      C.mb = (float)((double)N * K * out_bytes / (double)t_w / bwp);
+    }
+  }
+  p.ncand = ncand;
+  p.tc = (kWarps / ncand) * 32;
+  p.magic_tc = magic(p.tc);
+  p.magic_P = magic(P);
+  p.nprefetch = (int)((offsetof(PrepParams, N) + 63) / 64);
+  for (int i = 0; i < ncand; ++i) {  // wgrad: lanes per window class (a power of two <= 32)
+    Cand& C = p.cand[i];
+    C.S = 1;
+    C.log2S = 0;
+    while (C.S < 32 && 2 * C.S * C.Q <= p.tc) { C.S *= 2; C.log2S++; }
+  }
+  int rounded = (G + 31) / 32 * 32;  // wgrad ranks: threads per group in the cross-chunk phase
+  p.sx = 1;
+  while (p.sx < 32 && 2 * p.sx * rounded <= kPrepThreads) p.sx *= 2;
+
+  // block 0: choice; block 1: problem arrays; blocks >= 2: zeroing (fwd/dgrad padding rows,
+  // wgrad_lp empty groups).  At most 32 zeroing blocks of 1024 threads (as many threads as the
+  // 132 x 256 before): more blocks made the prep kernel ~0.5-1 us longer on the H200 with
+  // nothing to zero.
+  int tail_blocks = kind == 3 ? (sm_count - 2 < 32 ? sm_count - 2 : 32) : 0;
   if (kind < 2) {
     const long long vec = (long long)M * (kind == 0 ? N : K) / 8;
     tail_blocks = (int)((vec + kPrepThreads - 1) / kPrepThreads);
-    if (tail_blocks > 2 * sm_count) tail_blocks = 2 * sm_count;
+    if (tail_blocks > sm_count - 2) tail_blocks = sm_count - 2;
+    if (tail_blocks > 32) tail_blocks = 32;
   }
-  prep_kernel<<<1 + tail_blocks, kPrepThreads, 0, s>>>(p);
+  if (kind != 2 && tail_blocks < 1) tail_blocks = 1;
+  prep_kernel<<<2 + tail_blocks, kPrepThreads, 0, s>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     snprintf(g_err, sizeof(g_err), "prep kernel launch failed: %s", cudaGetErrorString(e));
