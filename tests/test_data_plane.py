@@ -398,7 +398,10 @@ def case_reduce_grad_random_table(ctx):
             g = torch.Generator().manual_seed(50 + r + seed)
             return torch.randn(epn, *shape, generator=g).to(dt)
         local = torch.randn(epn, *shape, generator=torch.Generator().manual_seed(7 + rank)).to(dt)
-        expect = local.float()                             # fp32 sum, rounded once at the end
+        # fp32 sum, rounded once at the end.  A copy: for fp32, .float() is local itself, and
+        # the sum below would then also update local before the op runs (on CPU ranks the check
+        # compared local with itself; over NCCL the op added the slots a second time).
+        expect = local.float().clone()
         for src in range(R):                               # ascending (src, b): the fixed order
             for b, e in enumerate(etc[src].tolist()):
                 if e >= 0 and e // epn == rank:

@@ -51,7 +51,8 @@ def make_layer(buf, rank, dtype):
 
 
 def _rel(a, b):
-    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _equivalence(ctx, sizes, dtype, tol, expect_redundancy=False):
@@ -61,7 +62,7 @@ def _equivalence(ctx, sizes, dtype, tol, expect_redundancy=False):
     total = sum(sizes) if per_rank else None
     buf = Buffer(S, D, K, E, group=ctx.group, token_padding=TP, dtype=dtype)
     layer = make_layer(buf, r, dtype)
-    x, gy = tokens(r, sizes[r], dtype)
+    x, gy = (t.to(buf.device) for t in tokens(r, sizes[r], dtype))   # NCCL ranks: cuda:rank
     x.requires_grad_(True)
     out = layer(x, total_num_tokens=total)
     (out.float() * gy).sum().backward()
@@ -134,7 +135,7 @@ def case_compile_layer_and_step(ctx):
     counters.clear()
     cl = torch.compile(layer, fullgraph=True)
     for seed in range(3):
-        x, _ = tokens(r, 12, torch.float32, seed=seed)
+        x = tokens(r, 12, torch.float32, seed=seed)[0].to(buf.device)
         torch.testing.assert_close(cl(x), layer(x), rtol=1e-5, atol=1e-6)
         if seed == 0:
             torch.compiler.set_stance("fail_on_recompile")
@@ -147,7 +148,8 @@ def case_compile_layer_and_step(ctx):
     # plain SGD written out (moonep_ops/train_step.py says why)
     step = sgd_step(layer, params, 1e-3)
 
-    batches = [tokens(r, 12, torch.float32, seed=20 + i) for i in range(4)]
+    batches = [tuple(t.to(buf.device) for t in tokens(r, 12, torch.float32, seed=20 + i))
+               for i in range(4)]
     eager = [step(*b) for b in batches]
     after_eager = [p.detach().clone() for p in params]
     with torch.no_grad():
