@@ -465,6 +465,16 @@ def _(dy, w_local, w_slot, cu_seqlens, config=-1):
     return dy.new_empty(dy.shape[0], K)
 
 
+def _check_wgrad_grads(dy, x, cu, grad_local, grad_slot, config, values=True,
+                       input_dtype=False):
+    """Checks of the in-place wgrad ops (op and fake): the grads are fp32 (accumulate) or in
+    dy's dtype (into, ``input_dtype=True``).  Returns (N, K)."""
+    N, K = _check_wgrad(dy, x, cu, grad_local.shape[0], config, values)
+    dt = (dy.dtype, f"{dy.dtype} (the input dtype)") if input_dtype else ()
+    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device, *dt)
+    return N, K
+
+
 def _wgrad_acc_impl(dy, x, cu, grad_local, grad_slot, config):
     N, K = dy.shape[1], x.shape[1]
     backend = backend_for(dy, N, K)
@@ -483,22 +493,13 @@ def _wgrad_acc_impl(dy, x, cu, grad_local, grad_slot, config):
 def _grouped_mm_wgrad_acc_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
                              grad_local: torch.Tensor, grad_slot: torch.Tensor,
                              config: int = -1) -> None:
-    N, K = _check_wgrad(dy, x, cu_seqlens, grad_local.shape[0], config)
-    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device)
+    _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config)
     _wgrad_acc_impl(dy, x, cu_seqlens, grad_local, grad_slot, config)
 
 
 @_grouped_mm_wgrad_acc_op.register_fake
 def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
-    N, K = _check_wgrad(dy, x, cu_seqlens, grad_local.shape[0], config, values=False)
-    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device)
-
-
-def _check_wgrad_into(dy, x, cu, grad_local, grad_slot, config, values=True):
-    N, K = _check_wgrad(dy, x, cu, grad_local.shape[0], config, values)
-    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device, dy.dtype,
-                 f"{dy.dtype} (the input dtype)")
-    return N, K
+    _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, values=False)
 
 
 @torch.library.custom_op(
@@ -508,7 +509,8 @@ def _check_wgrad_into(dy, x, cu, grad_local, grad_slot, config, values=True):
 def _grouped_mm_wgrad_into_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
                               grad_local: torch.Tensor, grad_slot: torch.Tensor,
                               config: int = -1) -> None:
-    N, K = _check_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config)
+    N, K = _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config,
+                              input_dtype=True)
     backend = backend_for(dy, N, K)
     if backend == "cutlass":
         _cutlass_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config)
@@ -524,7 +526,8 @@ def _grouped_mm_wgrad_into_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: tor
 
 @_grouped_mm_wgrad_into_op.register_fake
 def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
-    _check_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config, values=False)
+    _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, values=False,
+                       input_dtype=True)
 
 
 def _check_out_dtype(out_dtype, dy):
