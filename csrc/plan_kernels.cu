@@ -551,7 +551,6 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     qerr = static_cast<int>(__reduce_or_sync(kFull, static_cast<unsigned>(qerr)));
     if (lane == 0) {
       if (ev | qerr) atomicOr(a.err, ev | qerr);
-      misc[0] = ev | qerr;                           // no other writer until the barrier
       misc[1] = nd;
       misc[3] = vq ? 1 : 0;
     }
