@@ -67,7 +67,7 @@ def _busy():
         x @ x
 
 
-def time_graph(fn, launches, reps):
+def capture(fn, launches):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -79,16 +79,38 @@ def time_graph(fn, launches, reps):
             fn()
     g.replay()
     torch.cuda.synchronize()
-    ts = []
+    return g
+
+
+def time_graphs(graphs, launches, reps):
+    """Replays the graphs round-robin (drift of the clocks hits all alike); per graph the best
+    and the median of reps replays, in us per launch."""
+    ts = [[] for _ in graphs]
     for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        _busy()   # the planner runs between GEMMs in a training step: time it at their clocks
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / launches)
-    return min(ts), statistics.median(ts)
+        for g, t in zip(graphs, ts):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _busy()   # the planner runs between GEMMs in a training step: time it at their clocks
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            t.append(e0.elapsed_time(e1) * 1e3 / launches)
+    return [(min(t), statistics.median(t)) for t in ts]
+
+
+def time_graph(fn, launches, reps):
+    return time_graphs([capture(fn, launches)], launches, reps)[0]
+
+
+def capture_with(fn, launches, stop=99, pdl=True):
+    """A graph of fn captured with the debug knobs set (they act at launch, i.e. at capture)."""
+    pdv.debug_stop(stop)
+    pdv.debug_pdl(pdl)
+    try:
+        return capture(fn, launches)
+    finally:
+        pdv.debug_stop(99)
+        pdv.debug_pdl(True)
 
 
 def time_eager(fn, iters):
@@ -127,6 +149,7 @@ def main(argv=None) -> int:
     print("| R | E | s | K | routing | maxvio | group best | group med | plan best | plan med "
           "| torch eager | err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    variants = []
     tp, rank = 128, 1
     later, stages = [], []
     for R, E, s, K, kind in CONFIGS:
@@ -141,9 +164,14 @@ def main(argv=None) -> int:
         bufs = pdv.allocate(hist, s, K, R)
         def run_group(hist=hist, topk=topk, R=R, s=s, NvS=geo.NvS, err=err, bufs=bufs):
             pdv.plan_into(hist, topk, rank, R, s, tp, NvS, err, bufs, group_only=True)
-        grp = time_graph(run_group, a.launches, a.reps)
-        full = time_graph(lambda: pdv.plan_into(hist, topk, rank, R, s, tp, geo.NvS, err, bufs),
-                          a.launches, a.reps)
+        run_full = (lambda hist=hist, topk=topk, R=R, s=s, NvS=geo.NvS, err=err, bufs=bufs:  # noqa: E731
+                    pdv.plan_into(hist, topk, rank, R, s, tp, NvS, err, bufs))
+        # Default, and the A/B variants of the group kernel, replayed interleaved.
+        gs = [capture_with(run_group, a.launches), capture_with(run_full, a.launches),
+              capture_with(run_group, a.launches, pdl=False),
+              capture_with(run_full, a.launches, pdl=False)]
+        grp, full, *ab = time_graphs(gs, a.launches, a.reps)
+        variants.append((R, E, kind, grp, *ab))
         if (R, E) != (8, 64) and kind != "zipf":
             stages.append((R, E, s, K, kind, run_group))
         tpe_c = tpe.cuda()
@@ -156,6 +184,39 @@ def main(argv=None) -> int:
         print(f"| {R} | {E} | {s} | {K} | {kind} | {maxvio(tpe):.2f} | {grp[0]:.1f} | {grp[1]:.1f} "
               f"| {full[0]:.1f} | {full[1]:.1f} | {eager:.0f} | {int(err.item())}"
               f"{'' if same else ' MISMATCH vs torch'} |", flush=True)
+    print("\nWithout programmatic dependent launch (best / median us, replayed interleaved with "
+          "the row above)")
+    print("| R | E | routing | group, PDL | group, no PDL | plan, no PDL |")
+    print("|---|---|---|---|---|---|")
+    for R, E, kind, *vs in variants:
+        print(f"| {R} | {E} | {kind} | " + " | ".join(f"{b:.1f} / {m:.1f}" for b, m in vs) + " |")
+    # Stage costs from clock64 stamps inside block 0: "cold" = one launch right after the busy
+    # matmuls (as in a training step: the kernel's code and the histogram are no longer cached),
+    # "warm" = the 100th launch of a back-to-back run (what the graph timing above measures).
+    print("\nGroup kernel stages in SM cycles (clock64 stamps in block 0, median of 7): wait = "
+          "from the block's start to the end of the dependency wait; total = after the wait")
+    print("| R | E | routing | run | wait | load | validate+quotas | split | layout "
+          "| pieces+writes | total | total us at the clock |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    st = torch.zeros(8, dtype=torch.int64, device="cuda")
+    for R, E, s_, K, kind, fn in stages:
+        for label, n in (("cold", 1), ("warm", a.launches)):
+            rows = []
+            for _ in range(7):
+                _busy()
+                for i in range(n):
+                    if i == n - 1:
+                        st.zero_()
+                        pdv.debug_stamps(st)
+                    fn()
+                pdv.debug_stamps(None)
+                v = st.tolist()
+                rows.append([v[i + 1] - v[i] for i in range(6)] + [v[6] - v[1]])
+            med = [statistics.median(c) for c in zip(*rows)]
+            clk = _clock()
+            us = f"{med[-1] / clk:.1f} at {clk} MHz" if isinstance(clk, (int, float)) and clk else "?"
+            print(f"| {R} | {E} | {kind} | {label} | " + " | ".join(f"{x:.0f}" for x in med)
+                  + f" | {us} |", flush=True)
     # Stage costs of the group kernel by difference (block 0 returns after stage k).
     print("\n| R | E | routing | launch+set-up | load | validate+rank quotas | split | layout "
           "| pieces+writes | total |")

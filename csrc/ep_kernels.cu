@@ -48,6 +48,10 @@ __device__ __forceinline__ int32_t load_err(const int32_t* err) {
 // ------------------------------------------------------------------------------------------
 __global__ void barrier_kernel(uint64_t* const* sig_peers, uint64_t* epoch, int rank, int R,
                                int32_t* err, long long timeout_ns) {
+  // Let a kernel launched with programmatic dependent launch (the planner's group kernel, right
+  // after the histogram barrier) become resident and set up while this one waits; it still
+  // waits for this kernel's completion (griddepcontrol.wait) before reading anything.
+  asm volatile("griddepcontrol.launch_dependents;" :::);
   __shared__ uint64_t target;
   if (threadIdx.x == 0) {
     target = *epoch + 1;

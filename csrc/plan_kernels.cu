@@ -30,6 +30,13 @@
 //     sorted by count (sorted by the idle warps during step 1), and register argmaxes over all
 //     R balances in step 1; a lane's dependent shared loads and stores cost more per greedy
 //     round than the two warp reductions they replace, and the sort lengthened step 1.
+//     Also slower (session 6, R = 8 one_group split 2x the packed loop's cycles): every lane
+//     running the greedy as one predicated scalar recurrence over register copies of <= 8
+//     quotas and <= 8 partly used experts, with the experts pre-sorted; a round became ~100
+//     instructions of selects, and one warp issues about one per cycle, while the packed loop's
+//     round is ~25 instructions around two warp reductions (~95 cycles at R = 8).
+//   Programmatic dependent launch: launch and shared-memory set-up overlap the previous kernel
+//     (the histogram barrier triggers its dependents at its start); see grid_dep_wait.
 //   blocks 1.. per chunk of C = tpc*K entries of topk: the expert histogram of the chunk.
 // Launch 2, plan_assign_kernel, one block per chunk (the pieces table in shared memory): the
 //   stable rank of every entry among this rank's entries of its expert (ordered by flat
@@ -137,6 +144,7 @@ struct GroupArgs {
   int32_t* chunkcnt;
   int C, N;
   int stop;            // benchmarks only: block 0 returns after this stage (99: full plan)
+  long long* stamps;   // benchmarks only (null: off): block 0's clock64 at the stage boundaries
   int32_t* err;
 };
 
@@ -167,6 +175,21 @@ __device__ __forceinline__ int warp_incl_scan(int v, int lane) {
   return v;
 }
 
+// Programmatic dependent launch (the group kernel is launched with programmatic stream
+// serialization): the launch and the shared-memory set-up overlap the previous kernel, and
+// griddepcontrol.wait blocks until that kernel has completed and flushed its writes.  Nothing
+// global is read or written before the wait; the reads after it bypass L1 (ld.global.cg), since
+// this block may have become resident while the previous kernel still ran.  The trigger right
+// after the wait lets a PDL-launched successor do the same.  Without the attribute (or with a
+// non-kernel predecessor) both instructions are no-ops.
+__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+
+// Benchmarks only: thread 0 of block 0 records clock64 at stage boundary i.
+__device__ __forceinline__ void stamp(long long* st, int i) {
+  if (st != nullptr && threadIdx.x == 0) st[i] = clock64();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Launch 1, blocks >= 1: expert histogram of one chunk of topk (clamped ids, like launch 2)
 // ---------------------------------------------------------------------------------------------
@@ -176,11 +199,13 @@ __device__ void count_chunk(const GroupArgs& a, int* h) {
   const int c = blockIdx.x - 1;
   const int start = c * a.C;
   const int end = min(a.N, start + a.C);
+  grid_dep_wait();                                   // see plan_group_kernel
+  grid_dep_launch();
   int ids[kAssignJ];                                 // C <= 32*32*J <= nthr*J: all loads first
 #pragma unroll
   for (int j = 0; j < kAssignJ; ++j) {
     const int i = start + j * nthr + tid;
-    ids[j] = i < end ? clamp_i(__ldg(a.topk + i), 0, a.E - 1) : -1;
+    ids[j] = i < end ? clamp_i(__ldcg(a.topk + i), 0, a.E - 1) : -1;
   }
   for (int e = tid; e < a.E; e += nthr) h[e] = 0;
   __syncthreads();
@@ -257,7 +282,7 @@ __device__ __forceinline__ int load_hist_tiles(const int32_t* __restrict__ hist,
 #pragma unroll
         for (int k = 0; k < NC; ++k) {
           const int r = rr + u, c = c0 + 32 * k;
-          x[u][k] = (r < r1 && c < E) ? __ldg(hist + static_cast<size_t>(r) * X + c) : 0;
+          x[u][k] = (r < r1 && c < E) ? __ldcg(hist + static_cast<size_t>(r) * X + c) : 0;
         }
       }
 #pragma unroll
@@ -334,6 +359,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   const int nwarps = nthr >> 5;
   const int R = a.R, E = a.E, B = a.B, rank = a.rank, X = E + 3, RW = (R + 31) / 32;
   const int tp = a.tp;
+  stamp(a.stamps, 0);
 
   int* remE = reinterpret_cast<int*>(smem_raw);      // [E]  cnt, then tokens left at home
   int* beforeS = remE + E;                           // [E]  sum_{r < rank} hist[r, e]
@@ -359,14 +385,6 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   int* rbeg = reinterpret_cast<int*>(rowlo);         // [R]  after validation: start in rlist
   int* rcnt = reinterpret_cast<int*>(rowhi);         // [R]  after validation: receivers of h
 
-  // This thread's metadata row (R <= 1024 = blockDim) and the total: loads in flight early.
-  const int total0 = __ldg(a.hist + static_cast<size_t>(rank) * X + E + 2);
-  int m_bad = 0, m_sr = 0, m_tr = 0;
-  if (tid < R) {
-    m_bad = __ldg(a.hist + static_cast<size_t>(tid) * X + E);
-    m_sr = __ldg(a.hist + static_cast<size_t>(tid) * X + E + 1);
-    m_tr = __ldg(a.hist + static_cast<size_t>(tid) * X + E + 2);
-  }
   for (int i = tid; i < E; i += nthr) {
     remE[i] = 0; beforeS[i] = 0; ownS[i] = 0; recv[i] = 0; offL[i] = -1; slotoff[i] = 0;
     pcnt[i] = 0;
@@ -378,6 +396,17 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   for (int i = tid; i < R * RW; i += nthr) rmask[i] = 0u;
   if (tid < 8) misc[tid] = 0;
   if (tid == 0) pcnt[E] = 0;
+  grid_dep_wait();                                   // the histogram is the last kernel's output
+  grid_dep_launch();
+  stamp(a.stamps, 1);
+  // This thread's metadata row (R <= 1024 = blockDim) and the total: in flight over the barrier.
+  const int total0 = __ldcg(a.hist + static_cast<size_t>(rank) * X + E + 2);
+  int m_bad = 0, m_sr = 0, m_tr = 0;
+  if (tid < R) {
+    m_bad = __ldcg(a.hist + static_cast<size_t>(tid) * X + E);
+    m_sr = __ldcg(a.hist + static_cast<size_t>(tid) * X + E + 1);
+    m_tr = __ldcg(a.hist + static_cast<size_t>(tid) * X + E + 2);
+  }
   __syncthreads();
   if (a.stop == 0) return;
 
@@ -407,6 +436,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   }
   if (myerr) atomicOr(&misc[0], myerr);
   __syncthreads();                                   // sums, row sums, error bits complete
+  stamp(a.stamps, 2);
   if (a.stop == 1) return;
 
   // Caps: an invalid histogram plans as an empty one (nothing moves, every count 0).
@@ -556,6 +586,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     }
   }
   __syncthreads();
+  stamp(a.stamps, 3);
   const bool valid = misc[3] != 0;
   const int T = total_T(valid);
   int nvs_s;
@@ -680,6 +711,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     }
   }
   __syncthreads();
+  stamp(a.stamps, 4);
   if (a.stop == 3) return;
 
   // ---- 3. layout (one warp per destination) ---------------------------------------------------
@@ -764,6 +796,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     }
   }
   __syncthreads();
+  stamp(a.stamps, 5);
   if (a.stop == 4) return;
 
   // ---- 4. per-expert pieces (CSR) for the slot assignment -------------------------------------
@@ -810,6 +843,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     a.scalars[0] = nvs_s;
     a.scalars[1] = valid ? 1 : 0;
   }
+  stamp(a.stamps, 6);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -951,6 +985,8 @@ __global__ void __launch_bounds__(1024) plan_assign_kernel(AssignArgs a) {
 
 thread_local char g_where[256];
 int g_debug_stop = 99;       // benchmarks only (moonep_plan_debug_stop)
+long long* g_stamps = nullptr;   // benchmarks only (moonep_plan_debug_stamps)
+int g_pdl = 1;               // group kernel with programmatic dependent launch (benchmarks: A/B)
 
 int bad_arg(const char* fmt, int v0, int v1 = 0) {
   std::snprintf(g_where, sizeof(g_where), fmt, v0, v1);
@@ -995,7 +1031,18 @@ template <int NJ>
 int launch_group(const GroupArgs& ga, int grid, size_t smem, cudaStream_t stream) {
   cudaError_t e = ensure_smem(plan_group_kernel<NJ>, NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5, smem);
   if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: shared memory for the group kernel");
-  plan_group_kernel<NJ><<<grid, kGroupThreads, smem, stream>>>(ga);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kGroupThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = g_pdl ? 1 : 0;
+  e = cudaLaunchKernelEx(&cfg, plan_group_kernel<NJ>, ga);
+  if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: group kernel launch");
   return moonep_ep::fail(cudaGetLastError(), "moonep_plan: group kernel launch");
 }
 
@@ -1027,6 +1074,7 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   ga.chunkcnt = reinterpret_cast<int32_t*>(w + L.chunkcnt);
   ga.C = ch.C; ga.N = s * K;
   ga.stop = g_debug_stop;
+  ga.stamps = g_stamps;
   ga.err = err;
   const size_t gsmem_g = group_smem_bytes(R, E), gsmem_c = static_cast<size_t>(E) * 4;
   const size_t gsmem = gsmem_g > gsmem_c ? gsmem_g : gsmem_c;
@@ -1085,3 +1133,14 @@ MOONEP_EXPORT int moonep_plan_group(const int32_t* hist_RX, int s, int K, int ra
 // 199: the full plan with the packed-key fast paths off, for tests), to time the stages by
 // difference.  Outputs are garbage while stop < 99 (no assign launch).
 MOONEP_EXPORT void moonep_plan_debug_stop(int stop) { g_debug_stop = stop; }
+
+// Benchmarks only: launch the group kernel with (1, the default) or without (0) programmatic
+// dependent launch, to measure what the overlapped launch saves.
+MOONEP_EXPORT void moonep_plan_debug_pdl(int on) { g_pdl = on != 0; }
+
+// Benchmarks only: a device buffer of 8 int64 that block 0 of the group kernel fills with clock64
+// at its stage boundaries (0 start, 1 after the dependency wait, 2 histogram loaded, 3 rank
+// quotas, 4 split, 5 layout, 6 end); null turns it off.
+MOONEP_EXPORT void moonep_plan_debug_stamps(void* dev_int64x8) {
+  g_stamps = static_cast<long long*>(dev_int64x8);
+}

@@ -44,13 +44,27 @@ def _lib():
             p, p, p, p,                             # cu, etc, zf, stats
             p, c_size_t, p, p])                     # workspace, bytes, err, stream
         dbg = _native.declare_ep("moonep_plan_debug_stop", None, [c_int])
-        _fns = (ws, plan, group, dbg)
+        pdl = _native.declare_ep("moonep_plan_debug_pdl", None, [c_int])
+        stamps = _native.declare_ep("moonep_plan_debug_stamps", None, [p])
+        _fns = (ws, plan, group, dbg, pdl, stamps)
     return _fns
 
 
 def debug_stop(stop: int) -> None:
     """Benchmarks/tests only: csrc/plan_kernels.h moonep_plan_debug_stop (99 = normal)."""
     _lib()[3](stop)
+
+
+def debug_pdl(on: bool) -> None:
+    """Benchmarks only: launch the group kernel with (default) or without programmatic
+    dependent launch (csrc/plan_kernels.cu grid_dep_wait)."""
+    _lib()[4](1 if on else 0)
+
+
+def debug_stamps(buf) -> None:
+    """Benchmarks only: an int64 CUDA tensor of 8 that the group kernel fills with clock64 stage
+    stamps (csrc/plan_kernels.h); None turns it off."""
+    _lib()[5](None if buf is None else buf.data_ptr())
 
 
 def available() -> bool:
@@ -147,7 +161,7 @@ def plan_into(hist_RX: Tensor, topk_sK: Tensor, rank: int, R: int, S: int, token
         raise ValueError("workspace too small or not on the device")
     stream = torch.cuda.current_stream(hist_RX.device).cuda_stream
     nbytes = ws.numel() * ws.element_size()
-    ws_fn, plan_fn, group_fn, _ = _lib()
+    ws_fn, plan_fn, group_fn = _lib()[:3]
     with torch.cuda.device(hist_RX.device):     # the library launches on the current device
         _launch(plan_fn, group_fn, group_only, hist_RX, topk_sK, s, K, rank, R, E, S,
                 token_padding, NvS, bufs, ws, nbytes, err, stream)

@@ -47,6 +47,10 @@ def _cases():
         ("one_group", 7, 336, 257, 8, 128, 0, 17),      # R not a power of 2
         ("hot", 5, 40, 99, 6, 8, 0, 18),
         ("one_group", 8, 512, 1025, 8, 1, 0, 19),       # B = 64: two experts per lane
+        ("one_group", 16, 256, 129, 8, 8, 0, 21),       # one donor, 15 receivers
+        ("one_expert", 8, 64, 257, 8, 1, 0, 22),        # one expert cut for 7 receivers
+        ("hot", 31, 62, 65, 4, 8, 0, 23),               # R = 31: the last warp is the spare one
+        ("one_group", 9, 576, 200, 8, 128, 0, 24),      # R = 9, B = 64
     ]
     rng = random.Random(20251129)
     kinds = ("uniform", "balanced", "zipf", "hot", "one_expert", "all_remote", "all_local",
@@ -174,6 +178,19 @@ def test_equals_cpu_planner_without_packed_keys(ci):
         fails = _check_plan(case, tk, sizes, total, S, sorted({0, R - 1}))
     finally:
         pdv.debug_stop(99)
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.parametrize("ci", [1, 4, 22, 24])
+def test_equals_cpu_planner_without_pdl(ci):
+    """The group kernel launched without programmatic dependent launch gives the same plans."""
+    case = CASES[ci]
+    tk, sizes, total, S = _routing(case)
+    pdv.debug_pdl(False)
+    try:
+        fails = _check_plan(case, tk, sizes, total, S, [0])
+    finally:
+        pdv.debug_pdl(True)
     assert not fails, "\n".join(fails)
 
 
