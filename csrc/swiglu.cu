@@ -16,85 +16,74 @@
 namespace {
 
 struct Pack8 {  // 8 bf16 = 16 bytes
-  __nv_bfloat162 v[4];
+  __nv_bfloat16 v[8];
 };
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
 
-__device__ __forceinline__ void fwd1(float g, float u, float& a) {
-  const float s = g * sigmoidf_(g);
-  a = s * u;
-}
+// x = (g, u) -> y = (a)
+struct FwdOp {
+  static constexpr int kIn = 2, kOut = 1;
+  __device__ __forceinline__ void operator()(const float (&x)[kIn], float (&y)[kOut]) const {
+    const float s = x[0] * sigmoidf_(x[0]);
+    y[0] = s * x[1];
+  }
+};
 
-__device__ __forceinline__ void bwd1(float g, float u, float da, float& dg, float& du, float& a) {
-  const float sig = sigmoidf_(g);
-  const float s = g * sig;
-  a = s * u;
-  dg = da * u * (sig * (1.f + g * (1.f - sig)));
-  du = da * s;
-}
+// x = (g, u, da) -> y = (dg, du, a)
+struct BwdOp {
+  static constexpr int kIn = 3, kOut = 3;
+  __device__ __forceinline__ void operator()(const float (&x)[kIn], float (&y)[kOut]) const {
+    const float g = x[0], u = x[1], da = x[2];
+    const float sig = sigmoidf_(g);
+    const float s = g * sig;
+    y[0] = da * u * (sig * (1.f + g * (1.f - sig)));
+    y[1] = da * s;
+    y[2] = s * u;
+  }
+};
 
-__global__ void swiglu_fwd_kernel(const __nv_bfloat16* __restrict__ g,
-                                  const __nv_bfloat16* __restrict__ u,
-                                  __nv_bfloat16* __restrict__ a, int64_t n) {
+template <int N>
+struct Ptrs {
+  const __nv_bfloat16* p[N];
+};
+template <int N>
+struct OutPtrs {
+  __nv_bfloat16* p[N];
+};
+
+// Elementwise over n bf16 elements of every tensor: a grid-stride loop over packs of 8 (16-byte
+// loads and stores), then the n % 8 tail one element per thread.  fp32 math in Op.
+template <class Op>
+__global__ void swiglu_kernel(Ptrs<Op::kIn> in, OutPtrs<Op::kOut> out, int64_t n) {
+  constexpr int I = Op::kIn, O = Op::kOut;
+  const Op op;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t n8 = n / 8;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n8; i += stride) {
-    const Pack8 pg = reinterpret_cast<const Pack8*>(g)[i];
-    const Pack8 pu = reinterpret_cast<const Pack8*>(u)[i];
-    Pack8 pa;
+  for (int64_t i = first; i < n8; i += stride) {
+    Pack8 pin[I], pout[O];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 fg = __bfloat1622float2(pg.v[j]), fu = __bfloat1622float2(pu.v[j]);
-      float2 fa;
-      fwd1(fg.x, fu.x, fa.x);
-      fwd1(fg.y, fu.y, fa.y);
-      pa.v[j] = __floats2bfloat162_rn(fa.x, fa.y);
-    }
-    reinterpret_cast<Pack8*>(a)[i] = pa;
-  }
-  for (int64_t i = n8 * 8 + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += stride) {
-    float fa;
-    fwd1(__bfloat162float(g[i]), __bfloat162float(u[i]), fa);
-    a[i] = __float2bfloat16_rn(fa);
-  }
-}
-
-__global__ void swiglu_bwd_kernel(const __nv_bfloat16* __restrict__ g,
-                                  const __nv_bfloat16* __restrict__ u,
-                                  const __nv_bfloat16* __restrict__ da,
-                                  __nv_bfloat16* __restrict__ dg, __nv_bfloat16* __restrict__ du,
-                                  __nv_bfloat16* __restrict__ a, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t n8 = n / 8;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n8; i += stride) {
-    const Pack8 pg = reinterpret_cast<const Pack8*>(g)[i];
-    const Pack8 pu = reinterpret_cast<const Pack8*>(u)[i];
-    const Pack8 pd = reinterpret_cast<const Pack8*>(da)[i];
-    Pack8 og, ou, oa;
+    for (int k = 0; k < I; ++k) pin[k] = reinterpret_cast<const Pack8*>(in.p[k])[i];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 fg = __bfloat1622float2(pg.v[j]), fu = __bfloat1622float2(pu.v[j]),
-                   fd = __bfloat1622float2(pd.v[j]);
-      float2 rg, ru, ra;
-      bwd1(fg.x, fu.x, fd.x, rg.x, ru.x, ra.x);
-      bwd1(fg.y, fu.y, fd.y, rg.y, ru.y, ra.y);
-      og.v[j] = __floats2bfloat162_rn(rg.x, rg.y);
-      ou.v[j] = __floats2bfloat162_rn(ru.x, ru.y);
-      oa.v[j] = __floats2bfloat162_rn(ra.x, ra.y);
+    for (int j = 0; j < 8; ++j) {
+      float x[I], y[O];
+#pragma unroll
+      for (int k = 0; k < I; ++k) x[k] = __bfloat162float(pin[k].v[j]);
+      op(x, y);
+#pragma unroll
+      for (int k = 0; k < O; ++k) pout[k].v[j] = __float2bfloat16_rn(y[k]);
     }
-    reinterpret_cast<Pack8*>(dg)[i] = og;
-    reinterpret_cast<Pack8*>(du)[i] = ou;
-    reinterpret_cast<Pack8*>(a)[i] = oa;
+#pragma unroll
+    for (int k = 0; k < O; ++k) reinterpret_cast<Pack8*>(out.p[k])[i] = pout[k];
   }
-  for (int64_t i = n8 * 8 + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += stride) {
-    float rg, ru, ra;
-    bwd1(__bfloat162float(g[i]), __bfloat162float(u[i]), __bfloat162float(da[i]), rg, ru, ra);
-    dg[i] = __float2bfloat16_rn(rg);
-    du[i] = __float2bfloat16_rn(ru);
-    a[i] = __float2bfloat16_rn(ra);
+  for (int64_t i = n8 * 8 + first; i < n; i += stride) {
+    float x[I], y[O];
+#pragma unroll
+    for (int k = 0; k < I; ++k) x[k] = __bfloat162float(in.p[k][i]);
+    op(x, y);
+#pragma unroll
+    for (int k = 0; k < O; ++k) out.p[k][i] = __float2bfloat16_rn(y[k]);
   }
 }
 
@@ -112,18 +101,21 @@ using moonep_ep::fail;
 MOONEP_EXPORT int moonep_ep_swiglu_fwd(const void* g, const void* u, void* a, int64_t n,
                                        int num_sms, void* stream) {
   if (n <= 0) return 0;
-  swiglu_fwd_kernel<<<blocks_for(n, num_sms), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(u),
-      static_cast<__nv_bfloat16*>(a), n);
+  const Ptrs<2> in{{static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(u)}};
+  const OutPtrs<1> out{{static_cast<__nv_bfloat16*>(a)}};
+  swiglu_kernel<FwdOp><<<blocks_for(n, num_sms), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      in, out, n);
   return fail(cudaGetLastError(), "moonep_ep_swiglu_fwd");
 }
 
 MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void* da, void* dg,
                                        void* du, void* a, int64_t n, int num_sms, void* stream) {
   if (n <= 0) return 0;
-  swiglu_bwd_kernel<<<blocks_for(n, num_sms), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(u),
-      static_cast<const __nv_bfloat16*>(da), static_cast<__nv_bfloat16*>(dg),
-      static_cast<__nv_bfloat16*>(du), static_cast<__nv_bfloat16*>(a), n);
+  const Ptrs<3> in{{static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(u),
+                    static_cast<const __nv_bfloat16*>(da)}};
+  const OutPtrs<3> out{{static_cast<__nv_bfloat16*>(dg), static_cast<__nv_bfloat16*>(du),
+                        static_cast<__nv_bfloat16*>(a)}};
+  swiglu_kernel<BwdOp><<<blocks_for(n, num_sms), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      in, out, n);
   return fail(cudaGetLastError(), "moonep_ep_swiglu_bwd");
 }
