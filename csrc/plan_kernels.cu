@@ -33,8 +33,12 @@
 //     Also slower (session 6, R = 8 one_group split 2x the packed loop's cycles): every lane
 //     running the greedy as one predicated scalar recurrence over register copies of <= 8
 //     quotas and <= 8 partly used experts, with the experts pre-sorted; a round became ~100
-//     instructions of selects, and one warp issues about one per cycle, while the packed loop's
-//     round is ~25 instructions around two warp reductions (~95 cycles at R = 8).
+//     instructions of selects, while the packed loop's round is ~40 instructions around two warp
+//     reductions.  Nor did a sorted prefix that only replaced the rounds which use up their
+//     expert (quotas in registers, no reduction): ~160 cycles a round against ~180 for the packed
+//     loop (one warp runs dependent scalar code at well under one instruction per cycle), and its
+//     set-up and hand-over cost more than that saved.  The split is ~40 sequential rounds for a
+//     donor refilling 7 ranks (one_group), ~4 us, whichever way a round is computed.
 //   Programmatic dependent launch: launch and shared-memory set-up overlap the previous kernel
 //     (the histogram barrier triggers its dependents at its start); see grid_dep_wait.
 //   blocks 1.. per chunk of C = tpc*K entries of topk: the expert histogram of the chunk.
