@@ -9,8 +9,14 @@ both timed as a CUDA graph of --launches back-to-back launches (CUDA events arou
 divided by the launch count; the best and the median of --reps replays).
 torch  = torch.ops.moonep.plan on CUDA tensors, policy "moonep": eager (host launch bound), and
          in a second table replayed as a CUDA graph of one call.
-A second table times the group kernel's stages by difference (moonep_plan_debug_stop; stage 1 is
-the histogram load with its per-element checks, stage 2 the row-sum validation and rank quotas).
+The group kernel is launched with programmatic dependent launch (PDL); a second table replays, interleaved
+with the first, the same graphs captured without it (moonep_plan_debug_pdl).  A third gives the
+group kernel's stages in SM cycles from clock64 stamps in block 0 (moonep_plan_debug_stamps):
+"cold" = one launch right after the queued matmuls (the kernel's code and the histogram are no
+longer cached, as in a training step), "warm" = the last of a back-to-back run (what the graph
+timing measures).  The last table times the stages by difference (moonep_plan_debug_stop; stage 1
+is the histogram load with its per-element checks, stage 2 the row-sum validation and rank
+quotas).
 Routings: zipf (alpha 1.0, sampled with replacement), hot (one expert at 8x the mean load, the
 rest uniform), one_group (every entry to rank 0's experts: the longest greedy loops).
 token_padding 128, s = S.
