@@ -175,7 +175,8 @@ def main(argv=None) -> int:
         # Default, and the A/B variants of the group kernel, replayed interleaved.
         gs = [capture_with(run_group, a.launches), capture_with(run_full, a.launches),
               capture_with(run_group, a.launches, pdl=False),
-              capture_with(run_full, a.launches, pdl=False)]
+              capture_with(run_full, a.launches, pdl=False),
+              capture_with(run_group, a.launches, stop=198)]
         grp, full, *ab = time_graphs(gs, a.launches, a.reps)
         variants.append((R, E, kind, grp, *ab))
         if (R, E) != (8, 64) and kind != "zipf":
@@ -192,8 +193,8 @@ def main(argv=None) -> int:
               f"{'' if same else ' MISMATCH vs torch'} |", flush=True)
     print("\nWithout programmatic dependent launch (best / median us, replayed interleaved with "
           "the row above)")
-    print("| R | E | routing | group, PDL | group, no PDL | plan, no PDL |")
-    print("|---|---|---|---|---|---|")
+    print("| R | E | routing | group, PDL | group, no PDL | plan, no PDL | group, warp-loop split |")
+    print("|---|---|---|---|---|---|---|")
     for R, E, kind, *vs in variants:
         print(f"| {R} | {E} | {kind} | " + " | ".join(f"{b:.1f} / {m:.1f}" for b, m in vs) + " |")
     # Stage costs from clock64 stamps inside block 0: "cold" = one launch right after the busy
@@ -206,8 +207,10 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     st = torch.zeros(8, dtype=torch.int64, device="cuda")
     for R, E, s_, K, kind, fn in stages:
-        for label, n in (("cold", 1), ("warm", a.launches)):
+        for label, n, stop in (("cold", 1, 99), ("warm", a.launches, 99),
+                               ("warm, warp-loop split", a.launches, 198)):
             rows = []
+            pdv.debug_stop(stop)
             for _ in range(7):
                 _busy()
                 for i in range(n):
@@ -218,6 +221,7 @@ def main(argv=None) -> int:
                 pdv.debug_stamps(None)
                 v = st.tolist()
                 rows.append([v[i + 1] - v[i] for i in range(6)] + [v[6] - v[1]])
+            pdv.debug_stop(99)
             med = [statistics.median(c) for c in zip(*rows)]
             clk = _clock()
             us = f"{med[-1] / clk:.1f} at {clk} MHz" if isinstance(clk, (int, float)) and clk else "?"

@@ -38,7 +38,10 @@
 //     expert (quotas in registers, no reduction): ~160 cycles a round against ~180 for the packed
 //     loop (one warp runs dependent scalar code at well under one instruction per cycle), and its
 //     set-up and hand-over cost more than that saved.  The split is ~40 sequential rounds for a
-//     donor refilling 7 ranks (one_group), ~4 us, whichever way a round is computed.
+//     donor refilling 7 ranks (one_group), ~4 us, whichever way a round is computed; nor did
+//     lane 0 alone with sorted register lists (session 7: ~210 cycles a round).  What did pay
+//     (session 7) is fewer sequential steps: split_batches checks up to 8 rounds at once while
+//     no expert is partly used (one_group at R = 8: split 10.2k -> 7.4k cycles).
 //   Programmatic dependent launch: launch and shared-memory set-up overlap the previous kernel
 //     (the histogram barrier triggers its dependents at its start); see grid_dep_wait.
 //   blocks 1.. per chunk of C = tpc*K entries of topk: the expert histogram of the chunk.
@@ -348,6 +351,129 @@ __device__ __forceinline__ int load_hist_nc(bool wide, const int32_t* hist, int 
 }
 
 // ---------------------------------------------------------------------------------------------
+// Step 2 in batches (a donor with <= 8 receivers, <= 64 experts, packed keys, R < 32).
+//
+// Why: the greedy's rounds are sequential (~180 cycles each, two warp reductions), and a donor
+// refilling 7 ranks runs ~40 of them (one_group).  The greedy takes the donor's untouched
+// experts in one fixed order (most tokens first; their keys are sorted once, during step 1, by
+// warps idle then), so consecutive rounds i = 0, 1, ... pair the i-th largest quota with the
+// i-th next expert of that order for as long as (a) each quota beats every quota the batch has
+// already reduced and (b) no partly used expert has more left than the round's expert (keys are
+// unique, so both comparisons are exact).  One batch checks that for <= 8 rounds at once: the
+// batch length k is the first round whose quota is below the largest reduced quota, whose
+// expert is below the largest leftover, or whose quota or expert is zero.  When a leftover is the largest expert, the
+// packed loop takes over from the same state.  R = 8 one_group: 42 rounds -> 6 batches.  Every
+// choice is the greedy's, so the plan is bit-identical (tests; stop 198 forces the
+// round-by-round loop; docs/planner.md).
+// ---------------------------------------------------------------------------------------------
+
+// keys[j] = rem[j] << ibB | (MB - j), j < B, sorted descending into sk[0, B): rank by counting.
+__device__ __forceinline__ void sort_expert_keys(const int* rem, int B, int ibB, unsigned MB,
+                                                 unsigned* sk) {
+  const int lane = threadIdx.x & 31;
+  const unsigned k0 = lane < B ? (static_cast<unsigned>(rem[lane]) << ibB) | (MB - lane) : 0u;
+  const unsigned k1 =
+      lane + 32 < B ? (static_cast<unsigned>(rem[lane + 32]) << ibB) | (MB - lane - 32) : 0u;
+  int r0 = 0, r1 = 0;
+#pragma unroll 8
+  for (int j = 0; j < B; ++j) {                      // broadcast reads
+    const unsigned kj = (static_cast<unsigned>(rem[j]) << ibB) | (MB - j);
+    r0 += kj > k0 ? 1 : 0;
+    r1 += kj > k1 ? 1 : 0;
+  }
+  if (lane < B) sk[r0] = k0;
+  if (lane + 32 < B) sk[r1] = k1;
+}
+
+// Donor h's batches.  kq: this lane's quota key (lane = receiver d; 0 if not h's), act: h's
+// receivers (<= 8), sk: h's expert keys sorted descending.  Updates kq, and for every expert it
+// takes: rem (tokens left), pcnt (1 piece) and recv.  Returns true when every quota is filled
+// (the split of h is complete), else with the packed loop's state.
+// Lanes 0..7 hold the quota keys in any order with their rank r (0 = largest); round r of a
+// batch is the lane of rank r, so nothing is permuted.
+__device__ __forceinline__ bool split_batches(unsigned& kq, unsigned act, const unsigned* sk,
+                                              int* rem, int* pcnt_h, int* recv, int B, int ibR,
+                                              int ibB, unsigned MR, unsigned MB) {
+  const int lane = threadIdx.x & 31;
+  // Lanes 0..7 take the receivers' keys (already there when R <= 8); the others hold 0, below
+  // every live key.
+  const bool moved = (act >> 8) != 0u;
+  unsigned Q = lane < 8 ? kq : 0u;
+  if (moved) {
+    unsigned mm = act;
+    Q = 0u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const unsigned v = __shfl_sync(kFull, kq, mm ? __ffs(mm) - 1 : 0);
+      if (lane == i && mm) Q = v;
+      mm &= mm - 1u;
+    }
+  }
+  // Ranks by counting (keys are unique; the zero keys of lanes without a quota share a rank
+  // above every live one).
+  auto rank8 = [&](unsigned x) {
+    int n = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) n += __shfl_sync(kFull, x, i) > x ? 1 : 0;
+    return n;
+  };
+  int r = rank8(Q);
+  int p = 0;
+  bool done = false;
+  unsigned Lm = 0u;                                  // this receiver's partly used expert's key
+  for (int guard = 0; guard < B; ++guard) {           // every batch takes >= 1 expert
+    const unsigned C = (lane < 8 && p + r < B) ? sk[p + r] : 0u;
+    const unsigned qv = Q >> ibR, cv = C >> ibB;
+    const unsigned t = min(qv, cv);
+    const unsigned Qp = Q - (t << ibR);
+    const bool zero = qv == 0u || cv == 0u;
+    // A partly used expert keeps its tokens left (key Lc) and becomes the greedy's pick once
+    // the stream falls below it.
+    const unsigned Lc = (qv < cv && !zero) ? C - (t << ibB) : Lm;
+    // Round r is the greedy's while its quota beats every reduced quota of the batch and its
+    // expert beats every leftover.  A reduced quota Q'_j never beats a round j' <= j (Q'_j <
+    // Q_j <= Q_j'), so the maxima over all lanes decide: one reduction each, both in flight.
+    // (8-lane shuffle butterflies instead of the three reductions measured slower: 4.8k
+    // against 3.8k cycles for R = 8 one_group's 6 batches.)
+    const unsigned QpMax = __reduce_max_sync(kFull, lane < 8 ? Qp : 0u);
+    const unsigned LMax = __reduce_max_sync(kFull, lane < 8 ? Lc : 0u);
+    const bool fail = zero || Q < QpMax || C < LMax;
+    const int k = static_cast<int>(
+        __reduce_min_sync(kFull, lane < 8 && fail ? static_cast<unsigned>(r) : 8u));
+    if (lane < 8 && r < k) {
+      const int d = static_cast<int>(MR - (Q & MR)), le = static_cast<int>(MB - (C & MB));
+      recv[d * B + le] = static_cast<int>(t);         // d's single donor is h: no other writer
+      rem[le] = static_cast<int>(cv - t);
+      pcnt_h[le] = 1;
+      Q = Qp;
+      Lm = Lc;
+    }
+    p += k;
+    // Every live quota taken in this batch and none left over: done (saves a batch that would
+    // only find k == 0, and the loop's closing round).
+    done = k == __popc(__ballot_sync(kFull, lane < 8 && qv != 0u)) && (QpMax >> ibR) == 0u;
+    // k == 0: every quota spent, or a leftover is the largest expert (the loop goes on).
+    if (done || k == 0 || p >= B) break;
+    r = rank8(Q);
+  }
+  if (!moved) {
+    if (lane < 8 && ((act >> lane) & 1u)) kq = Q;
+  } else {
+    // Back to lane = receiver: h's receiver d gets the key carrying its index (0 if none does:
+    // only a spent quota of d = MR has key 0).
+    unsigned nk = 0u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const unsigned ki = __shfl_sync(kFull, Q, i);
+      if (static_cast<int>(MR - (ki & MR)) == lane && ki != 0u) nk = ki;
+    }
+    if ((act >> lane) & 1u) kq = nk;
+  }
+  __syncwarp();
+  return done;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Launch 1, block 0: steps 1-3.  NJ = ceil(R/32) rounded up to a power of two (register slots of
 // the per-rank values each lane holds in the warp-level greedy loops).
 // ---------------------------------------------------------------------------------------------
@@ -385,7 +511,8 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   int* rlist = hpos + R;                             // [R]  receivers grouped by donor, ascending
   int* wsum = rlist + R;                             // [34]
   int* misc = wsum + 34;                             // [8]: err bits, ndonors, sum of s_r, valid,
-                                                     //      pieces total (spare-warp scan)
+                                                     //      pieces total (spare-warp scan),
+                                                     //      nvs_s if valid, nvs_s if not
   int* rbeg = reinterpret_cast<int*>(rowlo);         // [R]  after validation: start in rlist
   int* rcnt = reinterpret_cast<int*>(rowhi);         // [R]  after validation: receivers of h
 
@@ -455,6 +582,12 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   // leave room for the index bits; else the two-reduction paths.
   const int ibR = ceil_log2(R), ibB = ceil_log2(B);
   const unsigned MR = (1u << ibR) - 1u, MB = (1u << ibB) - 1u;
+  // The batched split (split_batches) needs a warp per rank to sort during step 1, one quota
+  // key per lane (R <= 32) and B <= 64.  stop 198 and 199 (tests) turn it off.
+  // Scratch for the sorted keys: slotoff, [R, B], written by the layout (step 3) before
+  // anything reads it there.
+  const bool batch_ok = a.stop != 198 && a.stop != 199 && NJ == 1 && B <= 64 &&
+                        R + (R - 1) / 3 < nwarps;    // the sorting warps (step 1) exist
 
   // ---- 1. validity, group loads, rank_quotas: all in warp 0, no block barrier -----------------
   if (warp == 0) {
@@ -588,18 +721,30 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       misc[1] = nd;
       misc[3] = vq ? 1 : 0;
     }
+  } else if (batch_ok && (warp & 3) != 0 && warp - 1 - (warp >> 2) < R) {
+    // Idle during step 1: sort rank h's expert keys, on warps outside warp 0's scheduler
+    // (warp % 4 != 0: warps 1, 2, 3, 5, ... for h = 0, 1, 2, 3, ...), so warp 0's dependent
+    // chain does not share issue slots with them.  An invalid histogram: no donor uses them.
+    const int h = warp - 1 - (warp >> 2);
+    sort_expert_keys(remE + h * B, B, ibB, MB, reinterpret_cast<unsigned*>(slotoff) + h * B);
+  }
+  if (warp == nwarps - 1 && lane == 0) {
+    // nvs_s for either validity, off the critical path: its two 64-bit divisions cost ~1k
+    // cycles where every thread waited for them (session 7's stage stamps).
+    auto nvs_of = [&](int T_) -> int {
+      const long long per = (static_cast<long long>(T_) + R - 1) / R
+                            + static_cast<long long>(tp - 1) * 2 * B;
+      const long long nv = (per + tp - 1) / tp * tp;
+      return static_cast<int>(nv < a.NvS ? nv : a.NvS);
+    };
+    misc[5] = nvs_of(total_T(true));
+    misc[6] = nvs_of(total_T(false));
   }
   __syncthreads();
   stamp(a.stamps, 3);
   const bool valid = misc[3] != 0;
   const int T = total_T(valid);
-  int nvs_s;
-  {
-    const long long per = (static_cast<long long>(T) + R - 1) / R
-                          + static_cast<long long>(tp - 1) * 2 * B;
-    const long long nv = (per + tp - 1) / tp * tp;
-    nvs_s = static_cast<int>(nv < a.NvS ? nv : a.NvS);
-  }
+  const int nvs_s = valid ? misc[5] : misc[6];
   if (a.stop == 2) return;
 
   // ---- 2. split_quotas (one warp per donor; the last warp lists the receivers meanwhile) -------
@@ -653,9 +798,21 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
         kq[j] = (d < R && donor_of[d] == h)
                     ? (static_cast<unsigned>(z_of[d]) << ibR) | (MR - static_cast<unsigned>(d)) : 0u;
       }
+      int n0 = 0, n1 = 0;
+      if (batch_ok) {                                // NJ == 1 here
+        // Worth it only when the largest quota takes the largest expert whole (else the first
+        // round already uses an expert partly: one hot expert, nothing to batch).
+        const unsigned act = __ballot_sync(kFull, lane < R && donor_of[lane] == h);
+        const unsigned* sk = reinterpret_cast<const unsigned*>(slotoff) + h * B;
+        if (__popc(act) <= 8 && (__reduce_max_sync(kFull, kq[0]) >> ibR) >= (sk[0] >> ibB)) {
+          if (split_batches(kq[0], act, sk, rem, pcnt + h * B, recv, B, ibR, ibB, MR, MB))
+            continue;                                // every quota filled: rem, pcnt are final
+          if (lane < B) n0 = pcnt[h * B + lane];
+          if (lane + 32 < B) n1 = pcnt[h * B + lane + 32];
+        }
+      }
       unsigned kr0 = lane < B ? (static_cast<unsigned>(rem[lane]) << ibB) | (MB - static_cast<unsigned>(lane)) : 0u;
       unsigned kr1 = lane + 32 < B ? (static_cast<unsigned>(rem[lane + 32]) << ibB) | (MB - static_cast<unsigned>(lane + 32)) : 0u;
-      int n0 = 0, n1 = 0;
       for (int it = 0; it < rounds; ++it) {
         unsigned aq = kq[0];
 #pragma unroll

@@ -54,6 +54,29 @@ def test_cuda_matches_cpu(nccl_world, dtype):
         torch.testing.assert_close(wgr.grad.cpu(), wcr.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_torch_backend_plans_on_device(nccl_world, monkeypatch):
+    """On CUDA the torch.distributed backend plans with the device planner (not the torch
+    planner's hundreds of small kernels), and gets the torch planner's plan."""
+    from moonep_ops import plan_device
+    if not plan_device.available():
+        pytest.skip("libmoonep_ep.so not built")
+    calls = []
+    real = plan_device.plan_on_device
+    monkeypatch.setattr(plan_device, "plan_on_device",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    S, H, K, E, tp = 64, 32, 4, 8, 8
+    gpu = Buffer(S, H, K, E, group=nccl_world, token_padding=tp, dtype=torch.float32,
+                 backend="torch", device="cuda")
+    for s in (1, 37, S):
+        x, w, t = _inputs(s, H, K, E, torch.float32, seed=s)
+        t[: s // 2] = 3                                    # a hot expert
+        _, _, cu, p = gpu.dispatch(x.cuda(), t.cuda(), w.cuda())
+        tpe = torch.bincount(t.reshape(-1).long(), minlength=E).to(torch.int32)[None]
+        dst, cur, *_ = torch.ops.moonep.plan(tpe, t, 0, 1, S, tp, -1, "moonep")
+        assert torch.equal(p.dst.cpu(), dst) and torch.equal(cu.cpu(), cur)
+    assert len(calls) == 3
+
+
 def test_cuda_prefetch_reduce(nccl_world):
     buf = Buffer(8, 16, 2, 4, group=nccl_world, dtype=torch.float32, backend="torch",
                  device="cuda")

@@ -181,6 +181,21 @@ def test_equals_cpu_planner_without_packed_keys(ci):
     assert not fails, "\n".join(fails)
 
 
+@pytest.mark.parametrize("ci", [1, 2, 4, 17, 19, 20, 21, 22, 23, 24, 30])
+def test_equals_cpu_planner_without_batched_split(ci):
+    """The round-by-round warp loop that the batched split (split_batches: R < 32, <= 8
+    receivers per donor, B <= 64) shortens gives the same plans; forced by the debug knob (198)."""
+    case = CASES[ci]
+    tk, sizes, total, S = _routing(case)
+    R = case[1]
+    pdv.debug_stop(198)
+    try:
+        fails = _check_plan(case, tk, sizes, total, S, sorted({0, R - 1}))
+    finally:
+        pdv.debug_stop(99)
+    assert not fails, "\n".join(fails)
+
+
 @pytest.mark.parametrize("ci", [1, 4, 22, 24])
 def test_equals_cpu_planner_without_pdl(ci):
     """The group kernel launched without programmatic dependent launch gives the same plans."""
