@@ -16,7 +16,9 @@
 //     2. split_quotas: one warp per donor, <= R-1+B rounds of (argmax quota, argmax expert left)
 //        with quotas and counts in registers; every destination has one donor, so the moved
 //        counts fit a dense [R, B] table recv[d, le] (tokens of donor(d)'s local expert le
-//        computed on d).  Meanwhile the last warp lists every donor's receivers in rank order;
+//        computed on d).  A donor with <= 8 receivers runs rounds in batches of up to 8 where
+//        the greedy's choices follow its sorted experts (split_batches, session 7).  Meanwhile
+//        the last warp lists every donor's receivers in rank order;
 //     3. layout: one warp per destination (home segments, then the donor's experts with tokens in
 //        ascending id, padded to tp, scanned into cu_seqlens); expert offsets;
 //     4. per expert, its "pieces" (destinations with tokens, in rank order) with cumulative ends,
@@ -40,8 +42,8 @@
 //     set-up and hand-over cost more than that saved.  The split is ~40 sequential rounds for a
 //     donor refilling 7 ranks (one_group), ~4 us, whichever way a round is computed; nor did
 //     lane 0 alone with sorted register lists (session 7: ~210 cycles a round).  What did pay
-//     (session 7) is fewer sequential steps: split_batches checks up to 8 rounds at once while
-//     no expert is partly used (one_group at R = 8: split 10.2k -> 7.4k cycles).
+//     (session 7) is fewer sequential steps: split_batches checks up to 8 rounds at once
+//     (one_group at R = 8: split 10.2k -> 4.9k cycles).
 //   Programmatic dependent launch: launch and shared-memory set-up overlap the previous kernel
 //     (the histogram barrier triggers its dependents at its start); see grid_dep_wait.
 //   blocks 1.. per chunk of C = tpc*K entries of topk: the expert histogram of the chunk.
