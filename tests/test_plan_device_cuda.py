@@ -166,18 +166,23 @@ def test_equals_cpu_planner(ci):
     assert not fails, "\n".join(fails)
 
 
+def _check_with_debug_stop(ci, stop):
+    """The plans of CASES[ci] at ranks 0 and R-1 with the group kernel's debug knob at `stop`."""
+    case = CASES[ci]
+    tk, sizes, total, S = _routing(case)
+    R = case[1]
+    pdv.debug_stop(stop)
+    try:
+        return _check_plan(case, tk, sizes, total, S, sorted({0, R - 1}))
+    finally:
+        pdv.debug_stop(99)
+
+
 @pytest.mark.parametrize("ci", [0, 1, 3, 6, 10, 11, 16, 20, 30])
 def test_equals_cpu_planner_without_packed_keys(ci):
     """The two-reduction greedy loops (taken when the values are too large to pack with the
     index bits: huge s*K) give the same plans; forced on here through the debug knob."""
-    case = CASES[ci]
-    tk, sizes, total, S = _routing(case)
-    R = case[1]
-    pdv.debug_stop(199)
-    try:
-        fails = _check_plan(case, tk, sizes, total, S, sorted({0, R - 1}))
-    finally:
-        pdv.debug_stop(99)
+    fails = _check_with_debug_stop(ci, 199)
     assert not fails, "\n".join(fails)
 
 
@@ -185,14 +190,7 @@ def test_equals_cpu_planner_without_packed_keys(ci):
 def test_equals_cpu_planner_without_batched_split(ci):
     """The round-by-round warp loop that the batched split (split_batches: R < 32, <= 8
     receivers per donor, B <= 64) shortens gives the same plans; forced by the debug knob (198)."""
-    case = CASES[ci]
-    tk, sizes, total, S = _routing(case)
-    R = case[1]
-    pdv.debug_stop(198)
-    try:
-        fails = _check_plan(case, tk, sizes, total, S, sorted({0, R - 1}))
-    finally:
-        pdv.debug_stop(99)
+    fails = _check_with_debug_stop(ci, 198)
     assert not fails, "\n".join(fails)
 
 
