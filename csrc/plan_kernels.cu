@@ -451,8 +451,8 @@ __device__ __forceinline__ bool split_batches(unsigned& kq, unsigned act, const 
       Lm = Lc;
     }
     p += k;
-    // Every live quota taken in this batch and none left over: done (saves a batch that would
-    // only find k == 0, and the loop's closing round).
+    // Every live quota had its round in this batch and all are now filled: done (saves a batch
+    // that would only find k == 0, and the loop's closing round).
     done = k == __popc(__ballot_sync(kFull, lane < 8 && qv != 0u)) && (QpMax >> ibR) == 0u;
     // k == 0: every quota spent, or a leftover is the largest expert (the loop goes on).
     if (done || k == 0 || p >= B) break;
