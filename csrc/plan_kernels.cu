@@ -353,7 +353,8 @@ __device__ __forceinline__ int load_hist_nc(bool wide, const int32_t* hist, int 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Step 2 in batches (a donor with <= 8 receivers, <= 64 experts, packed keys, R < 32).
+// Step 2 in batches (a donor with <= 8 receivers, <= 64 experts, packed keys, R <= 24: a
+// sorting warp per rank outside warp 0's scheduler).
 //
 // Why: the greedy's rounds are sequential (~180 cycles each, two warp reductions), and a donor
 // refilling 7 ranks runs ~40 of them (one_group).  The greedy takes the donor's untouched
@@ -363,10 +364,10 @@ __device__ __forceinline__ int load_hist_nc(bool wide, const int32_t* hist, int 
 // already reduced and (b) no partly used expert has more left than the round's expert (keys are
 // unique, so both comparisons are exact).  One batch checks that for <= 8 rounds at once: the
 // batch length k is the first round whose quota is below the largest reduced quota, whose
-// expert is below the largest leftover, or whose quota or expert is zero.  When a leftover is the largest expert, the
-// packed loop takes over from the same state.  R = 8 one_group: 42 rounds -> 6 batches.  Every
-// choice is the greedy's, so the plan is bit-identical (tests; stop 198 forces the
-// round-by-round loop; docs/planner.md).
+// expert is below the largest leftover, or whose quota or expert is zero.  When a leftover is
+// the largest expert, the packed loop takes over from the same state.  R = 8 one_group: 42
+// rounds -> 6 batches.  Every choice is the greedy's, so the plan is bit-identical (tests;
+// stop 198 forces the round-by-round loop; docs/planner.md).
 // ---------------------------------------------------------------------------------------------
 
 // keys[j] = rem[j] << ibB | (MB - j), j < B, sorted descending into sk[0, B): rank by counting.
