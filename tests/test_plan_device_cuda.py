@@ -188,7 +188,7 @@ def test_equals_cpu_planner_without_packed_keys(ci):
 
 @pytest.mark.parametrize("ci", [1, 2, 4, 17, 19, 20, 21, 22, 23, 24, 30])
 def test_equals_cpu_planner_without_batched_split(ci):
-    """The round-by-round warp loop that the batched split (split_batches: R < 32, <= 8
+    """The round-by-round warp loop that the batched split (split_batches: R <= 24, <= 8
     receivers per donor, B <= 64) shortens gives the same plans; forced by the debug knob (198)."""
     fails = _check_with_debug_stop(ci, 198)
     assert not fails, "\n".join(fails)
