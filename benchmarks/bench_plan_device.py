@@ -9,8 +9,9 @@ both timed as a CUDA graph of --launches back-to-back launches (CUDA events arou
 divided by the launch count; the best and the median of --reps replays).
 torch  = torch.ops.moonep.plan on CUDA tensors, policy "moonep": eager (host launch bound), and
          in a second table replayed as a CUDA graph of one call.
-The group kernel is launched with programmatic dependent launch (PDL); a second table replays, interleaved
-with the first, the same graphs captured without it (moonep_plan_debug_pdl).  A third gives the
+The group kernel is launched with programmatic dependent launch (PDL); a second table replays,
+interleaved with the first, the same graphs captured without it (moonep_plan_debug_pdl) and the
+group kernel with the batched split off (moonep_plan_debug_stop 198).  A third gives the
 group kernel's stages in SM cycles from clock64 stamps in block 0 (moonep_plan_debug_stamps):
 "cold" = one launch right after the queued matmuls (the kernel's code and the histogram are no
 longer cached, as in a training step), "warm" = the last of a back-to-back run (what the graph
@@ -191,8 +192,8 @@ def main(argv=None) -> int:
         print(f"| {R} | {E} | {s} | {K} | {kind} | {maxvio(tpe):.2f} | {grp[0]:.1f} | {grp[1]:.1f} "
               f"| {full[0]:.1f} | {full[1]:.1f} | {eager:.0f} | {int(err.item())}"
               f"{'' if same else ' MISMATCH vs torch'} |", flush=True)
-    print("\nWithout programmatic dependent launch (best / median us, replayed interleaved with "
-          "the row above)")
+    print("\nA/B variants: without programmatic dependent launch, and without the batched split "
+          "(best / median us, replayed interleaved with the rows above)")
     print("| R | E | routing | group, PDL | group, no PDL | plan, no PDL | group, warp-loop split |")
     print("|---|---|---|---|---|---|---|")
     for R, E, kind, *vs in variants:

@@ -199,8 +199,9 @@ def _plan_gathered(rows_RX: Tensor, topk_ids: Tensor, buf, rank: int, total_num_
         if plan_device.available():
             hist_RX = rows_RX.to(torch.int32).contiguous()
             err = torch.zeros(1, dtype=torch.int32, device=rows_RX.device)
-            out = plan_device.plan_on_device(hist_RX, topk_ids.to(torch.int32).contiguous(),
-                                             rank, buf.R, buf.S, buf.token_padding, buf.NvS, err)
+            # topk_ids is int32 and contiguous already (check_dispatch_args)
+            out = plan_device.plan_on_device(hist_RX, topk_ids, rank, buf.R, buf.S,
+                                             buf.token_padding, buf.NvS, err)
             if config.should_validate(err) and int(err.item()) != 0:
                 raise RuntimeError(f"moonep dispatch: the device planner flagged error bits "
                                    f"{int(err.item()):#x} on host-validated input (a bug)")
