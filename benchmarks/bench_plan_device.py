@@ -11,7 +11,7 @@ torch  = torch.ops.moonep.plan on CUDA tensors, policy "moonep": eager (host lau
          in a second table replayed as a CUDA graph of one call.
 The group kernel is launched with programmatic dependent launch (PDL); a second table replays,
 interleaved with the first, the same graphs captured without it (moonep_plan_debug_pdl) and the
-group kernel with the batched split off (moonep_plan_debug_stop 198).  A third gives the
+group kernel with every greedy loop round by round (moonep_plan_debug_stop 198).  A third gives the
 group kernel's stages in SM cycles from clock64 stamps in block 0 (moonep_plan_debug_stamps):
 "cold" = one launch right after the queued matmuls (the kernel's code and the histogram are no
 longer cached, as in a training step), "warm" = the last of a back-to-back run (what the graph
@@ -192,9 +192,10 @@ def main(argv=None) -> int:
         print(f"| {R} | {E} | {s} | {K} | {kind} | {maxvio(tpe):.2f} | {grp[0]:.1f} | {grp[1]:.1f} "
               f"| {full[0]:.1f} | {full[1]:.1f} | {eager:.0f} | {int(err.item())}"
               f"{'' if same else ' MISMATCH vs torch'} |", flush=True)
-    print("\nA/B variants: without programmatic dependent launch, and without the batched split "
-          "(best / median us, replayed interleaved with the rows above)")
-    print("| R | E | routing | group, PDL | group, no PDL | plan, no PDL | group, warp-loop split |")
+    print("\nA/B variants: without programmatic dependent launch, and with every greedy loop round "
+          "by round (stop 198: no batched split, rank quotas or single-donor closed form; best / "
+          "median us, replayed interleaved with the rows above)")
+    print("| R | E | routing | group, PDL | group, no PDL | plan, no PDL | group, greedy round by round (198) |")
     print("|---|---|---|---|---|---|---|")
     for R, E, kind, *vs in variants:
         print(f"| {R} | {E} | {kind} | " + " | ".join(f"{b:.1f} / {m:.1f}" for b, m in vs) + " |")
@@ -209,7 +210,8 @@ def main(argv=None) -> int:
     st = torch.zeros(8, dtype=torch.int64, device="cuda")
     for R, E, s_, K, kind, fn in stages:
         for label, n, stop in (("cold", 1, 99), ("warm", a.launches, 99),
-                               ("warm, warp-loop split", a.launches, 198)):
+                               ("warm, rank quotas round by round (197)", a.launches, 197),
+                               ("warm, every greedy round by round (198)", a.launches, 198)):
             rows = []
             pdv.debug_stop(stop)
             for _ in range(7):

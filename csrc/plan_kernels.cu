@@ -58,12 +58,14 @@
 // < NvS, so int32 is exact for every histogram that passes validation.  Validation row sums are
 // exact whenever every count is in [0, S*K] (32-bit when E*(S*K+1) < 2^32, else 16-bit halves),
 // and a count outside that range is flagged by itself, so garbage cannot alias a valid histogram.
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cuda_runtime.h>
 
 #include "moonep_ep.h"
+#include "pdl.cuh"
 #include "plan_kernels.h"
 
 namespace {
@@ -152,6 +154,7 @@ struct GroupArgs {
   int32_t* scalars;
   int32_t* chunkcnt;
   int C, N;
+  int ld_nc, ld_ncb, ld_NR, ld_ntiles;   // histogram load tiling (load_tiling)
   int stop;            // benchmarks only: block 0 returns after this stage (99: full plan)
   long long* stamps;   // benchmarks only (null: off): block 0's clock64 at the stage boundaries
   int32_t* err;
@@ -173,7 +176,12 @@ struct AssignArgs {
 };
 
 __device__ __forceinline__ int clamp_i(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
-__device__ __forceinline__ int align_tp(int c, int tp) { return c > 0 ? (c + tp - 1) / tp * tp : 0; }
+// token_padding is usually a power of two: then a mask, not a ~20-instruction integer division on
+// the layout's dependent chain (the test on tp is loop-invariant).
+__device__ __forceinline__ int align_tp(int c, int tp) {
+  if (c <= 0) return 0;
+  return (tp & (tp - 1)) == 0 ? (c + tp - 1) & -tp : (c + tp - 1) / tp * tp;
+}
 
 __device__ __forceinline__ int warp_incl_scan(int v, int lane) {
 #pragma unroll
@@ -189,10 +197,7 @@ __device__ __forceinline__ int warp_incl_scan(int v, int lane) {
 // griddepcontrol.wait blocks until that kernel has completed and flushed its writes.  Nothing
 // global is read or written before the wait; the reads after it bypass L1 (ld.global.cg), since
 // this block may have become resident while the previous kernel still ran.  The trigger right
-// after the wait lets a PDL-launched successor do the same.  Without the attribute (or with a
-// non-kernel predecessor) both instructions are no-ops.
-__device__ __forceinline__ void grid_dep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void grid_dep_launch() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+// after the wait lets a PDL-launched successor do the same (grid_dep_*: pdl.cuh).
 
 // Benchmarks only: thread 0 of block 0 records clock64 at stage boundary i.
 __device__ __forceinline__ void stamp(long long* st, int i) {
@@ -275,24 +280,27 @@ __device__ __forceinline__ int load_hist_tiles(const int32_t* __restrict__ hist,
                                             unsigned* rowhi) {
   constexpr int RU = 16 / NC;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const size_t X = static_cast<size_t>(E) + 3;
+  const int X = E + 3;                               // R * X < 2^22 (R <= 1024, E in smem)
   unsigned mx = 0u;
   for (int tile = warp; tile < ntiles; tile += nwarps) {
-    const int cbk = tile % ncb, rb = tile / ncb;
+    const int rb = tile / ncb, cbk = tile - rb * ncb;
     const int c0 = cbk * 32 * NC + lane;
     const int r0 = rb * NR, r1 = min(R, r0 + NR);
     unsigned col[NC];
 #pragma unroll
     for (int k = 0; k < NC; ++k) col[k] = 0u;
-    for (int rr = r0; rr < r1; rr += RU) {
+    // The stage is issue-bound (32 warps on 4 schedulers): one 32-bit offset per row, the
+    // columns as immediate offsets (session 8: 11k of the block's 33k warp instructions were
+    // the per-load 64-bit index arithmetic this replaced).
+    int off = r0 * X + c0;
+    for (int rr = r0; rr < r1; rr += RU, off += RU * X) {
       int x[RU][NC];
 #pragma unroll
       for (int u = 0; u < RU; ++u) {
+        const int32_t* pu = hist + (off + u * X);
 #pragma unroll
-        for (int k = 0; k < NC; ++k) {
-          const int r = rr + u, c = c0 + 32 * k;
-          x[u][k] = (r < r1 && c < E) ? __ldcg(hist + static_cast<size_t>(r) * X + c) : 0;
-        }
+        for (int k = 0; k < NC; ++k)
+          x[u][k] = (rr + u < r1 && c0 + 32 * k < E) ? __ldcg(pu + 32 * k) : 0;
       }
 #pragma unroll
       for (int u = 0; u < RU; ++u) {
@@ -301,10 +309,9 @@ __device__ __forceinline__ int load_hist_tiles(const int32_t* __restrict__ hist,
         if (r == rank) {                             // uniform: the tile holding this rank's row
 #pragma unroll
           for (int k = 0; k < NC; ++k) {
-            const int c = c0 + 32 * k;
-            if (c < E) {
-              atomicAdd(&beforeS[c], static_cast<int>(col[k]));   // rows [r0, rank) of the tile
-              ownS[c] = x[u][k];
+            if (c0 + 32 * k < E) {
+              atomicAdd(&beforeS[c0 + 32 * k], static_cast<int>(col[k]));   // rows [r0, rank)
+              ownS[c0 + 32 * k] = x[u][k];
             }
           }
         }
@@ -326,10 +333,9 @@ __device__ __forceinline__ int load_hist_tiles(const int32_t* __restrict__ hist,
     }
 #pragma unroll
     for (int k = 0; k < NC; ++k) {
-      const int c = c0 + 32 * k;
-      if (c < E) {
-        atomicAdd(&remE[c], static_cast<int>(col[k]));
-        if (r1 <= rank) atomicAdd(&beforeS[c], static_cast<int>(col[k]));   // whole tile before
+      if (c0 + 32 * k < E) {
+        atomicAdd(&remE[c0 + 32 * k], static_cast<int>(col[k]));
+        if (r1 <= rank) atomicAdd(&beforeS[c0 + 32 * k], static_cast<int>(col[k]));   // tile before
       }
     }
   }
@@ -337,19 +343,13 @@ __device__ __forceinline__ int load_hist_tiles(const int32_t* __restrict__ hist,
 }
 
 template <int NC>
-__device__ __forceinline__ int load_hist_nc(bool wide, const int32_t* hist, int R, int E, int rank,
-                                            int vmax, int* remE, int* beforeS, int* ownS,
-                                            unsigned* rowlo, unsigned* rowhi) {
-  const int nwarps = blockDim.x >> 5;
-  const int ncb = (E + 32 * NC - 1) / (32 * NC);
-  int nrb = max(1, min(R, nwarps / ncb));
-  const int NR = (R + nrb - 1) / nrb;
-  nrb = (R + NR - 1) / NR;
-  const int ntiles = ncb * nrb;
-  return wide ? load_hist_tiles<NC, true>(hist, R, E, rank, vmax, ncb, NR, ntiles, remE, beforeS,
-                                          ownS, rowlo, rowhi)
-              : load_hist_tiles<NC, false>(hist, R, E, rank, vmax, ncb, NR, ntiles, remE, beforeS,
-                                           ownS, rowlo, rowhi);
+__device__ __forceinline__ int load_hist_nc(bool wide, const GroupArgs& a, int* remE, int* beforeS,
+                                            int* ownS, unsigned* rowlo, unsigned* rowhi) {
+  const int vmax = a.S * a.K;
+  return wide ? load_hist_tiles<NC, true>(a.hist, a.R, a.E, a.rank, vmax, a.ld_ncb, a.ld_NR,
+                                          a.ld_ntiles, remE, beforeS, ownS, rowlo, rowhi)
+              : load_hist_tiles<NC, false>(a.hist, a.R, a.E, a.rank, vmax, a.ld_ncb, a.ld_NR,
+                                           a.ld_ntiles, remE, beforeS, ownS, rowlo, rowhi);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -370,17 +370,22 @@ __device__ __forceinline__ int load_hist_nc(bool wide, const int32_t* hist, int 
 // stop 198 forces the round-by-round loop; docs/planner.md).
 // ---------------------------------------------------------------------------------------------
 
-// keys[j] = rem[j] << ibB | (MB - j), j < B, sorted descending into sk[0, B): rank by counting.
+// An expert's packed key: tokens left, then the lower local index first (MB - le).  The batched
+// split reads the sorted keys against the packed loop's, so both must come from here.
+__device__ __forceinline__ unsigned expert_key(int rem_le, int le, int ibB, unsigned MB) {
+  return (static_cast<unsigned>(rem_le) << ibB) | (MB - static_cast<unsigned>(le));
+}
+
+// keys[j] = expert_key(rem[j], j), j < B, sorted descending into sk[0, B): rank by counting.
 __device__ __forceinline__ void sort_expert_keys(const int* rem, int B, int ibB, unsigned MB,
                                                  unsigned* sk) {
   const int lane = threadIdx.x & 31;
-  const unsigned k0 = lane < B ? (static_cast<unsigned>(rem[lane]) << ibB) | (MB - lane) : 0u;
-  const unsigned k1 =
-      lane + 32 < B ? (static_cast<unsigned>(rem[lane + 32]) << ibB) | (MB - lane - 32) : 0u;
+  const unsigned k0 = lane < B ? expert_key(rem[lane], lane, ibB, MB) : 0u;
+  const unsigned k1 = lane + 32 < B ? expert_key(rem[lane + 32], lane + 32, ibB, MB) : 0u;
   int r0 = 0, r1 = 0;
 #pragma unroll 8
   for (int j = 0; j < B; ++j) {                      // broadcast reads
-    const unsigned kj = (static_cast<unsigned>(rem[j]) << ibB) | (MB - j);
+    const unsigned kj = expert_key(rem[j], j, ibB, MB);
     r0 += kj > k0 ? 1 : 0;
     r1 += kj > k1 ? 1 : 0;
   }
@@ -476,6 +481,106 @@ __device__ __forceinline__ bool split_batches(unsigned& kq, unsigned act, const 
   return done;
 }
 
+// One round of step 1's greedy over packed keys kb[j] = (balance + T) << ibR (slot j: rank
+// lane + 32 j): kx / kn are each slot's argmax / argmin key (ties -> the lowest rank), KX / KN
+// their warp maxima / minima.
+template <int NJ>
+__device__ __forceinline__ void quota_keys(const unsigned* kb, int R, unsigned MR, unsigned* kx,
+                                           unsigned* kn, unsigned& KX, unsigned& KN) {
+  const int lane = threadIdx.x & 31;
+  unsigned KXl = 0u, KNl = 0xffffffffu;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int d = lane + 32 * j;
+    kx[j] = d < R ? (kb[j] | (MR - static_cast<unsigned>(d))) : 0u;
+    kn[j] = d < R ? (kb[j] | static_cast<unsigned>(d)) : 0xffffffffu;
+    KXl = max(KXl, kx[j]);
+    KNl = min(KNl, kn[j]);
+  }
+  KX = __reduce_max_sync(kFull, KXl);
+  KN = __reduce_min_sync(kFull, KNl);
+}
+
+// The round's transfer: donor h (key KX) refills the receiver of key KN with its deficit m.
+template <int NJ>
+__device__ __forceinline__ void quota_round(unsigned* kb, const unsigned* kx, const unsigned* kn,
+                                            unsigned KX, unsigned KN, int h, int m, int ibR,
+                                            int* don, int* z, unsigned& dmask, int& qerr) {
+  const unsigned mm = static_cast<unsigned>(m) << ibR;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    if (kx[j] == KX) { kb[j] -= mm; dmask |= 1u << j; }
+    if (kn[j] == KN) {
+      if (don[j] >= 0 && don[j] != h) qerr |= MOONEP_ERR_PLAN;   // impossible
+      don[j] = h;
+      z[j] += m;
+      kb[j] += mm;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step 1 in batches (rank_quotas, packed keys, R <= 64).
+//
+// Why: the greedy's rounds are sequential (~190 cycles each, two warp reductions) and R = 64
+// runs up to 63 of them (one hot rank refilling every other: 12k cycles).  A receiver's balance
+// changes only when it is refilled (to 0), so the receivers are refilled in one fixed order:
+// ascending min-key (balance, then rank).  Only a donor that overshoots into deficit enters
+// later, outside that order; the batch test bounds the order by the smallest such deficit.
+// Python model: equal to the round-by-round greedy on 40k cases, 4k of them with a donor that
+// also receives (docs/planner.md).
+//
+// rank_quotas_order: the order (pos[j]: slot j's place, -1 if not in deficit), lkey[i] the
+// i-th receiver's min-key, lpre[i] the deficits before it (lpre[nl] = all).  Returns nl.
+// ---------------------------------------------------------------------------------------------
+
+template <int NJ>
+__device__ __forceinline__ int rank_quotas_order(const unsigned* kb, unsigned TT, int R, int ibR,
+                                                 int* pos, unsigned* lkey, int* lpre) {
+  const int lane = threadIdx.x & 31;
+  unsigned ky[NJ];
+  int rk[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int d = lane + 32 * j;
+    ky[j] = d < R && kb[j] < (TT << ibR) ? (kb[j] | static_cast<unsigned>(d)) : 0xffffffffu;
+    rk[j] = 0;
+  }
+#pragma unroll
+  for (int jj = 0; jj < NJ; ++jj) {                  // rank = deficits with a smaller key
+    // Unrolled: the shuffles are independent, so their latency overlaps (a rolled loop paid
+    // it per key: 5.1k cycles at R = 64, measured).  Keys of d >= R are ~0u: never smaller.
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+      const unsigned v = __shfl_sync(kFull, ky[jj], l);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) rk[j] += v < ky[j] ? 1 : 0;
+    }
+  }
+  int nl = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const bool in = ky[j] != 0xffffffffu;
+    pos[j] = in ? rk[j] : -1;
+    if (in) {
+      lkey[rk[j]] = ky[j];
+      lpre[rk[j]] = static_cast<int>(TT - (kb[j] >> ibR));   // the deficit
+    }
+    nl += __popc(__ballot_sync(kFull, in));
+  }
+  __syncwarp();
+  int carry = 0;                                     // exclusive prefix over the order
+  for (int i0 = 0; i0 < nl; i0 += 32) {
+    const int v = i0 + lane < nl ? lpre[i0 + lane] : 0;
+    const int incl = warp_incl_scan(v, lane);
+    if (i0 + lane < nl) lpre[i0 + lane] = carry + incl - v;
+    carry += __shfl_sync(kFull, incl, 31);
+  }
+  if (lane == 0) lpre[nl] = carry;
+  __syncwarp();
+  return nl;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Launch 1, block 0: steps 1-3.  NJ = ceil(R/32) rounded up to a power of two (register slots of
 // the per-rank values each lane holds in the warp-level greedy loops).
@@ -550,11 +655,11 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
                         < (1ull << 32);
   int myerr;
   {
-    const int nc = E >= 1024 ? 8 : E >= 256 ? 4 : E >= 64 ? 2 : 1;
-    if (nc == 8) myerr = load_hist_nc<8>(!one_word, a.hist, R, E, rank, vmax, remE, beforeS, ownS, rowlo, rowhi);
-    else if (nc == 4) myerr = load_hist_nc<4>(!one_word, a.hist, R, E, rank, vmax, remE, beforeS, ownS, rowlo, rowhi);
-    else if (nc == 2) myerr = load_hist_nc<2>(!one_word, a.hist, R, E, rank, vmax, remE, beforeS, ownS, rowlo, rowhi);
-    else myerr = load_hist_nc<1>(!one_word, a.hist, R, E, rank, vmax, remE, beforeS, ownS, rowlo, rowhi);
+    const int nc = a.ld_nc;                          // load tiling: host (load_tiling)
+    if (nc == 8) myerr = load_hist_nc<8>(!one_word, a, remE, beforeS, ownS, rowlo, rowhi);
+    else if (nc == 4) myerr = load_hist_nc<4>(!one_word, a, remE, beforeS, ownS, rowlo, rowhi);
+    else if (nc == 2) myerr = load_hist_nc<2>(!one_word, a, remE, beforeS, ownS, rowlo, rowhi);
+    else myerr = load_hist_nc<1>(!one_word, a, remE, beforeS, ownS, rowlo, rowhi);
   }
   if (tid < R) {
     srow[tid] = m_sr;
@@ -634,7 +739,26 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       bal[j] = d < R ? g - (cap_base + (d < cap_extra ? 1 : 0)) : 0;
     }
     const bool packed = a.stop != 199 && 2ll * T < (1ll << (31 - ibR));
-    if (packed) {
+    // One rank with a surplus (one hot rank: one_group, hot): every round's donor is that rank
+    // (the others' balances are <= 0 and its own stays >= 0, since the balances sum to 0), and
+    // every rank in deficit is refilled by it with its whole deficit, so the R-1 rounds of two
+    // warp reductions (~190 cycles each: ~1.3k cycles at R = 8, ~12k at R = 64) reduce to
+    // ballots.  stop 198 / 199 (tests) keep the loops.
+    int npos = 0, D = -1;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const unsigned bm = __ballot_sync(kFull, lane + 32 * j < R && bal[j] > 0);
+      npos += __popc(bm);
+      if (D < 0 && bm != 0u) D = 32 * j + __ffs(bm) - 1;
+    }
+    if (npos == 1 && a.stop != 198 && a.stop != 199) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int d = lane + 32 * j;
+        if (d < R && bal[j] < 0) { don[j] = D; z[j] = -bal[j]; }
+        if (d == D) dmask |= 1u << j;
+      }
+    } else if (packed) {
       // State per slot: kb = (bal + T) << ibR; the keys add the index part.  The winning slot is
       // the one whose key equals the reduced key (keys are unique).
       const unsigned TT = static_cast<unsigned>(T);
@@ -642,34 +766,96 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
         kb[j] = lane + 32 * j < R ? static_cast<unsigned>(bal[j] + T) << ibR : 0u;
-      for (int it = 0; it < R - 1; ++it) {
-        unsigned kx[NJ], kn[NJ], KXl = 0u, KNl = 0xffffffffu;
+      // Batched rounds (rank_quotas_batch; 16 < R <= 64): the receivers' order is fixed, so
+      // while the largest surplus stays the largest (and positive) it refills the next
+      // receivers of that order, k rounds in one step.  R = 64 hot: 63 rounds -> a few steps.
+      // Worth it when one surplus dominates (hot: 99 % of all surplus; zipf at R = 64: 43 %, where
+      // the donor changes nearly every round and the order's set-up would not pay back).
+      bool qbatch = vq && NJ <= 2 && R > 16 && a.stop != 197 && a.stop != 198 && a.stop != 199;
+      if (qbatch) {
+        unsigned pm = 0u, ps = 0u;                   // largest surplus, all surplus (<= T)
 #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          const int d = lane + 32 * j;
-          kx[j] = d < R ? (kb[j] | (MR - static_cast<unsigned>(d))) : 0u;
-          kn[j] = d < R ? (kb[j] | static_cast<unsigned>(d)) : 0xffffffffu;
-          KXl = max(KXl, kx[j]);
-          KNl = min(KNl, kn[j]);
-        }
-        const unsigned KX = __reduce_max_sync(kFull, KXl);
-        const unsigned KN = __reduce_min_sync(kFull, KNl);
-        const unsigned vx = KX >> ibR, vn = KN >> ibR;
-        // torch: m = need if bal[h] > 0 else 0; once max <= 0 every later round is a no-op,
-        // and with sum(bal) == 0 a positive max implies a negative min.
-        if (vx <= TT || vn >= TT) break;             // MX <= 0 || MN >= 0
-        const int h = static_cast<int>(MR - (KX & MR));
-        const int m = static_cast<int>(TT - vn);     // -MN
-        const unsigned mm = static_cast<unsigned>(m) << ibR;
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-          if (kx[j] == KX) { kb[j] -= mm; dmask |= 1u << j; }
-          if (kn[j] == KN) {
-            if (don[j] >= 0 && don[j] != h) qerr |= MOONEP_ERR_PLAN;   // impossible
-            don[j] = h;
-            z[j] += m;
-            kb[j] += mm;
+        for (int j = 0; j < NJ; ++j)
+          if (lane + 32 * j < R && bal[j] > 0) {
+            pm = max(pm, static_cast<unsigned>(bal[j]));
+            ps += static_cast<unsigned>(bal[j]);
           }
+        qbatch = 2ull * __reduce_max_sync(kFull, pm) >= __reduce_add_sync(kFull, ps);
+      }
+      if (qbatch) {
+        int pos[NJ];
+        unsigned* lkey = reinterpret_cast<unsigned*>(rlist);   // [R] scratch until step 2
+        int* lpre = hpos;                                      // [nl + 1 <= R] scratch until step 2
+        const int nl = rank_quotas_order<NJ>(kb, TT, R, ibR, pos, lkey, lpre);
+        int p = 0;                                     // receivers [0, p) of the order are refilled
+        // A step is tried at once, then again after a step of k > 1 or once a donor has won two
+        // rounds in a row: where the donor changes every round, a step (two more reductions)
+        // costs more than the round it replaces.
+        bool tryb = true;
+        int hprev = -1;
+        for (int it = 0; it < R - 1;) {
+          unsigned kx[NJ], kn[NJ], KX, KN, KUl = 0xffffffffu;
+          quota_keys<NJ>(kb, R, MR, kx, kn, KX, KN);
+#pragma unroll
+          for (int j = 0; j < NJ; ++j)               // a deficit outside the order (an overshoot)
+            if (lane + 32 * j < R && pos[j] < 0 && kb[j] < (TT << ibR)) KUl = min(KUl, kn[j]);
+          const unsigned vx = KX >> ibR, vn = KN >> ibR;
+          // torch: m = need if bal[h] > 0 else 0; once max <= 0 every later round is a no-op,
+          // and with sum(bal) == 0 a positive max implies a negative min.
+          if (vx <= TT || vn >= TT) break;             // MX <= 0 || MN >= 0
+          const int h = static_cast<int>(MR - (KX & MR));
+          const bool head = p < nl && lkey[p] == KN;   // the order's next receiver
+          if (head && tryb) {
+            // Round i of the step (lane i) refills receiver p + i of the order; it is the greedy's
+            // round while, before it, the donor's balance is positive and above every other
+            // rank's (KX2: the refilled receivers are at 0 < that balance) and the receiver's
+            // key is below every deficit outside the order (KU).  Round 0 always is (k >= 1).
+            unsigned KX2l = 0u;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) KX2l = max(KX2l, kx[j] == KX ? 0u : kx[j]);
+            const unsigned KX2 = __reduce_max_sync(kFull, KX2l);
+            const unsigned KU = __reduce_min_sync(kFull, KUl);
+            const int idx = p + lane, base = lpre[p];
+            bool ok = false;
+            if (idx < nl && lane < R - 1 - it) {
+              const int bh = static_cast<int>(vx - TT) - (lpre[idx] - base);
+              ok = bh > 0 && (((static_cast<unsigned>(bh) + TT) << ibR) | (MR - h)) > KX2 &&
+                   lkey[idx] < KU;
+            }
+            const unsigned bad = ~__ballot_sync(kFull, ok);
+            const int k = bad != 0u ? __ffs(bad) - 1 : 32;
+            const int moved = lpre[p + k] - base;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+              if (kx[j] == KX) { kb[j] -= static_cast<unsigned>(moved) << ibR; dmask |= 1u << j; }
+              if (pos[j] >= p && pos[j] < p + k) {
+                if (don[j] >= 0 && don[j] != h) qerr |= MOONEP_ERR_PLAN;   // impossible
+                don[j] = h;
+                z[j] += static_cast<int>(TT - (kb[j] >> ibR));
+                kb[j] = TT << ibR;
+              }
+            }
+            p += k;
+            it += k;
+            tryb = k > 1;
+            hprev = h;
+            continue;
+          }
+          quota_round<NJ>(kb, kx, kn, KX, KN, h, static_cast<int>(TT - vn), ibR, don, z, dmask,
+                          qerr);
+          if (head) ++p;
+          tryb = h == hprev;
+          hprev = h;
+          ++it;
+        }
+      } else {
+        for (int it = 0; it < R - 1; ++it) {
+          unsigned kx[NJ], kn[NJ], KX, KN;
+          quota_keys<NJ>(kb, R, MR, kx, kn, KX, KN);
+          const unsigned vx = KX >> ibR, vn = KN >> ibR;
+          if (vx <= TT || vn >= TT) break;             // as above
+          quota_round<NJ>(kb, kx, kn, KX, KN, static_cast<int>(MR - (KX & MR)),
+                          static_cast<int>(TT - vn), ibR, don, z, dmask, qerr);
         }
       }
     } else {
@@ -729,7 +915,14 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     // (warp % 4 != 0: warps 1, 2, 3, 5, ... for h = 0, 1, 2, 3, ...), so warp 0's dependent
     // chain does not share issue slots with them.  An invalid histogram: no donor uses them.
     const int h = warp - 1 - (warp >> 2);
-    sort_expert_keys(remE + h * B, B, ibB, MB, reinterpret_cast<unsigned*>(slotoff) + h * B);
+    // Only a donor's keys are read: a rank whose group exceeds T / R (its cap is >= that).
+    // The other sorting warps leave the schedulers to the donors' (session 8: -110 cycles at
+    // R = 8; the check is a multiply, as a division it cost more than it saved).
+    const int* rh = remE + h * B;
+    const unsigned g2 = (lane < B ? rh[lane] : 0) + (lane + 32 < B ? rh[lane + 32] : 0);
+    const long long g = static_cast<long long>(__reduce_add_sync(kFull, g2));
+    if (g * R > total_T(true))
+      sort_expert_keys(rh, B, ibB, MB, reinterpret_cast<unsigned*>(slotoff) + h * B);
   }
   if (warp == nwarps - 1 && lane == 0) {
     // nvs_s for either validity, off the critical path: its two 64-bit divisions cost ~1k
@@ -814,8 +1007,8 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
           if (lane + 32 < B) n1 = pcnt[h * B + lane + 32];
         }
       }
-      unsigned kr0 = lane < B ? (static_cast<unsigned>(rem[lane]) << ibB) | (MB - static_cast<unsigned>(lane)) : 0u;
-      unsigned kr1 = lane + 32 < B ? (static_cast<unsigned>(rem[lane + 32]) << ibB) | (MB - static_cast<unsigned>(lane + 32)) : 0u;
+      unsigned kr0 = lane < B ? expert_key(rem[lane], lane, ibB, MB) : 0u;
+      unsigned kr1 = lane + 32 < B ? expert_key(rem[lane + 32], lane + 32, ibB, MB) : 0u;
       for (int it = 0; it < rounds; ++it) {
         unsigned aq = kq[0];
 #pragma unroll
@@ -903,47 +1096,58 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     const int h = donor_of[d];
     const bool mine = d == rank;
     int run = 0;
-    for (int j0 = 0; j0 < B; j0 += 32) {             // home experts d*B + j
-      const int j = j0 + lane;
-      const int c = j < B ? remE[d * B + j] : 0;
-      const int np = j < B && !spare ? pcnt[d * B + j] : 0;
-      const int p = align_tp(c, tp);
-      const int incl = warp_incl_scan(p, lane);
-      const int end = run + incl, start = end - p;
-      if (j < B) {
-        offL[d * B + j] = c > 0 ? start : -1;
-        if (!spare) pcnt[d * B + j] = np + (c > 0 ? 1 : 0);   // slot pieces + the home piece
-        if (mine) {
-          a.cu[j] = clamp_i(end, 0, NvS);
-          const bool pad = p > c;
-          a.zf[2 * j] = pad ? clamp_i(start + c, 0, NvS) : 0;
-          a.zf[2 * j + 1] = pad ? clamp_i(p - c, 0, NvS) : 0;
-        }
+    // Two experts per lane and step (j = j0 + 2 lane, j + 1): one warp scan per 64 experts, not
+    // per 32 (the scans are this stage's dependent chain).
+    auto home = [&](int j, int c, int np, int start, int end) {
+      if (j >= B) return;
+      const int p = end - start;
+      offL[d * B + j] = c > 0 ? start : -1;
+      if (!spare) pcnt[d * B + j] = np + (c > 0 ? 1 : 0);   // slot pieces + the home piece
+      if (mine) {
+        a.cu[j] = clamp_i(end, 0, NvS);
+        const bool pad = p > c;
+        a.zf[2 * j] = pad ? clamp_i(start + c, 0, NvS) : 0;
+        a.zf[2 * j + 1] = pad ? clamp_i(p - c, 0, NvS) : 0;
       }
+    };
+    for (int j0 = 0; j0 < B; j0 += 64) {             // home experts d*B + j
+      const int ja = j0 + 2 * lane, jb = ja + 1;
+      const int ca = ja < B ? remE[d * B + ja] : 0, cb = jb < B ? remE[d * B + jb] : 0;
+      const int na = ja < B && !spare ? pcnt[d * B + ja] : 0;
+      const int nb = jb < B && !spare ? pcnt[d * B + jb] : 0;
+      const int pa = align_tp(ca, tp), pb = align_tp(cb, tp);
+      const int incl = warp_incl_scan(pa + pb, lane);
+      const int endb = run + incl, enda = endb - pb;
+      home(ja, ca, na, enda - pa, enda);
+      home(jb, cb, nb, enda, endb);
       run += __shfl_sync(kFull, incl, 31);
     }
-    int ns = 0;
-    for (int l0 = 0; l0 < B; l0 += 32) {             // donor's experts with tokens, ascending
-      const int le = l0 + lane;
-      const int t = (h >= 0 && le < B) ? recv[d * B + le] : 0;
-      const bool f = t > 0;
-      const unsigned bal = __ballot_sync(kFull, f);
-      const int b = ns + __popc(bal & lt_mask);
-      const int p = f ? align_tp(t, tp) : 0;
-      const int incl = warp_incl_scan(p, lane);
-      const int end = run + incl, start = end - p;
-      if (f) {                                       // b < B: at most B experts per donor
-        a.etc[d * B + b] = h * B + le;
-        slotoff[d * B + le] = start;
-        if (mine) {
-          a.cu[B + b] = clamp_i(end, 0, NvS);
-          const bool pad = p > t;
-          a.zf[2 * (B + b)] = pad ? clamp_i(start + t, 0, NvS) : 0;
-          a.zf[2 * (B + b) + 1] = pad ? clamp_i(p - t, 0, NvS) : 0;
-        }
+    auto slot = [&](int b, int le, int t, int start, int end) {   // b < B: <= B experts per donor
+      const int p = end - start;
+      a.etc[d * B + b] = h * B + le;
+      slotoff[d * B + le] = start;
+      if (mine) {
+        a.cu[B + b] = clamp_i(end, 0, NvS);
+        const bool pad = p > t;
+        a.zf[2 * (B + b)] = pad ? clamp_i(start + t, 0, NvS) : 0;
+        a.zf[2 * (B + b) + 1] = pad ? clamp_i(p - t, 0, NvS) : 0;
       }
+    };
+    int ns = 0;
+    for (int l0 = 0; l0 < B; l0 += 64) {             // donor's experts with tokens, ascending
+      const int la = l0 + 2 * lane, lb = la + 1;
+      const int ta = (h >= 0 && la < B) ? recv[d * B + la] : 0;
+      const int tb = (h >= 0 && lb < B) ? recv[d * B + lb] : 0;
+      const bool fa = ta > 0, fb = tb > 0;
+      const unsigned bla = __ballot_sync(kFull, fa), blb = __ballot_sync(kFull, fb);
+      const int ba = ns + __popc(bla & lt_mask) + __popc(blb & lt_mask), bb = ba + (fa ? 1 : 0);
+      const int pa = fa ? align_tp(ta, tp) : 0, pb = fb ? align_tp(tb, tp) : 0;
+      const int incl = warp_incl_scan(pa + pb, lane);
+      const int endb = run + incl, enda = endb - pb;
+      if (fa) slot(ba, la, ta, enda - pa, enda);
+      if (fb) slot(bb, lb, tb, enda, endb);
       run += __shfl_sync(kFull, incl, 31);
-      ns += __popc(bal);
+      ns += __popc(bla) + __popc(blb);
     }
     for (int b = ns + lane; b < B; b += 32) {
       a.etc[d * B + b] = -1;
@@ -1149,6 +1353,18 @@ __global__ void __launch_bounds__(1024) plan_assign_kernel(AssignArgs a) {
 
 thread_local char g_where[256];
 int g_debug_stop = 99;       // benchmarks only (moonep_plan_debug_stop)
+// The histogram load's warp tiles (load_hist_tiles): NC columns per lane (E >= 1024: 8, >= 256:
+// 4, >= 64: 2, else 1), column blocks of 32*NC, rows split so the tiles cover about one per warp.
+// On the host: four dependent integer divisions the kernel's critical path no longer pays.
+void load_tiling(int R, int E, int nwarps, GroupArgs& ga) {
+  const int nc = E >= 1024 ? 8 : E >= 256 ? 4 : E >= 64 ? 2 : 1;
+  const int ncb = (E + 32 * nc - 1) / (32 * nc);
+  int nrb = std::max(1, std::min(R, nwarps / ncb));
+  const int NR = (R + nrb - 1) / nrb;
+  nrb = (R + NR - 1) / NR;
+  ga.ld_nc = nc; ga.ld_ncb = ncb; ga.ld_NR = NR; ga.ld_ntiles = ncb * nrb;
+}
+
 long long* g_stamps = nullptr;   // benchmarks only (moonep_plan_debug_stamps)
 int g_pdl = 1;               // group kernel with programmatic dependent launch (benchmarks: A/B)
 
@@ -1237,6 +1453,7 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   ga.scalars = reinterpret_cast<int32_t*>(w + L.scalars);
   ga.chunkcnt = reinterpret_cast<int32_t*>(w + L.chunkcnt);
   ga.C = ch.C; ga.N = s * K;
+  load_tiling(R, E, kGroupThreads / 32, ga);
   ga.stop = g_debug_stop;
   ga.stamps = g_stamps;
   ga.err = err;
@@ -1294,7 +1511,7 @@ MOONEP_EXPORT int moonep_plan_group(const int32_t* hist_RX, int s, int K, int ra
 
 // Benchmarks only: make the group kernel's block 0 return after stage `stop` (0: set-up,
 // 1: histogram load, 2: row-sum validation + rank quotas, 3: split, 4: layout; 99: the full plan;
-// 199: the full plan with the packed-key fast paths off, for tests), to time the stages by
+// 197 / 198 / 199: the full plan with fast paths off, see plan_kernels.h), to time the stages by
 // difference.  Outputs are garbage while stop < 99 (no assign launch).
 MOONEP_EXPORT void moonep_plan_debug_stop(int stop) { g_debug_stop = stop; }
 

@@ -32,8 +32,9 @@ MOONEP_EXPORT int moonep_plan_group(
 
 // Benchmarks only: the group kernel's block 0 returns after stage `stop` (0: set-up, 1: histogram
 // load and per-element checks, 2: row-sum validation + rank quotas, 3: split, 4: layout; 99, the
-// default: the full plan; 198: without the batched split; 199: without it and the packed-key
-// fast paths; both for tests); below 99 moonep_plan skips the slot assignment, to time the stages
+// default: the full plan; 197: rank quotas round by round (no rank_quotas batches); 198: every
+// greedy loop round by round (no batches, no single-donor closed form); 199: as 198 and without
+// the packed-key fast paths; for tests and A/B benchmarks); below 99 moonep_plan skips the slot assignment, to time the stages
 // by difference.  Process-wide, not thread-safe.
 MOONEP_EXPORT void moonep_plan_debug_stop(int stop);
 // Benchmarks only: launch the group kernel with (1, the default) or without (0) programmatic

@@ -194,6 +194,49 @@ def test_equals_cpu_planner_without_batched_split(ci):
     assert not fails, "\n".join(fails)
 
 
+def _tk_with_balances(bal, B, s, seed):
+    """Top-1 routing, s tokens per rank, whose group loads are s + bal[h] (sum(bal) == 0)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([h * B + torch.randint(0, B, (s + b,), generator=g) for h, b in enumerate(bal)])
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    return [c.view(s, 1).to(torch.int32).contiguous() for c in ids.split(s)]
+
+
+def _balances():
+    """Balances (R in (16, 64]) whose batches end at each of rank_quotas_batch's cut-offs (found by
+    a search over the Python model of the batches, padded with balanced ranks to R = 32); the
+    first four pass its gate (largest surplus >= half of all surplus), the last does not."""
+    rng = random.Random(7)
+    several = [rng.randint(-40, 40) for _ in range(63)]
+    return [
+        [20, -29, 51, -9, -29, -4] + [0] * 26,       # a deficit outside the order (KU)
+        [23, -54, 55, -40, 16] + [0] * 27,           # the next surplus (KX2)
+        [-12, 9, -47, 13, 37] + [0] * 27,            # the donor's surplus runs out
+        [300, 7, 3] + [-10] * 31,                    # R = 34: one large surplus, two small
+        several + [-sum(several)],                   # R = 64: many donors (rounds)
+    ]
+
+
+@pytest.mark.parametrize("stop", [99, 197])
+@pytest.mark.parametrize("bi", range(len(_balances())))
+def test_rank_quotas_batches_equal_greedy(bi, stop):
+    """rank_quotas_batch (16 < R <= 64) against the torch planner on balances built to cover its
+    cut-offs; stop 197 runs the same cases round by round."""
+    bal = _balances()[bi]
+    R, B, s = len(bal), 2, 100
+    tk = _tk_with_balances(bal, B, s, seed=bi)
+    if bi == 0:  # a donor overshoots into deficit (else the KU cut-off is not exercised)
+        z = plan_group(histogram(tk, R * B), R * s, 8, "moonep").z_RR
+        assert ((z > 0).any(dim=1) & (z > 0).any(dim=0)).any()
+    case = ("balances", R, R * B, s, 1, 8, 0, bi)
+    pdv.debug_stop(stop)
+    try:
+        fails = _check_plan(case, tk, [s] * R, None, s, sorted({0, 1, 2, R - 1}))
+    finally:
+        pdv.debug_stop(99)
+    assert not fails, "\n".join(fails)
+
+
 @pytest.mark.parametrize("ci", [1, 4, 22, 24])
 def test_equals_cpu_planner_without_pdl(ci):
     """The group kernel launched without programmatic dependent launch gives the same plans."""
