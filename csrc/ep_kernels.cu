@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 
 #include "moonep_ep.h"
+#include "pdl.cuh"
 
 namespace {
 
@@ -51,7 +52,7 @@ __global__ void barrier_kernel(uint64_t* const* sig_peers, uint64_t* epoch, int 
   // Let a kernel launched with programmatic dependent launch (the planner's group kernel, right
   // after the histogram barrier) become resident and set up while this one waits; it still
   // waits for this kernel's completion (griddepcontrol.wait) before reading anything.
-  asm volatile("griddepcontrol.launch_dependents;" :::);
+  grid_dep_launch();
   __shared__ uint64_t target;
   if (threadIdx.x == 0) {
     target = *epoch + 1;

@@ -153,11 +153,8 @@ __device__ __forceinline__ int2 group_rows(const int* cu, int g, int M) {
   return make_int2(start, clampi(__ldg(cu + g), start, M));
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-__device__ __forceinline__ int warp_sum_i(int v) {
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
 }
@@ -366,14 +363,14 @@ __global__ void __launch_bounds__(kPrepThreads, 1) prep_kernel(const __grid_cons
     int T = 0;
     {
       const int before = __popc(nzmask & ((1u << lane) - 1)) +
-                         warp_sum_i(lane < warp ? sm.wnz[lane] : 0);
+                         warp_sum(lane < warp ? sm.wnz[lane] : 0);
       if (tid < G) sm.u.rows.cb[tid] = (float)before * p.wbytes + (float)start * p.rbytes;
     }
 #pragma unroll
     for (int c = 0; c < kMaxConfigs; ++c) {
       if (c < ncand) {
         const int wt = sm.wtile[c][lane];
-        const int off = warp_sum_i(lane < warp ? wt : 0), tot = warp_sum_i(wt);
+        const int off = warp_sum(lane < warp ? wt : 0), tot = warp_sum(wt);
         if (tid < G) sm.u.rows.ts[c][tid] = off + part[c];
         if (c == k) T = tot;
       }

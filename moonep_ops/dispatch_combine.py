@@ -193,22 +193,14 @@ def _plan_gathered(rows_RX: Tensor, topk_ids: Tensor, buf, rank: int, total_num_
     is hundreds of small kernels: ~12 ms at E = 384).  Same plan either way (tests).  The rows
     were validated on the host, so the device planner's error word can only flag an internal
     error; it is read when validation is on (MOONEP_VALIDATE=1)."""
-    E = buf.E
-    if rows_RX.is_cuda and buf.policy == "moonep":
-        from . import plan_device
-        if plan_device.available():
-            hist_RX = rows_RX.to(torch.int32).contiguous()
-            err = torch.zeros(1, dtype=torch.int32, device=rows_RX.device)
-            # topk_ids is int32 and contiguous already (check_dispatch_args)
-            out = plan_device.plan_on_device(hist_RX, topk_ids, rank, buf.R, buf.S,
-                                             buf.token_padding, buf.NvS, err)
-            if config.should_validate(err) and int(err.item()) != 0:
-                raise RuntimeError(f"moonep dispatch: the device planner flagged error bits "
-                                   f"{int(err.item()):#x} on host-validated input (a bug)")
-            return out
-    tpe_RE = rows_RX[:, :E].to(torch.int32).contiguous()
-    return torch.ops.moonep.plan(tpe_RE, topk_ids, rank, buf.R, buf.S, buf.token_padding,
-                                 total_num_tokens, buf.policy)
+    from . import plan_device
+    err = torch.zeros(1, dtype=torch.int32, device=rows_RX.device)
+    # topk_ids is int32 and contiguous already (check_dispatch_args)
+    out, on_device = plan_device.plan_from_rows(rows_RX, topk_ids, rank, buf, total_num_tokens, err)
+    if on_device and config.should_validate(err) and int(err.item()) != 0:
+        raise RuntimeError(f"moonep dispatch: the device planner flagged error bits "
+                           f"{int(err.item()):#x} on host-validated input (a bug)")
+    return out
 
 
 @_dispatch.register_fake

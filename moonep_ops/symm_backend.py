@@ -343,22 +343,18 @@ class SymmBackend(Backend):
         return h, w, cu, dst, etc, zf, stats
 
     def _plan(self, buf, hist_RX, topk, total):
-        use_device = self.planner == "device" or (self.planner == "auto" and buf.policy == "moonep")
-        if use_device:
-            try:
-                from . import plan_device
-            except ImportError:
-                plan_device = None
-            if plan_device is not None and getattr(plan_device, "available", lambda: False)():
-                return plan_device.plan_on_device(hist_RX, topk, self.rank, buf.R, buf.S,
-                                                  buf.token_padding, buf.NvS, self.err)
-            if self.planner == "device":
+        from . import plan_device                      # imports this module: not at the top
+        if self.planner == "device":
+            if not plan_device.available():
                 raise RuntimeError("the device planner is not available in libmoonep_ep.so")
-        # torch planner on device tensors (sync-free for both policies; many small kernels).
-        # Bad ids were flagged by the histogram kernel; clamp them so indexing stays in bounds.
-        tpe = hist_RX[:, :buf.E].contiguous()
-        return torch.ops.moonep.plan(tpe, topk.clamp(0, buf.E - 1), self.rank, buf.R, buf.S,
-                                     buf.token_padding, total, buf.policy)
+            if buf.policy != "moonep":
+                raise ValueError(f"planner='device' plans policy 'moonep' only, the buffer's is "
+                                 f"{buf.policy!r}")
+        # The torch planner runs on device tensors (sync-free for both policies; many small
+        # kernels).  Bad ids were flagged by the histogram kernel: clamped for its indexing.
+        out, _ = plan_device.plan_from_rows(hist_RX, topk, self.rank, buf, total, self.err,
+                                            device=self.planner != "torch", clamp_ids=True)
+        return out
 
     def scatter(self, buf, x_sH, w_sK, dst_N, nvs_s):
         s = x_sH.shape[0]
