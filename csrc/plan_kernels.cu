@@ -527,8 +527,8 @@ __device__ __forceinline__ void quota_round(unsigned* kb, const unsigned* kx, co
 // changes only when it is refilled (to 0), so the receivers are refilled in one fixed order:
 // ascending min-key (balance, then rank).  Only a donor that overshoots into deficit enters
 // later, outside that order; the batch test bounds the order by the smallest such deficit.
-// Python model: equal to the round-by-round greedy on 40k cases, 4k of them with a donor that
-// also receives (docs/planner.md).
+// Python model (scripts/models/rank_quotas_batch.py): equal to the round-by-round greedy on 40k
+// cases, 23k of them with a donor that also receives (docs/planner.md).
 //
 // rank_quotas_order: the order (pos[j]: slot j's place, -1 if not in deficit), lkey[i] the
 // i-th receiver's min-key, lpre[i] the deficits before it (lpre[nl] = all).  Returns nl.
