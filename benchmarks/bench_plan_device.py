@@ -195,7 +195,8 @@ def main(argv=None) -> int:
     print("\nA/B variants: without programmatic dependent launch, and with every greedy loop round "
           "by round (stop 198: no batched split, rank quotas or single-donor closed form; best / "
           "median us, replayed interleaved with the rows above)")
-    print("| R | E | routing | group, PDL | group, no PDL | plan, no PDL | group, greedy round by round (198) |")
+    print("| R | E | routing | group, PDL | group, no PDL | plan, no PDL "
+          "| group, greedy round by round (198) |")
     print("|---|---|---|---|---|---|---|")
     for R, E, kind, *vs in variants:
         print(f"| {R} | {E} | {kind} | " + " | ".join(f"{b:.1f} / {m:.1f}" for b, m in vs) + " |")

@@ -34,8 +34,8 @@ MOONEP_EXPORT int moonep_plan_group(
 // load and per-element checks, 2: row-sum validation + rank quotas, 3: split, 4: layout; 99, the
 // default: the full plan; 197: rank quotas round by round (no rank_quotas batches); 198: every
 // greedy loop round by round (no batches, no single-donor closed form); 199: as 198 and without
-// the packed-key fast paths; for tests and A/B benchmarks); below 99 moonep_plan skips the slot assignment, to time the stages
-// by difference.  Process-wide, not thread-safe.
+// the packed-key fast paths; for tests and A/B benchmarks); below 99 moonep_plan skips the slot
+// assignment, to time the stages by difference.  Process-wide, not thread-safe.
 MOONEP_EXPORT void moonep_plan_debug_stop(int stop);
 // Benchmarks only: launch the group kernel with (1, the default) or without (0) programmatic
 // dependent launch.  Process-wide, not thread-safe.
