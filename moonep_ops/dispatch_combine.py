@@ -194,7 +194,8 @@ def _plan_gathered(rows_RX: Tensor, topk_ids: Tensor, buf, rank: int, total_num_
     were validated on the host, so the device planner's error word can only flag an internal
     error; it is read when validation is on (MOONEP_VALIDATE=1)."""
     from . import plan_device
-    err = torch.zeros(1, dtype=torch.int32, device=rows_RX.device)
+    # Only the device planner writes an error word: no allocation per dispatch off CUDA.
+    err = torch.zeros(1, dtype=torch.int32, device=rows_RX.device) if rows_RX.is_cuda else None
     # topk_ids is int32 and contiguous already (check_dispatch_args)
     out, on_device = plan_device.plan_from_rows(rows_RX, topk_ids, rank, buf, total_num_tokens, err)
     if on_device and config.should_validate(err) and int(err.item()) != 0:

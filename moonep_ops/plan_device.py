@@ -199,14 +199,15 @@ def plan_on_device(hist_RX: Tensor, topk_sK: Tensor, rank: int, R: int, S: int,
     return bufs.dst, bufs.cu, bufs.etc, bufs.zf, bufs.stats
 
 
-def plan_from_rows(rows_RX: Tensor, topk_sK: Tensor, rank: int, buf, total: int, err: Tensor, *,
-                   device: bool = True, clamp_ids: bool = False):
+def plan_from_rows(rows_RX: Tensor, topk_sK: Tensor, rank: int, buf, total: int,
+                   err: Optional[Tensor], *, device: bool = True, clamp_ids: bool = False):
     """The plan from the gathered [R, E+3] rows, as both data-plane backends make it.
 
     The device planner when it can serve (``device``, CUDA rows, ``buf.policy == "moonep"``, the
-    library loaded; ``err`` gets its error bits), else the torch planner on the rows' device
-    (``total`` as moonep::plan takes it; ``clamp_ids``: ids that a histogram kernel flagged as
-    bad are clamped so its indexing stays in bounds).  Same plan either way (tests).
+    library loaded; ``err`` gets its error bits, so it must be given for CUDA rows), else the
+    torch planner on the rows' device (``total`` as moonep::plan takes it; ``clamp_ids``: ids
+    that a histogram kernel flagged as bad are clamped so its indexing stays in bounds).  Same
+    plan either way (tests).
     Returns (the five plan tensors, whether the device planner made them)."""
     if device and rows_RX.is_cuda and buf.policy == "moonep" and available():
         hist_RX = rows_RX.to(torch.int32).contiguous()
