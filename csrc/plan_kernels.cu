@@ -343,9 +343,9 @@ __device__ __forceinline__ int load_hist_tiles(const int32_t* __restrict__ hist,
 }
 
 template <int NC>
-__device__ __forceinline__ int load_hist_nc(bool wide, const GroupArgs& a, int* remE, int* beforeS,
-                                            int* ownS, unsigned* rowlo, unsigned* rowhi) {
-  const int vmax = a.S * a.K;
+__device__ __forceinline__ int load_hist_nc(bool wide, const GroupArgs& a, int vmax, int* remE,
+                                            int* beforeS, int* ownS, unsigned* rowlo,
+                                            unsigned* rowhi) {
   return wide ? load_hist_tiles<NC, true>(a.hist, a.R, a.E, a.rank, vmax, a.ld_ncb, a.ld_NR,
                                           a.ld_ntiles, remE, beforeS, ownS, rowlo, rowhi)
               : load_hist_tiles<NC, false>(a.hist, a.R, a.E, a.rank, vmax, a.ld_ncb, a.ld_NR,
@@ -656,10 +656,11 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   int myerr;
   {
     const int nc = a.ld_nc;                          // load tiling: host (load_tiling)
-    if (nc == 8) myerr = load_hist_nc<8>(!one_word, a, remE, beforeS, ownS, rowlo, rowhi);
-    else if (nc == 4) myerr = load_hist_nc<4>(!one_word, a, remE, beforeS, ownS, rowlo, rowhi);
-    else if (nc == 2) myerr = load_hist_nc<2>(!one_word, a, remE, beforeS, ownS, rowlo, rowhi);
-    else myerr = load_hist_nc<1>(!one_word, a, remE, beforeS, ownS, rowlo, rowhi);
+    const bool w = !one_word;
+    if (nc == 8) myerr = load_hist_nc<8>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
+    else if (nc == 4) myerr = load_hist_nc<4>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
+    else if (nc == 2) myerr = load_hist_nc<2>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
+    else myerr = load_hist_nc<1>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
   }
   if (tid < R) {
     srow[tid] = m_sr;
@@ -691,10 +692,12 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   const int ibR = ceil_log2(R), ibB = ceil_log2(B);
   const unsigned MR = (1u << ibR) - 1u, MB = (1u << ibB) - 1u;
   // The batched split (split_batches) needs a warp per rank to sort during step 1, one quota
-  // key per lane (R <= 32) and B <= 64.  stop 198 and 199 (tests) turn it off.
+  // key per lane (R <= 32) and B <= 64.
   // Scratch for the sorted keys: slotoff, [R, B], written by the layout (step 3) before
   // anything reads it there.
-  const bool batch_ok = a.stop != 198 && a.stop != 199 && NJ == 1 && B <= 64 &&
+  // stop 198 and 199 (tests, benchmarks) turn every shortcut off: greedy loops round by round.
+  const bool shortcuts = a.stop != 198 && a.stop != 199;
+  const bool batch_ok = shortcuts && NJ == 1 && B <= 64 &&
                         R + (R - 1) / 3 < nwarps;    // the sorting warps (step 1) exist
 
   // ---- 1. validity, group loads, rank_quotas: all in warp 0, no block barrier -----------------
@@ -751,7 +754,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       npos += __popc(bm);
       if (D < 0 && bm != 0u) D = 32 * j + __ffs(bm) - 1;
     }
-    if (npos == 1 && a.stop != 198 && a.stop != 199) {
+    if (npos == 1 && shortcuts) {
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         const int d = lane + 32 * j;
@@ -771,7 +774,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       // receivers of that order, k rounds in one step.  R = 64 hot: 63 rounds -> a few steps.
       // Worth it when one surplus dominates (hot: 99 % of all surplus; zipf at R = 64: 43 %, where
       // the donor changes nearly every round and the order's set-up would not pay back).
-      bool qbatch = vq && NJ <= 2 && R > 16 && a.stop != 197 && a.stop != 198 && a.stop != 199;
+      bool qbatch = vq && NJ <= 2 && R > 16 && a.stop != 197 && shortcuts;
       if (qbatch) {
         unsigned pm = 0u, ps = 0u;                   // largest surplus, all surplus (<= T)
 #pragma unroll
