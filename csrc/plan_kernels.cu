@@ -155,6 +155,7 @@ struct GroupArgs {
   int32_t* chunkcnt;
   int C, N;
   int ld_nc, ld_ncb, ld_NR, ld_ntiles;   // histogram load tiling (load_tiling)
+  unsigned ld_ncb_mul;                  // ceil(2^31 / ld_ncb): tile / ncb as one __umulhi
   int stop;            // benchmarks only: block 0 returns after this stage (99: full plan)
   long long* stamps;   // benchmarks only (null: off): block 0's clock64 at the stage boundaries
   int32_t* err;
@@ -264,7 +265,9 @@ __device__ __forceinline__ int ceil_log2(int x) { return x <= 1 ? 0 : 32 - __clz
 // ---------------------------------------------------------------------------------------------
 // Launch 1, block 0, stage 0: the histogram load.  Warp tiles of NR rows x 32*NC columns (lane l
 // owns columns cb + l + 32k, k < NC: every load instruction is coalesced); RU = 16/NC rows per
-// batch, all 16 loads of a batch in flight before any is used.  Per element: one add into the
+// batch, all 16 loads of a batch in flight before any is used, or RU = 1 when a tile is one row
+// (R <= 8 at E = 384: the predicated-off loads of rows that do not exist still issued, and the
+// stage is issue-bound: 32 warps on 4 schedulers).  Per element: one add into the
 // lane's column partial, one into the row partial, one unsigned max (the range check: a negative
 // count is a huge unsigned).  Per row one warp reduction + one shared atomic; per tile and column
 // one shared atomic (column sums), the before-rank prefix at the row == rank boundary and this
@@ -273,17 +276,19 @@ __device__ __forceinline__ int ceil_log2(int x) { return x <= 1 ? 0 : 32 - __clz
 // halves (kWide).  Returns this thread's error bits.
 // ---------------------------------------------------------------------------------------------
 
-template <int NC, bool kWide>
+template <int NC, int RU, bool kWide>
 __device__ __forceinline__ int load_hist_tiles(const int32_t* __restrict__ hist, int R, int E,
-                                            int rank, int vmax, int ncb, int NR, int ntiles,
-                                            int* remE, int* beforeS, int* ownS, unsigned* rowlo,
-                                            unsigned* rowhi) {
-  constexpr int RU = 16 / NC;
+                                            int rank, int vmax, int ncb, unsigned ncb_mul, int NR,
+                                            int ntiles, int* remE, int* beforeS, int* ownS,
+                                            unsigned* rowlo, unsigned* rowhi) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int X = E + 3;                               // R * X < 2^22 (R <= 1024, E in smem)
   unsigned mx = 0u;
   for (int tile = warp; tile < ntiles; tile += nwarps) {
-    const int rb = tile / ncb, cbk = tile - rb * ncb;
+    // tile / ncb by the host's multiplier (exact for tile, ncb <= 1024; a division is ~38
+    // instructions per warp here)
+    const int rb = static_cast<int>(__umulhi(2u * static_cast<unsigned>(tile), ncb_mul));
+    const int cbk = tile - rb * ncb;
     const int c0 = cbk * 32 * NC + lane;
     const int r0 = rb * NR, r1 = min(R, r0 + NR);
     unsigned col[NC];
@@ -342,14 +347,25 @@ __device__ __forceinline__ int load_hist_tiles(const int32_t* __restrict__ hist,
   return mx > static_cast<unsigned>(vmax) ? MOONEP_ERR_HIST : 0;
 }
 
+template <int NC, int RU>
+__device__ __forceinline__ int load_hist_ru(bool wide, const GroupArgs& a, int vmax, int* remE,
+                                            int* beforeS, int* ownS, unsigned* rowlo,
+                                            unsigned* rowhi) {
+  return wide ? load_hist_tiles<NC, RU, true>(a.hist, a.R, a.E, a.rank, vmax, a.ld_ncb,
+                                              a.ld_ncb_mul, a.ld_NR, a.ld_ntiles, remE, beforeS,
+                                              ownS, rowlo, rowhi)
+              : load_hist_tiles<NC, RU, false>(a.hist, a.R, a.E, a.rank, vmax, a.ld_ncb,
+                                               a.ld_ncb_mul, a.ld_NR, a.ld_ntiles, remE, beforeS,
+                                               ownS, rowlo, rowhi);
+}
+
 template <int NC>
 __device__ __forceinline__ int load_hist_nc(bool wide, const GroupArgs& a, int vmax, int* remE,
                                             int* beforeS, int* ownS, unsigned* rowlo,
                                             unsigned* rowhi) {
-  return wide ? load_hist_tiles<NC, true>(a.hist, a.R, a.E, a.rank, vmax, a.ld_ncb, a.ld_NR,
-                                          a.ld_ntiles, remE, beforeS, ownS, rowlo, rowhi)
-              : load_hist_tiles<NC, false>(a.hist, a.R, a.E, a.rank, vmax, a.ld_ncb, a.ld_NR,
-                                           a.ld_ntiles, remE, beforeS, ownS, rowlo, rowhi);
+  return a.ld_NR == 1 ? load_hist_ru<NC, 1>(wide, a, vmax, remE, beforeS, ownS, rowlo, rowhi)
+                      : load_hist_ru<NC, 16 / NC>(wide, a, vmax, remE, beforeS, ownS, rowlo,
+                                                  rowhi);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1366,6 +1382,8 @@ void load_tiling(int R, int E, int nwarps, GroupArgs& ga) {
   const int NR = (R + nrb - 1) / nrb;
   nrb = (R + NR - 1) / NR;
   ga.ld_nc = nc; ga.ld_ncb = ncb; ga.ld_NR = NR; ga.ld_ntiles = ncb * nrb;
+  // __umulhi(2 t, ceil(2^31 / ncb)) == t / ncb for t, ncb <= 1024 (checked exhaustively)
+  ga.ld_ncb_mul = static_cast<unsigned>(((1ull << 31) + ncb - 1) / ncb);
 }
 
 long long* g_stamps = nullptr;   // benchmarks only (moonep_plan_debug_stamps)
