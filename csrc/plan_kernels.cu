@@ -158,6 +158,8 @@ struct GroupArgs {
   unsigned ld_ncb_mul;                  // ceil(2^31 / ld_ncb): tile / ncb as one __umulhi
   int stop;            // benchmarks only: block 0 returns after this stage (99: full plan)
   long long* stamps;   // benchmarks only (null: off): block 0's clock64 at the stage boundaries
+  long long* wstamps;  // benchmarks only (null: off): [5, 32] each warp's clock64 at stage ends
+  int nvs_uni;         // nvs_s of T = R*s*K (uniform s, or an invalid histogram): host-computed
   int32_t* err;
 };
 
@@ -203,6 +205,12 @@ __device__ __forceinline__ int warp_incl_scan(int v, int lane) {
 // Benchmarks only: thread 0 of block 0 records clock64 at stage boundary i.
 __device__ __forceinline__ void stamp(long long* st, int i) {
   if (st != nullptr && threadIdx.x == 0) st[i] = clock64();
+}
+
+// Benchmarks only: every warp's lane 0 records clock64 as it reaches the end of stage i (before
+// the barrier), to tell which warp each stage waits for.
+__device__ __forceinline__ void wstamp(long long* st, int i) {
+  if (st != nullptr && (threadIdx.x & 31) == 0) st[i * 32 + (threadIdx.x >> 5)] = clock64();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -691,6 +699,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     }
   }
   if (myerr) atomicOr(&misc[0], myerr);
+  wstamp(a.wstamps, 0);
   __syncthreads();                                   // sums, row sums, error bits complete
   stamp(a.stamps, 2);
   if (a.stop == 1) return;
@@ -944,17 +953,22 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       sort_expert_keys(rh, B, ibB, MB, reinterpret_cast<unsigned*>(slotoff) + h * B);
   }
   if (warp == nwarps - 1 && lane == 0) {
-    // nvs_s for either validity, off the critical path: its two 64-bit divisions cost ~1k
-    // cycles where every thread waited for them (session 7's stage stamps).
-    auto nvs_of = [&](int T_) -> int {
-      const long long per = (static_cast<long long>(T_) + R - 1) / R
-                            + static_cast<long long>(tp - 1) * 2 * B;
-      const long long nv = (per + tp - 1) / tp * tp;
-      return static_cast<int>(nv < a.NvS ? nv : a.NvS);
-    };
-    misc[5] = nvs_of(total_T(true));
-    misc[6] = nvs_of(total_T(false));
+    // nvs_s for either validity.  T = R*s*K (uniform s, or an invalid histogram) is the host's;
+    // only per-rank s needs it here, in 32 bits (64-bit divisions are subroutine calls: the
+    // four of them made this lane the last to reach the barrier).
+    int nv = a.nvs_uni;
+    if (total0 != -1) {
+      const unsigned TT = static_cast<unsigned>(total_T(true));          // < 2^31
+      const unsigned per = (TT + static_cast<unsigned>(R) - 1u) / static_cast<unsigned>(R)
+                           + static_cast<unsigned>(tp - 1) * 2u * static_cast<unsigned>(B);
+      const unsigned tpu = static_cast<unsigned>(tp), q = per / tpu;   // per < 2^32 (NvS*R < 2^31)
+      const unsigned long long v = static_cast<unsigned long long>(q + (per - q * tpu != 0u)) * tpu;
+      nv = v < static_cast<unsigned long long>(a.NvS) ? static_cast<int>(v) : a.NvS;
+    }
+    misc[5] = nv;
+    misc[6] = a.nvs_uni;
   }
+  wstamp(a.wstamps, 1);
   __syncthreads();
   stamp(a.stamps, 3);
   const bool valid = misc[3] != 0;
@@ -1086,6 +1100,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       __syncwarp();
     }
   }
+  wstamp(a.wstamps, 2);
   __syncthreads();
   stamp(a.stamps, 4);
   if (a.stop == 3) return;
@@ -1182,6 +1197,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       if (run > nvs_s) atomicOr(a.err, MOONEP_ERR_PLAN);      // impossible for a valid plan
     }
   }
+  wstamp(a.wstamps, 3);
   __syncthreads();
   stamp(a.stamps, 5);
   if (a.stop == 4) return;
@@ -1231,6 +1247,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     a.scalars[1] = valid ? 1 : 0;
   }
   stamp(a.stamps, 6);
+  wstamp(a.wstamps, 4);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1387,6 +1404,7 @@ void load_tiling(int R, int E, int nwarps, GroupArgs& ga) {
 }
 
 long long* g_stamps = nullptr;   // benchmarks only (moonep_plan_debug_stamps)
+long long* g_wstamps = nullptr;  // benchmarks only (moonep_plan_debug_warp_stamps)
 int g_pdl = 1;               // group kernel with programmatic dependent launch (benchmarks: A/B)
 
 int bad_arg(const char* fmt, int v0, int v1 = 0) {
@@ -1477,6 +1495,13 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   load_tiling(R, E, kGroupThreads / 32, ga);
   ga.stop = g_debug_stop;
   ga.stamps = g_stamps;
+  ga.wstamps = g_wstamps;
+  {   // nvs_s of T = R*s*K (docs/planner.md); the kernel recomputes it only for per-rank s
+    const long long per = (static_cast<long long>(R) * s * K + R - 1) / R
+                          + static_cast<long long>(tp - 1) * 2 * (E / R);
+    const long long nv = (per + tp - 1) / tp * tp;
+    ga.nvs_uni = static_cast<int>(nv < NvS ? nv : NvS);
+  }
   ga.err = err;
   const size_t gsmem_g = group_smem_bytes(R, E), gsmem_c = static_cast<size_t>(E) * 4;
   const size_t gsmem = gsmem_g > gsmem_c ? gsmem_g : gsmem_c;
@@ -1545,4 +1570,11 @@ MOONEP_EXPORT void moonep_plan_debug_pdl(int on) { g_pdl = on != 0; }
 // quotas, 4 split, 5 layout, 6 end); null turns it off.
 MOONEP_EXPORT void moonep_plan_debug_stamps(void* dev_int64x8) {
   g_stamps = static_cast<long long*>(dev_int64x8);
+}
+
+// Benchmarks only: a device buffer of 5 x 32 int64 that block 0 of the group kernel fills with
+// each warp's clock64 as it reaches the end of stage i (load, rank quotas, split, layout,
+// pieces); null turns it off.
+MOONEP_EXPORT void moonep_plan_debug_warp_stamps(void* dev_int64x160) {
+  g_wstamps = static_cast<long long*>(dev_int64x160);
 }

@@ -46,7 +46,8 @@ def _lib():
         dbg = _native.declare_ep("moonep_plan_debug_stop", None, [c_int])
         pdl = _native.declare_ep("moonep_plan_debug_pdl", None, [c_int])
         stamps = _native.declare_ep("moonep_plan_debug_stamps", None, [p])
-        _fns = (ws, plan, group, dbg, pdl, stamps)
+        wstamps = _native.declare_ep("moonep_plan_debug_warp_stamps", None, [p])
+        _fns = (ws, plan, group, dbg, pdl, stamps, wstamps)
     return _fns
 
 
@@ -65,6 +66,12 @@ def debug_stamps(buf) -> None:
     """Benchmarks only: an int64 CUDA tensor of 8 that the group kernel fills with clock64 stage
     stamps (csrc/plan_kernels.h); None turns it off."""
     _lib()[5](None if buf is None else buf.data_ptr())
+
+
+def debug_warp_stamps(buf) -> None:
+    """Benchmarks only: an int64 CUDA tensor of 5 * 32 that the group kernel fills with every
+    warp's clock64 at the end of each stage (csrc/plan_kernels.h); None turns it off."""
+    _lib()[6](None if buf is None else buf.data_ptr())
 
 
 def available() -> bool:
