@@ -1207,26 +1207,56 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   // piece at d = h, the slot pieces on h's receivers above h.  Counts came from the split (moves)
   // and the layout (home piece); the receiver lists from the last warp of step 2.
   const int npieces_total = spare ? misc[4] : block_excl_scan(pcnt, E, wsum);   // <= 2E
-  // Experts of ranks that donate nothing have the home piece at most: a thread each.
+  // A thread per expert walks its donor's receivers in chunks of 8 when they are few (<= 8: every
+  // donor at R <= 9); a donor with more has a warp per expert (below).
+  constexpr int kFewReceivers = 8;
   for (int e = tid; e < E; e += nthr) {
-    const int h = e / B, c = remE[e];
-    if (rcnt[h] == 0 && c > 0) {
-      const int k = pcnt[e];
-      a.pend[k] = c; a.pdst[k] = h; a.pbase[k] = offL[e];
+    const int h = e / B, le = e - h * B;
+    const int n = rcnt[h];
+    if (n <= kFewReceivers) {
+      int k = pcnt[e], acc = 0;
+      const int c = remE[e];
+      const int* lst = rlist + rbeg[h];
+      const int hp = hpos[h];
+      for (int part = 0; part < 2; ++part) {
+        const int i0 = part == 0 ? 0 : hp, i1 = part == 0 ? hp : n;
+        if (part == 1 && c > 0) {
+          a.pend[k] = acc + c; a.pdst[k] = h; a.pbase[k] = offL[e] - acc; ++k; acc += c;
+        }
+        if (i0 < i1) {                               // one chunk: i1 - i0 <= 8
+          int dd[8], tt[8], so[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) dd[u] = i0 + u < i1 ? lst[i0 + u] : 0;
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            tt[u] = i0 + u < i1 ? recv[dd[u] * B + le] : 0;
+            so[u] = i0 + u < i1 ? slotoff[dd[u] * B + le] : 0;
+          }
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            if (tt[u] > 0) {
+              a.pend[k] = acc + tt[u]; a.pdst[k] = dd[u]; a.pbase[k] = so[u] - acc;
+              ++k; acc += tt[u];
+            }
+          }
+        }
+      }
     }
     a.pstart[e] = pcnt[e];
     a.before[e] = beforeS[e];
     a.upto[e] = beforeS[e] + ownS[e];
   }
-  // A donor's experts: a warp each, lanes over the n receivers and the home piece (position hp
-  // of n + 1); the row offsets by a warp scan.  A thread walking a donor's receivers in turn
-  // made the kernel's last warp (R = 64 hot: ~10k cycles for the hot expert's 59 receivers;
-  // warp stamps, session 9).
-  for (int j = warp; j < ndon * B; j += nwarps) {
+  // A donor with many receivers: a warp per expert, lanes over the n receivers and the home
+  // piece (position hp of n + 1), the row offsets by a warp scan.  One thread walking the hot
+  // expert's 59 receivers was the kernel's last warp at R = 64 hot (~10k cycles; warp stamps,
+  // session 9); a warp per expert for every donor cost more than it saved at R = 8.
+  for (int j = warp; R > kFewReceivers + 1 && j < ndon * B; j += nwarps) {
     const int di = j / B, le = j - di * B;
-    const int h = donors[di], e = h * B + le, c = remE[e];
+    const int h = donors[di], n = rcnt[h];
+    if (n <= kFewReceivers) continue;
+    const int e = h * B + le, c = remE[e];
     const int* lst = rlist + rbeg[h];
-    const int n = rcnt[h], hp = hpos[h];
+    const int hp = hpos[h];
     int k = pcnt[e], acc = 0;
     for (int v0 = 0; v0 <= n; v0 += 32) {
       const int v = v0 + lane;
