@@ -544,6 +544,94 @@ __device__ __forceinline__ void quota_round(unsigned* kb, const unsigned* kx, co
 }
 
 // ---------------------------------------------------------------------------------------------
+// Step 2 in steps for one expert serving many quotas (packed keys, NJ <= 2).
+//
+// Why: at R = 64 with one hot expert its donor refills ~60 receivers, and every one of the
+// greedy's rounds pairs the largest quota left with that expert (~190 cycles a round: 11k).  The
+// quotas are taken in one order (largest key first: sorted once), and round i of a step (lane i)
+// is the greedy's while the expert's leftover before it (tokens minus the quotas of rounds
+// 0..i-1, all filled whole) is positive and its key still beats every other expert's (KR2).
+// The step ends after a round that fills its quota only partly (the expert is then empty), or
+// when it is short of 32 rounds; the round-by-round loop goes on from the same state.  Gate: the
+// largest expert still beats the second after filling the largest quota (one_group, where the
+// expert changes every round, never steps), and >= 8 receivers.  Python model
+// (scripts/models/split_steps.py): equal to the greedy on 30k cases (WIP, session 8: not yet
+// run on a GPU).
+// sq: scratch of R words for the sorted quota keys.
+// ---------------------------------------------------------------------------------------------
+
+template <int NJ>
+__device__ __forceinline__ void split_one_expert_steps(unsigned* kq, unsigned& kr0, unsigned& kr1,
+                                                       int& n0, int& n1, int* recv, int B,
+                                                       int ibR, int ibB, unsigned MR, unsigned MB,
+                                                       unsigned* sq) {
+  const int lane = threadIdx.x & 31;
+  {
+    unsigned aq = kq[0];
+#pragma unroll
+    for (int j = 1; j < NJ; ++j) aq = max(aq, kq[j]);
+    const unsigned KQ = __reduce_max_sync(kFull, aq);
+    const unsigned KR = __reduce_max_sync(kFull, max(kr0, kr1));
+    const unsigned KR2 =
+        __reduce_max_sync(kFull, max(kr0 == KR ? 0u : kr0, kr1 == KR ? 0u : kr1));
+    const unsigned QM = KQ >> ibR, RM = KR >> ibB;
+    if (QM == 0u || RM <= QM || ((((RM - QM) << ibB) | (KR & MB)) <= KR2)) return;
+    int nrecv = 0;                                   // a few receivers: the sort would not pay
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) nrecv += __popc(__ballot_sync(kFull, kq[j] != 0u));
+    if (nrecv < 8) return;
+  }
+  int rk[NJ];                                        // rank of this slot's quota key (0: largest)
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) rk[j] = 0;
+#pragma unroll
+  for (int jj = 0; jj < NJ; ++jj) {
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+      const unsigned v = __shfl_sync(kFull, kq[jj], l);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) rk[j] += v > kq[j] ? 1 : 0;
+    }
+  }
+  int nq = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    if (kq[j] != 0u) sq[rk[j]] = kq[j];
+    nq += __popc(__ballot_sync(kFull, kq[j] != 0u));
+  }
+  __syncwarp();
+  for (int p = 0; p < nq;) {
+    const unsigned KR = __reduce_max_sync(kFull, max(kr0, kr1));
+    const unsigned KR2 =
+        __reduce_max_sync(kFull, max(kr0 == KR ? 0u : kr0, kr1 == KR ? 0u : kr1));
+    const unsigned c = KR >> ibB;
+    if (c == 0u) break;
+    const unsigned qk = p + lane < nq ? sq[p + lane] : 0u, qv = qk >> ibR;
+    const unsigned P = static_cast<unsigned>(warp_incl_scan(static_cast<int>(qv), lane)) - qv;
+    const bool ok = qv > 0u && P < c && ((((c - P) << ibB) | (KR & MB)) > KR2);
+    const unsigned bad = ~__ballot_sync(kFull, ok);
+    const int k = bad != 0u ? __ffs(bad) - 1 : 32;
+    if (k == 0) break;
+    const unsigned Pl = __shfl_sync(kFull, P, k - 1), ql = __shfl_sync(kFull, qv, k - 1);
+    const bool partial = ql > c - Pl;                // the last round empties the expert
+    const unsigned used = partial ? c : Pl + ql;
+    const int le = static_cast<int>(MB - (KR & MB));
+    if (lane < k)                                    // d's single donor is this warp's: no race
+      recv[static_cast<int>(MR - (qk & MR)) * B + le] = static_cast<int>(min(qv, c - P));
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {                   // the quotas' owners take their rounds
+      const unsigned Pj = __shfl_sync(kFull, P, (rk[j] - p) & 31);
+      if (kq[j] != 0u && rk[j] >= p && rk[j] < p + k) kq[j] -= min(kq[j] >> ibR, c - Pj) << ibR;
+    }
+    if (kr0 == KR) { kr0 -= used << ibB; n0 += k; }
+    if (kr1 == KR) { kr1 -= used << ibB; n1 += k; }
+    p += k;
+    if (k < 32 || partial) break;
+  }
+  __syncwarp();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Step 1 in batches (rank_quotas, packed keys, R <= 64).
 //
 // Why: the greedy's rounds are sequential (~190 cycles each, two warp reductions) and R = 64
@@ -1042,6 +1130,10 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       }
       unsigned kr0 = lane < B ? expert_key(rem[lane], lane, ibB, MB) : 0u;
       unsigned kr1 = lane + 32 < B ? expert_key(rem[lane + 32], lane + 32, ibB, MB) : 0u;
+      // One expert serving many quotas (hot at R = 64); scratch: offL, overwritten by step 3.
+      if (NJ <= 2 && k < B && a.stop != 198 && a.stop != 199)
+        split_one_expert_steps<NJ>(kq, kr0, kr1, n0, n1, recv, B, ibR, ibB, MR, MB,
+                                   reinterpret_cast<unsigned*>(offL) + k * R);
       for (int it = 0; it < rounds; ++it) {
         unsigned aq = kq[0];
 #pragma unroll
