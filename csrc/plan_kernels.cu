@@ -567,6 +567,10 @@ __device__ __forceinline__ void split_one_expert_steps(unsigned* kq, unsigned& k
                                                        unsigned* sq) {
   const int lane = threadIdx.x & 31;
   {
+    int nrecv = 0;                                   // a few receivers: the sort would not pay
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) nrecv += __popc(__ballot_sync(kFull, kq[j] != 0u));
+    if (nrecv < 8) return;
     unsigned aq = kq[0];
 #pragma unroll
     for (int j = 1; j < NJ; ++j) aq = max(aq, kq[j]);
@@ -576,10 +580,6 @@ __device__ __forceinline__ void split_one_expert_steps(unsigned* kq, unsigned& k
         __reduce_max_sync(kFull, max(kr0 == KR ? 0u : kr0, kr1 == KR ? 0u : kr1));
     const unsigned QM = KQ >> ibR, RM = KR >> ibB;
     if (QM == 0u || RM <= QM || ((((RM - QM) << ibB) | (KR & MB)) <= KR2)) return;
-    int nrecv = 0;                                   // a few receivers: the sort would not pay
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) nrecv += __popc(__ballot_sync(kFull, kq[j] != 0u));
-    if (nrecv < 8) return;
   }
   int rk[NJ];                                        // rank of this slot's quota key (0: largest)
 #pragma unroll
