@@ -1131,7 +1131,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       unsigned kr0 = lane < B ? expert_key(rem[lane], lane, ibB, MB) : 0u;
       unsigned kr1 = lane + 32 < B ? expert_key(rem[lane + 32], lane + 32, ibB, MB) : 0u;
       // One expert serving many quotas (hot at R = 64); scratch: offL, overwritten by step 3.
-      if (NJ <= 2 && k < B && a.stop != 198 && a.stop != 199)
+      if (NJ <= 2 && k < B && shortcuts)
         split_one_expert_steps<NJ>(kq, kr0, kr1, n0, n1, recv, B, ibR, ibB, MR, MB,
                                    reinterpret_cast<unsigned*>(offL) + k * R);
       for (int it = 0; it < rounds; ++it) {
