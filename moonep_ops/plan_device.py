@@ -46,8 +46,7 @@ def _lib():
         dbg = _native.declare_ep("moonep_plan_debug_stop", None, [c_int])
         pdl = _native.declare_ep("moonep_plan_debug_pdl", None, [c_int])
         stamps = _native.declare_ep("moonep_plan_debug_stamps", None, [p])
-        wstamps = _native.declare_ep("moonep_plan_debug_warp_stamps", None, [p])
-        _fns = (ws, plan, group, dbg, pdl, stamps, wstamps)
+        _fns = (ws, plan, group, dbg, pdl, stamps)
     return _fns
 
 
@@ -71,7 +70,9 @@ def debug_stamps(buf) -> None:
 def debug_warp_stamps(buf) -> None:
     """Benchmarks only: an int64 CUDA tensor of 5 * 32 that the group kernel fills with every
     warp's clock64 at the end of each stage (csrc/plan_kernels.h); None turns it off."""
-    _lib()[6](None if buf is None else buf.data_ptr())
+    # declared on first use: the only symbol a benchmark needs that older libraries lack
+    fn = _native.declare_ep("moonep_plan_debug_warp_stamps", None, [ctypes.c_void_p])
+    fn(None if buf is None else buf.data_ptr())
 
 
 def available() -> bool:

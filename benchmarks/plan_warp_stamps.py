@@ -1,0 +1,73 @@
+"""Which warp each stage of the device planner's group kernel waits for: every warp's clock64
+at the end of each stage (moonep_plan_debug_warp_stamps), median over 9 warm launches, as
+cycles after thread 0 left the previous stage's barrier.
+
+    PYTHONPATH=$PWD python benchmarks/plan_warp_stamps.py
+
+The last stage (pieces) has no barrier after it: its slowest warp, not thread 0, ends the
+kernel.  Caveat (session 9, not understood): in the split stage some warps' stamps come out
+later than thread 0's stamp after the barrier that follows it, although every plan is exact
+(tests); read the split column with care.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_plan_device import routing  # noqa: E402
+from moonep_ops import plan_device as pdv  # noqa: E402
+from moonep_ops.geometry import Geometry  # noqa: E402
+from moonep_ops.routing import histogram  # noqa: E402
+
+CASES = ((8, 384, "one_group"), (8, 384, "hot"), (8, 384, "zipf"),
+         (64, 1024, "hot"), (64, 1024, "one_group"), (64, 1024, "zipf"))
+STAGES = ["load", "quotas", "split", "layout", "pieces"]
+
+
+def main() -> int:
+    if not torch.cuda.is_available() or not pdv.available():
+        print("needs a CUDA device and libmoonep_ep.so (python -m moonep_ops.build --lib ep)")
+        return 1
+    st = torch.zeros(8, dtype=torch.int64, device="cuda")
+    ws = torch.zeros(5 * 32, dtype=torch.int64, device="cuda")
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    s, K, tp, rank = 8192, 8, 128, 1
+    for R, E, kind in CASES:
+        tk = routing(kind, R, E, s, K)
+        geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp)
+        hist = pdv.make_hist_rx(histogram(tk, E), s).cuda()
+        topk = tk[rank].cuda()
+        err = torch.zeros(1, dtype=torch.int32, device="cuda")
+        bufs = pdv.allocate(hist, s, K, R)
+        runs = []
+        for _ in range(9):
+            for _ in range(3):
+                x @ x                                    # busy-GPU clocks, as the bench
+            for i in range(20):
+                if i == 19:
+                    st.zero_()
+                    ws.fill_(-1)
+                    pdv.debug_stamps(st)
+                    pdv.debug_warp_stamps(ws)
+                pdv.plan_into(hist, topk, rank, R, s, tp, geo.NvS, err, bufs, group_only=True)
+            pdv.debug_stamps(None)
+            pdv.debug_warp_stamps(None)
+            runs.append((st.tolist(), ws.view(5, 32).tolist()))
+        # stage i starts at stamp i+1 (thread 0 after barrier i) and ends at each warp's stamp i
+        print(f"== R={R} E={E} {kind}: stage cycles (thread 0) | the five last warps, "
+              "warp@cycles after the stage's start | warps 0 and 31")
+        for i, name in enumerate(STAGES):
+            tot = statistics.median(r[0][i + 2] - r[0][i + 1] for r in runs)
+            per = [statistics.median(r[1][i][w] - r[0][i + 1] for r in runs) for w in range(32)]
+            last = sorted(range(32), key=lambda w: -per[w])[:5]
+            print(f"  {name:7s} {tot:6.0f} | " + " ".join(f"w{w}@{per[w]:.0f}" for w in last)
+                  + f" | w0@{per[0]:.0f} w31@{per[31]:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
