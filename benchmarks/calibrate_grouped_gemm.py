@@ -202,6 +202,10 @@ def write_tuning(path: Path, result, peak, hbm, source):
         f"HBM_TBPS = {hbm:.3f}",
         "NUM_SMS = 132",
         "",
+        "# Not fitted (kept by the calibration script): predictions within this fraction of the fastest",
+        "# count as a tie, broken towards less MMA work (gemm_cost_model.pick).",
+        f"SELECT_TIE_TOL = {gemm_tuning.SELECT_TIE_TOL!r}",
+        "",
         "EFFICIENCY = {",
     ]
     for kind, cfgs in result.items():

@@ -7,7 +7,7 @@
 extern "C" {
 #endif
 
-#define MOONEP_GEMM_ABI_VERSION 4
+#define MOONEP_GEMM_ABI_VERSION 5
 #define MOONEP_API __attribute__((visibility("default")))
 
 // kind: 0 fwd (y = x W^T), 1 dgrad (dx = dy W), 2 wgrad (dW += dy^T x, fp32),
@@ -28,8 +28,10 @@ MOONEP_API size_t moonep_gemm_workspace_bytes(int kind, int G, int sm_count);
 
 // One grouped GEMM on `stream`.  Rows of group g are [cu[g-1], cu[g]) (cu[-1] := 0), read on
 // the device.  config >= 0 forces a config; config == -1 evaluates the cost model on the device
-// for every config in cand_mask and runs the cheapest: one launch of the kind's fused kernel
-// either way.  Workspace bytes 0-3: the config that ran; 8-15: SM cycles of the choice.
+// for every config in cand_mask and runs the one gemm_cost_model.pick chooses (the cheapest;
+// near-ties to the least MMA work): one launch of the kind's fused kernel either way.
+// tuning = gemm_cost_model.tuning_table(kind): peak TF/s, HBM TB/s, 5 floats per config, the
+// tie tolerance.  Workspace bytes 0-3: the config that ran; 8-15: SM cycles of the choice.
 //   fwd:   A = x [M,K] bf16, B = w_local/w_slot [epn,N,K] bf16, D = y [M,N] bf16
 //   dgrad: A = dy [M,N] bf16, B = w_local/w_slot [epn,N,K] bf16, D = dx [M,K] bf16
 //   wgrad: A = dy [M,N] bf16, B = x [M,K] bf16, D = grad_local, D_slot = grad_slot [epn,N,K]

@@ -115,6 +115,8 @@ struct Cand {
   float tau_sw, tau0;
   float tau, inv_bw;          // fwd/dgrad: tile time (us), us per byte
   float ca, cb, ma, mb;       // wgrad: a tile of a group of m rows costs max(m*ca + cb, m*ma + mb)
+  float vol;                  // tie-break key (gemm_cost_model.mma_volume): fwd/dgrad BM*BN, to be
+                              // multiplied by the tile count; wgrad t_w*BM*BN
 };
 
 struct PrepParams {  // the fields block 0 reads first come first (one or two constant-cache lines)
@@ -124,6 +126,7 @@ struct PrepParams {  // the fields block 0 reads first come first (one or two co
   int nprefetch;      // 64-byte lines of this struct that block 0 touches at once
   unsigned magic_P, magic_tc;
   float wbytes, rbytes;  // fwd/dgrad: first-touch bytes of a group: wbytes + rows * rbytes
+  float tie_hi;          // 1 + SELECT_TIE_TOL: predictions up to tie_hi * the fastest tie
   const int* cu;
   int* chosen_out;
   Cand cand[kMaxConfigs];  // ncand candidates (ncand == 1: forced, cand[0].cfg is the config)
@@ -157,6 +160,23 @@ template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
+}
+
+// gemm_cost_model.pick on the device, candidate k in lane k < 8 (lanes past the candidates hold
+// cost = vol = 3e38): among the candidates predicted within tie_hi of the fastest, the least MMA
+// work, then the first listed.  Every lane returns lane 0's answer.
+__device__ __forceinline__ int pick_lane(float cost, float vol, int lane, float tie_hi) {
+  float fastest = cost;
+  for (int off = 4; off > 0; off >>= 1)
+    fastest = fminf(fastest, __shfl_xor_sync(0xffffffffu, fastest, off));
+  float key = cost <= fastest * tie_hi ? vol : 3.0e38f;
+  int best = lane;
+  for (int off = 4; off > 0; off >>= 1) {
+    const float ok = __shfl_xor_sync(0xffffffffu, key, off);
+    const int ob = __shfl_xor_sync(0xffffffffu, best, off);
+    if (ok < key || (ok == key && ob < best)) { key = ok; best = ob; }
+  }
+  return __shfl_sync(0xffffffffu, best, 0);
 }
 
 // fwd / dgrad: tiles of a group of c rows (c >= 0)
@@ -198,7 +218,7 @@ struct Smem {
     unsigned short empty[kMaxGroups];  // tail blocks of wgrad_lp
   } u;
   float wpart[kWarps], wtot[kWarps], wd0[kWarps], cost[kMaxConfigs];
-  int wnz[kWarps], wtile[kMaxConfigs][kWarps], nempty;
+  int wnz[kWarps], wtile[kMaxConfigs][kWarps], nempty, ttot[kMaxConfigs];
 };
 
 // The problem arrays of group g at position i of the order the GEMM runs (i == g for fwd/dgrad;
@@ -403,23 +423,19 @@ __global__ void __launch_bounds__(kPrepThreads, 1) prep_kernel(const __grid_cons
       }
       part_t = warp_sum(part_t);
       if (lane == 0) sm.wpart[warp] = part_t;
+      if (u == 0) sm.ttot[k] = T;
     }
     __syncthreads();  // barrier 3
-    if (warp == 0) {  // lane k: candidate k's time; argmin (ties: the first listed); ncand <= 8
-      float cost = 3.0e38f;
+    if (warp == 0) {  // lane k: candidate k's time and MMA work; ncand <= 8
+      float cost = 3.0e38f, vol = 3.0e38f;
       if (lane < ncand) {
         const int nw = tc >> 5, w0 = lane * nw;
         float s = 0.f;
         for (int w = 0; w < nw; ++w) s += sm.wpart[w0 + w];
         cost = p.cand[lane].tau0 + s;
+        vol = (float)sm.ttot[lane] * p.cand[lane].vol;
       }
-      int best = lane;
-      for (int off = 4; off > 0; off >>= 1) {
-        const float oc = __shfl_xor_sync(0xffffffffu, cost, off);
-        const int ob = __shfl_xor_sync(0xffffffffu, best, off);
-        if (oc < cost || (oc == cost && ob < best)) { cost = oc; best = ob; }
-      }
-      chosen = p.cand[best].cfg;
+      chosen = p.cand[pick_lane(cost, vol, lane, p.tie_hi)].cfg;
     }
   } else {
     const int nne = __syncthreads_count(cnt > 0);  // barrier 1
@@ -536,11 +552,10 @@ __global__ void __launch_bounds__(kPrepThreads, 1) prep_kernel(const __grid_cons
       if (lane == 0) sm.cost[k] = C.tau0 + (nne > 0 ? worst : 0.f);
     }
     __syncthreads();  // barrier 5
-    if (tid == 0) {
-      int best = 0;
-      for (int c = 1; c < ncand; ++c)
-        if (sm.cost[c] < sm.cost[best]) best = c;
-      chosen = p.cand[best].cfg;
+    if (warp == 0) {
+      const float cost = lane < ncand ? sm.cost[lane] : 3.0e38f;
+      const float vol = lane < ncand ? p.cand[lane].vol : 3.0e38f;
+      chosen = p.cand[pick_lane(cost, vol, lane, p.tie_hi)].cfg;
     }
   }
   if (tid == 0) {
@@ -652,6 +667,7 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   const int P = sm_count;
   auto magic = [](int d) { return d <= 1 ? 0u : (unsigned)(((1ull << 32) + d - 1) / d); };
   const double peak = tuning ? tuning[0] : 0.0, hbm = tuning ? tuning[1] : 0.0;
+  p.tie_hi = tuning ? (float)(1.0 + tuning[2 + 5 * nconf]) : 1.f;   // after the per-config rows
   const int n_out = kind == 0 ? N : K, k_red = kind == 0 ? K : N;
   p.wbytes = (float)((double)n_out * k_red * 2.0);
   p.rbytes = (float)((double)(n_out + k_red) * 2.0);
@@ -673,6 +689,7 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
       if ((1 << sh) == g.BM) C.bm_shift = sh;
     if (kind < 2) {
       C.nt = (int)(cdiv_ll(cdiv_ll(n_out, g.BN), g.CN) * g.CN);
+      C.vol = (float)g.BM * (float)g.BN;
       C.tau = (float)(2.0 * g.BM * g.BN * k_red / tile_flops_us + tau_epi);
       C.inv_bw = (float)(1.0 / (hbm * 1e6 * bw_frac));
     } else {
@@ -685,6 +702,7 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
       C.d = b;
       C.magic_d = magic(b);
       C.Q = P / b;
+      C.vol = (float)t_w * (float)g.BM * (float)g.BN;
       const double bwp = hbm * 1e6 * bw_frac / P;  // bytes per us of one CTA
       const double out_bytes = kind == 2 ? 8.0 : 2.0;
       C.ca = (float)(2.0 * g.BM * g.BN / tile_flops_us);

@@ -187,11 +187,39 @@ def predict(counts: Sequence[int], N: int, K: int, kind: str = "fwd", *,
     return out
 
 
+def mma_volume(counts: Sequence[int], N: int, K: int, kind: str, name: str) -> float:
+    """MMA work of one config, padding included, in units of the reduction length: tiles x BM x
+    BN (fwd/dgrad, whose reduction length is the same for every config), or output tiles x BM x
+    BN (wgrad, whose reduction over M_g is the same too).  The prep kernel's tie-break key."""
+    _check_kind(kind)
+    c = _as_counts(counts)
+    cfg = CONFIGS[kind][config_index(kind, name)]
+    if kind in ("fwd", "dgrad"):
+        n_out = N if kind == "fwd" else K
+        n_tiles = _cdiv(_cdiv(n_out, cfg.BN), cfg.CN) * cfg.CN
+        return float(int(_cdiv(c, cfg.BM).sum()) * n_tiles * cfg.BM * cfg.BN)
+    t_w = _cdiv(N, cfg.BM) * _cdiv(_cdiv(K, cfg.BN), cfg.CN) * cfg.CN
+    return float(t_w * cfg.BM * cfg.BN)
+
+
+def pick(pred: dict[str, float], volume: dict[str, float], kind: str) -> str:
+    """The selection rule, shared by `select` and the prep kernel: among the configs predicted
+    within SELECT_TIE_TOL of the fastest, the one with the least MMA work (padding), then the
+    first listed.  Why: a memory-bound round costs the same bytes whatever its tiles, so the
+    model ties configs whose padded MMA differs by 2x (G = 96 groups of 64 rows: c128x256 and
+    p64x256 both 691 us; measured 3.74 against 3.92 TB/s, session 8) and the extra MMA does
+    not overlap the stream as max(compute, memory) assumes."""
+    best = min(pred.values())
+    near = [n for n in pred if pred[n] <= best * (1.0 + gemm_tuning.SELECT_TIE_TOL)]
+    return min(near, key=lambda n: (volume[n], config_index(kind, n)))
+
+
 def select(counts: Sequence[int], N: int, K: int, kind: str = "fwd", *,
            sm_count: int | None = None) -> str:
-    """Name of the configuration with the smallest predicted time (ties: the first listed)."""
+    """Name of the configuration the prep kernel picks (`pick`: the fastest predicted, near-ties
+    to the least MMA work, then the first listed)."""
     pred = predict(counts, N, K, kind, sm_count=sm_count)
-    return min(pred, key=lambda name: (pred[name], config_index(kind, name)))
+    return pick(pred, {n: mma_volume(counts, N, K, kind, n) for n in pred}, kind)
 
 
 def flops(counts: Sequence[int], N: int, K: int) -> float:
@@ -201,10 +229,11 @@ def flops(counts: Sequence[int], N: int, K: int) -> float:
 
 def tuning_table(kind: str) -> list[float]:
     """Constants flattened for the device selector: [peak TF/s, HBM TB/s, then per config
-    eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us] in CONFIGS[kind] order (the Tuning struct of
-    cutlass_kernels/selector.cuh)."""
+    eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us in CONFIGS[kind] order, then the tie
+    tolerance] (read by moonep_grouped_gemm in cutlass_kernels/prep.cu)."""
     _check_kind(kind)
     out = [float(gemm_tuning.PEAK_TFLOPS), float(gemm_tuning.HBM_TBPS)]
     for cfg in CONFIGS[kind]:
         out.extend(_constants(kind, cfg.name))
+    out.append(float(gemm_tuning.SELECT_TIE_TOL))
     return out

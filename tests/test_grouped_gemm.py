@@ -465,7 +465,35 @@ def test_cost_model_bad_input():
         gemm_cost_model.predict([1, -1], 16, 16)
     with pytest.raises(ValueError):
         gemm_cost_model.predict([1, 1], 16, 16, kind="bwd")
-    assert len(gemm_cost_model.tuning_table("fwd")) == 2 + 5 * len(gemm_cost_model.CONFIGS["fwd"])
+    assert len(gemm_cost_model.tuning_table("fwd")) == 3 + 5 * len(gemm_cost_model.CONFIGS["fwd"])
+    assert gemm_cost_model.tuning_table("fwd")[-1] == gemm_tuning.SELECT_TIE_TOL
+
+
+def test_select_breaks_near_ties_towards_less_mma():
+    # G = 96 groups of 64 rows, N = 2048, K = 7168 (the streaming benchmark): both configs are
+    # memory-bound in every round, predicted the same; the 64-row tile does half the MMA
+    counts = [64] * 96
+    pred = gemm_cost_model.predict(counts, 2048, 7168, "fwd")
+    assert abs(pred["c128x256"] - pred["p64x256"]) <= 1e-9 * pred["p64x256"]
+    vol = {n: gemm_cost_model.mma_volume(counts, 2048, 7168, "fwd", n) for n in pred}
+    assert vol["p64x256"] * 2 == vol["c128x256"]
+    assert gemm_cost_model.select(counts, 2048, 7168, "fwd") == "p64x256"
+    # the rule itself: within the tolerance the least volume, outside it the fastest, equal
+    # volumes to the first listed
+    tol = gemm_tuning.SELECT_TIE_TOL
+    names = [c.name for c in gemm_cost_model.CONFIGS["fwd"]]
+    v = {names[0]: 2.0, names[1]: 1.0, names[2]: 1.0}
+    assert gemm_cost_model.pick({names[0]: 100.0, names[1]: 100.0 * (1 + tol / 2),
+                                 names[2]: 200.0}, v, "fwd") == names[1]
+    assert gemm_cost_model.pick({names[0]: 100.0, names[1]: 100.0 * (1 + 2 * tol),
+                                 names[2]: 200.0}, v, "fwd") == names[0]
+    assert gemm_cost_model.pick({names[0]: 101.0, names[1]: 100.0, names[2]: 100.0}, v,
+                                "fwd") == names[1]
+    # wgrad: the volume is the output tiling's (t_w * BM * BN)
+    cfg = gemm_cost_model.CONFIGS["wgrad"][0]
+    t_w = -(-2048 // cfg.BM) * (-(-(-(-7168 // cfg.BN)) // cfg.CN) * cfg.CN)
+    assert gemm_cost_model.mma_volume([5, 0, 7], 2048, 7168, "wgrad", cfg.name) == \
+        t_w * cfg.BM * cfg.BN
 
 
 def test_build_rebuilds_when_any_header_changes(tmp_path):
