@@ -332,6 +332,7 @@ class SymmBackend(Backend):
         raise NotImplementedError("the CUDA backend plans on the device (dispatch_fresh)")
 
     def dispatch_fresh(self, buf, x, topk, rw, total: int):
+        self._check_planner(buf)                       # before any kernel runs
         s = x.shape[0]
         R, E, K = buf.R, buf.E, buf.K
         _call("hist", topk.data_ptr(), s * K, E, self.rank, R, s, total, self.hist_peers.data_ptr(),
@@ -342,7 +343,7 @@ class SymmBackend(Backend):
         h, w = self.scatter(buf, x, rw, dst, buf.nvs_s(s, total))
         return h, w, cu, dst, etc, zf, stats
 
-    def _plan(self, buf, hist_RX, topk, total):
+    def _check_planner(self, buf) -> None:
         from . import plan_device                      # imports this module: not at the top
         if self.planner == "device":
             if not plan_device.available():
@@ -350,6 +351,9 @@ class SymmBackend(Backend):
             if buf.policy != "moonep":
                 raise ValueError(f"planner='device' plans policy 'moonep' only, the buffer's is "
                                  f"{buf.policy!r}")
+
+    def _plan(self, buf, hist_RX, topk, total):
+        from . import plan_device                      # imports this module: not at the top
         # The torch planner runs on device tensors (sync-free for both policies; many small
         # kernels).  Bad ids were flagged by the histogram kernel: clamped for its indexing.
         out, _ = plan_device.plan_from_rows(hist_RX, topk, self.rank, buf, total, self.err,

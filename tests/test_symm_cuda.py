@@ -346,6 +346,26 @@ def test_bad_ids_flag_on_device(monkeypatch):
     assert not h.any() and not w.any()
 
 
+def test_device_planner_refuses_other_policies_before_any_kernel():
+    """planner='device' plans policy 'moonep' only: another policy is a ValueError raised before
+    the histogram kernel runs (the error word and the peers' histogram rows stay untouched)."""
+    from moonep_ops.symm_backend import VirtualGroup
+    vg = VirtualGroup(1)
+    be = vg.backend(0, planner="device")
+    buf = Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=be, policy="lean")
+    x = torch.randn(4, 8, device=vg.device)
+    t = torch.tensor([[0, 1], [2, 3], [1, 1], [3, 0]], dtype=torch.int32, device=vg.device)
+    be.hist.fill_(-7)
+    with pytest.raises(ValueError, match="policy 'moonep' only"):
+        buf.dispatch(x, t)
+    torch.cuda.synchronize()
+    assert (be.hist == -7).all() and not be.err.any()
+    # the same buffer with the torch planner plans policy 'lean' on the device tensors
+    be.planner = "torch"
+    h, w, cu, plan = buf.dispatch(x, t, torch.rand(4, 2, device=vg.device))
+    buf.check_errors()
+
+
 def test_torch_symmetric_memory_r1_matches_cpu(nccl_world):
     """R = 1 through torch.distributed._symmetric_memory (the multi-GPU heap), chosen by
     backend="auto" on a CUDA device, bitwise equal to the CPU single-rank path."""
