@@ -208,9 +208,13 @@ __device__ __forceinline__ void stamp(long long* st, int i) {
 }
 
 // Benchmarks only: every warp's lane 0 records clock64 as it reaches the end of stage i (before
-// the barrier), to tell which warp each stage waits for.
+// the barrier), to tell which warp each stage waits for.  Only in the R <= 64 kernels (NJ <= 2):
+// in the larger ones it raised the spills (NJ = 16: 324 -> 808 bytes, in the rank quotas loop).
+template <int NJ>
 __device__ __forceinline__ void wstamp(long long* st, int i) {
-  if (st != nullptr && (threadIdx.x & 31) == 0) st[i * 32 + (threadIdx.x >> 5)] = clock64();
+  if constexpr (NJ <= 2) {
+    if (st != nullptr && (threadIdx.x & 31) == 0) st[i * 32 + (threadIdx.x >> 5)] = clock64();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -787,7 +791,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     }
   }
   if (myerr) atomicOr(&misc[0], myerr);
-  wstamp(a.wstamps, 0);
+  wstamp<NJ>(a.wstamps, 0);
   __syncthreads();                                   // sums, row sums, error bits complete
   stamp(a.stamps, 2);
   if (a.stop == 1) return;
@@ -1056,7 +1060,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     misc[5] = nv;
     misc[6] = a.nvs_uni;
   }
-  wstamp(a.wstamps, 1);
+  wstamp<NJ>(a.wstamps, 1);
   __syncthreads();
   stamp(a.stamps, 3);
   const bool valid = misc[3] != 0;
@@ -1192,7 +1196,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       __syncwarp();
     }
   }
-  wstamp(a.wstamps, 2);
+  wstamp<NJ>(a.wstamps, 2);
   __syncthreads();
   stamp(a.stamps, 4);
   if (a.stop == 3) return;
@@ -1289,7 +1293,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
       if (run > nvs_s) atomicOr(a.err, MOONEP_ERR_PLAN);      // impossible for a valid plan
     }
   }
-  wstamp(a.wstamps, 3);
+  wstamp<NJ>(a.wstamps, 3);
   __syncthreads();
   stamp(a.stamps, 5);
   if (a.stop == 4) return;
@@ -1387,7 +1391,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
     a.scalars[1] = valid ? 1 : 0;
   }
   stamp(a.stamps, 6);
-  wstamp(a.wstamps, 4);
+  wstamp<NJ>(a.wstamps, 4);
 }
 
 // ---------------------------------------------------------------------------------------------
