@@ -1718,7 +1718,7 @@ MOONEP_EXPORT void moonep_plan_debug_stamps(void* dev_int64x8) {
 
 // Benchmarks only: a device buffer of 5 x 32 int64 that block 0 of the group kernel fills with
 // each warp's clock64 as it reaches the end of stage i (load, rank quotas, split, layout,
-// pieces); null turns it off.
+// pieces), R <= 64 only (wstamp); null turns it off.
 MOONEP_EXPORT void moonep_plan_debug_warp_stamps(void* dev_int64x160) {
   g_wstamps = static_cast<long long*>(dev_int64x160);
 }

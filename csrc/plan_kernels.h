@@ -42,5 +42,6 @@ MOONEP_EXPORT void moonep_plan_debug_stop(int stop);
 MOONEP_EXPORT void moonep_plan_debug_pdl(int on);
 // Benchmarks only: int64[8] device buffer for the group kernel's clock64 stage stamps (null: off).
 MOONEP_EXPORT void moonep_plan_debug_stamps(void* dev_int64x8);
-// Benchmarks only: int64[5 * 32] device buffer, each warp's clock64 at the end of each stage.
+// Benchmarks only: int64[5 * 32] device buffer, each warp's clock64 at the end of each stage
+// (R <= 64 kernels only).
 MOONEP_EXPORT void moonep_plan_debug_warp_stamps(void* dev_int64x160);

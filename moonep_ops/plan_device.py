@@ -69,7 +69,8 @@ def debug_stamps(buf) -> None:
 
 def debug_warp_stamps(buf) -> None:
     """Benchmarks only: an int64 CUDA tensor of 5 * 32 that the group kernel fills with every
-    warp's clock64 at the end of each stage (csrc/plan_kernels.h); None turns it off."""
+    warp's clock64 at the end of each stage (csrc/plan_kernels.h; R <= 64 only, the larger
+    kernels leave it untouched); None turns it off."""
     # declared on first use: the only symbol a benchmark needs that older libraries lack
     fn = _native.declare_ep("moonep_plan_debug_warp_stamps", None, [ctypes.c_void_p])
     fn(None if buf is None else buf.data_ptr())
