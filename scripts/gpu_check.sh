@@ -41,6 +41,7 @@ if [[ $STAGES == *nccl* ]]; then   # several GPUs: the multi-rank test cases ove
 fi
 if [[ $STAGES == *dataplane* ]]; then
   [ -f benchmarks/bench_plan_device.py ] && timeout ${T_PLAN:-200} $PY benchmarks/bench_plan_device.py 2>&1 | tee "$OUT/bench_plan_device.log" | tail -12
+  timeout ${T_WST:-60} $PY benchmarks/plan_warp_stamps.py 2>&1 | tee "$OUT/plan_warp_stamps.log" | tail -6
   timeout ${T_DP:-240} $PY benchmarks/bench_data_plane_cuda.py 2>&1 | tee "$OUT/bench_data_plane.log" | tail -16
   timeout ${T_SOAK:-240} $PY benchmarks/soak_cuda.py 2>&1 | tee "$OUT/soak.log" | tail -3
   summary+=("soak: $(tail -1 "$OUT/soak.log")")
