@@ -102,6 +102,17 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
+def _n_tiles(n_out: int, cfg: GemmConfig) -> int:
+    """N-tiles per M-tile row: ceil(n_out / BN), rounded up to the cluster's CN (padding tiles
+    run in full)."""
+    return _cdiv(_cdiv(n_out, cfg.BN), cfg.CN) * cfg.CN
+
+
+def _wgrad_tiles(N: int, K: int, cfg: GemmConfig) -> int:
+    """Output tiles of one wgrad group (its [N, K] gradient): the same for every group."""
+    return _cdiv(N, cfg.BM) * _n_tiles(K, cfg)
+
+
 def _constants(kind: str, name: str):
     eta, bw_frac, tau_sw, tau0, tau_epi = gemm_tuning.EFFICIENCY[kind][name]
     return float(eta), float(bw_frac), float(tau_sw), float(tau0), float(tau_epi)
@@ -110,7 +121,7 @@ def _constants(kind: str, name: str):
 def _predict_rows(counts: np.ndarray, n_out: int, k_red: int, cfg: GemmConfig, kind: str,
                   P: int, peak: float, hbm: float) -> float:
     eta, bw_frac, tau_sw, tau0, tau_epi = _constants(kind, cfg.name)
-    n_tiles = _cdiv(_cdiv(n_out, cfg.BN), cfg.CN) * cfg.CN
+    n_tiles = _n_tiles(n_out, cfg)
     tiles = _cdiv(counts, cfg.BM) * n_tiles                    # [G]
     T = int(tiles.sum())
     if T == 0:
@@ -140,7 +151,7 @@ def _predict_wgrad(counts: np.ndarray, N: int, K: int, cfg: GemmConfig, P: int, 
     order = np.sort(counts[counts > 0])[::-1]                       # LPT: largest group first
     if order.size == 0:
         return tau0
-    t_w = _cdiv(N, cfg.BM) * _cdiv(_cdiv(K, cfg.BN), cfg.CN) * cfg.CN
+    t_w = _wgrad_tiles(N, K, cfg)
     comp = 2.0 * cfg.BM * cfg.BN * order / (peak * 1e6 / P * eta) + tau_epi
     mem = (order * (N + K) * 2.0 + N * K * out_bytes) / t_w / (hbm * 1e6 * bw_frac / P)
     tile_cost = np.maximum(comp, mem)                               # [G'] per tile of group j
@@ -196,10 +207,8 @@ def mma_volume(counts: Sequence[int], N: int, K: int, kind: str, name: str) -> f
     cfg = CONFIGS[kind][config_index(kind, name)]
     if kind in ("fwd", "dgrad"):
         n_out = N if kind == "fwd" else K
-        n_tiles = _cdiv(_cdiv(n_out, cfg.BN), cfg.CN) * cfg.CN
-        return float(int(_cdiv(c, cfg.BM).sum()) * n_tiles * cfg.BM * cfg.BN)
-    t_w = _cdiv(N, cfg.BM) * _cdiv(_cdiv(K, cfg.BN), cfg.CN) * cfg.CN
-    return float(t_w * cfg.BM * cfg.BN)
+        return float(int(_cdiv(c, cfg.BM).sum()) * _n_tiles(n_out, cfg) * cfg.BM * cfg.BN)
+    return float(_wgrad_tiles(N, K, cfg) * cfg.BM * cfg.BN)
 
 
 def pick(pred: dict[str, float], volume: dict[str, float], kind: str) -> str:
