@@ -1303,8 +1303,8 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   // piece at d = h, the slot pieces on h's receivers above h.  Counts came from the split (moves)
   // and the layout (home piece); the receiver lists from the last warp of step 2.
   const int npieces_total = spare ? misc[4] : block_excl_scan(pcnt, E, wsum);   // <= 2E
-  // A thread per expert walks its donor's receivers in chunks of 8 when they are few (<= 8: every
-  // donor at R <= 9); a donor with more has a warp per expert (below).
+  // A thread per expert walks its donor's receivers in one unrolled chunk when they are few
+  // (<= kFewReceivers: every donor at R <= 9); a donor with more has a warp per expert (below).
   constexpr int kFewReceivers = 8;
   for (int e = tid; e < E; e += nthr) {
     const int h = e / B, le = e - h * B;
@@ -1319,17 +1319,17 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
         if (part == 1 && c > 0) {
           a.pend[k] = acc + c; a.pdst[k] = h; a.pbase[k] = offL[e] - acc; ++k; acc += c;
         }
-        if (i0 < i1) {                               // one chunk: i1 - i0 <= 8
-          int dd[8], tt[8], so[8];
+        if (i0 < i1) {                               // one chunk: i1 - i0 <= n
+          int dd[kFewReceivers], tt[kFewReceivers], so[kFewReceivers];
 #pragma unroll
-          for (int u = 0; u < 8; ++u) dd[u] = i0 + u < i1 ? lst[i0 + u] : 0;
+          for (int u = 0; u < kFewReceivers; ++u) dd[u] = i0 + u < i1 ? lst[i0 + u] : 0;
 #pragma unroll
-          for (int u = 0; u < 8; ++u) {
+          for (int u = 0; u < kFewReceivers; ++u) {
             tt[u] = i0 + u < i1 ? recv[dd[u] * B + le] : 0;
             so[u] = i0 + u < i1 ? slotoff[dd[u] * B + le] : 0;
           }
 #pragma unroll
-          for (int u = 0; u < 8; ++u) {
+          for (int u = 0; u < kFewReceivers; ++u) {
             if (tt[u] > 0) {
               a.pend[k] = acc + tt[u]; a.pdst[k] = dd[u]; a.pbase[k] = so[u] - acc;
               ++k; acc += tt[u];
