@@ -186,6 +186,18 @@ __device__ __forceinline__ int align_tp(int c, int tp) {
   return (tp & (tp - 1)) == 0 ? (c + tp - 1) & -tp : (c + tp - 1) / tp * tp;
 }
 
+// nvs_s of TT token copies (docs/planner.md): align_up(ceil(TT/R) + (tp-1)*2B, tp), at most NvS.
+// For the host (T = R*s*K) and the kernel (per-rank s) alike, in 32 bits: TT < 2^31 and per <
+// 2^32 (R*NvS < 2^31, checked on the host), and on the device 64-bit divisions are subroutine
+// calls (four of them made the last warp the last to reach step 1's barrier, session 9).
+__host__ __device__ inline int nvs_of(unsigned TT, int R, int tp, int B, int NvS) {
+  const unsigned per = (TT + static_cast<unsigned>(R) - 1u) / static_cast<unsigned>(R)
+                       + static_cast<unsigned>(tp - 1) * 2u * static_cast<unsigned>(B);
+  const unsigned tpu = static_cast<unsigned>(tp), q = per / tpu;
+  const unsigned long long v = static_cast<unsigned long long>(q + (per - q * tpu != 0u)) * tpu;
+  return v < static_cast<unsigned long long>(NvS) ? static_cast<int>(v) : NvS;
+}
+
 __device__ __forceinline__ int warp_incl_scan(int v, int lane) {
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -1046,17 +1058,9 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   }
   if (warp == nwarps - 1 && lane == 0) {
     // nvs_s for either validity.  T = R*s*K (uniform s, or an invalid histogram) is the host's;
-    // only per-rank s needs it here, in 32 bits (64-bit divisions are subroutine calls: the
-    // four of them made this lane the last to reach the barrier).
+    // only per-rank s needs it here.
     int nv = a.nvs_uni;
-    if (total0 != -1) {
-      const unsigned TT = static_cast<unsigned>(total_T(true));          // < 2^31
-      const unsigned per = (TT + static_cast<unsigned>(R) - 1u) / static_cast<unsigned>(R)
-                           + static_cast<unsigned>(tp - 1) * 2u * static_cast<unsigned>(B);
-      const unsigned tpu = static_cast<unsigned>(tp), q = per / tpu;   // per < 2^32 (NvS*R < 2^31)
-      const unsigned long long v = static_cast<unsigned long long>(q + (per - q * tpu != 0u)) * tpu;
-      nv = v < static_cast<unsigned long long>(a.NvS) ? static_cast<int>(v) : a.NvS;
-    }
+    if (total0 != -1) nv = nvs_of(static_cast<unsigned>(total_T(true)), R, tp, B, a.NvS);
     misc[5] = nv;
     misc[6] = a.nvs_uni;
   }
@@ -1640,12 +1644,8 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   ga.stop = g_debug_stop;
   ga.stamps = g_stamps;
   ga.wstamps = g_wstamps;
-  {   // nvs_s of T = R*s*K (docs/planner.md); the kernel recomputes it only for per-rank s
-    const long long per = (static_cast<long long>(R) * s * K + R - 1) / R
-                          + static_cast<long long>(tp - 1) * 2 * (E / R);
-    const long long nv = (per + tp - 1) / tp * tp;
-    ga.nvs_uni = static_cast<int>(nv < NvS ? nv : NvS);
-  }
+  // nvs_s of T = R*s*K (< 2^31: check_sizes); the kernel computes it only for per-rank s
+  ga.nvs_uni = nvs_of(static_cast<unsigned>(R * s * K), R, tp, E / R, NvS);
   ga.err = err;
   const size_t gsmem_g = group_smem_bytes(R, E), gsmem_c = static_cast<size_t>(E) * 4;
   const size_t gsmem = gsmem_g > gsmem_c ? gsmem_g : gsmem_c;
