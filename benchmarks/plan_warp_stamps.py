@@ -59,13 +59,15 @@ def main() -> int:
             runs.append((st.tolist(), ws.view(5, 32).tolist()))
         # stage i starts at stamp i+1 (thread 0 after barrier i) and ends at each warp's stamp i
         print(f"== R={R} E={E} {kind}: stage cycles (thread 0) | the five last warps, "
-              "warp@cycles after the stage's start | warps 0 and 31")
+              "warp@cycles after the stage's start | the first and the last warp")
+        # the block has 16 warps at R <= 12 (kSmallGroupThreads): the others' stamps stay -1
+        nw = sum(1 for w in range(32) if runs[0][1][0][w] != -1)
         for i, name in enumerate(STAGES):
             tot = statistics.median(r[0][i + 2] - r[0][i + 1] for r in runs)
-            per = [statistics.median(r[1][i][w] - r[0][i + 1] for r in runs) for w in range(32)]
-            last = sorted(range(32), key=lambda w: -per[w])[:5]
+            per = [statistics.median(r[1][i][w] - r[0][i + 1] for r in runs) for w in range(nw)]
+            last = sorted(range(nw), key=lambda w: -per[w])[:5]
             print(f"  {name:7s} {tot:6.0f} | " + " ".join(f"w{w}@{per[w]:.0f}" for w in last)
-                  + f" | w0@{per[0]:.0f} w31@{per[31]:.0f}")
+                  + f" | w0@{per[0]:.0f} w{nw - 1}@{per[nw - 1]:.0f}")
     return 0
 
 

@@ -2,7 +2,7 @@
 // (moonep_ops/planner.py: plan_group with floor/ceil caps, rank_quotas "max", split_quotas "max",
 // layout, assign_slots, _rank_outputs).  docs/planner.md has the algorithm.
 //
-// Launch 1, plan_group_kernel, grid 1 + nchunks, 1024 threads:
+// Launch 1, plan_group_kernel, grid 1 + nchunks, 1024 threads (512 for R <= 12: kSmallGroupThreads):
 //   block 0   steps 1-3 for the whole group from the [R, E+3] histogram (validation included):
 //     0. load + validate the histogram (column sums cnt[e], this rank's prefix over source ranks,
 //        row sums, s_r, total, bad flags) in warp tiles of rows x 32*NC columns (coalesced
@@ -72,6 +72,15 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kGroupThreads = 1024;
+// The group kernel for small groups runs half the block.  At R = 8, E = 384 (session 10, A/B in
+// one call) the block alone took 0.3-0.4 us off every routing's median (the block's launch,
+// set-up and barriers cost less, and with 128 registers a thread instead of 64 it has no
+// spills); with the two-row histogram tiles it allows (load_hist_nc) one_group went 10.0-10.1 ->
+// 9.3-9.5 us, 15.5k -> 14.5k warm cycles.  It is used while it still has a sorting warp per rank
+// outside warp 0's scheduler (batch_ok: R + (R-1)/3 < 16, i.e. R <= 12), which the batched split
+// needs; larger groups keep 1024 threads (their SASS is unchanged).
+constexpr int kSmallGroupThreads = 512;
+static_assert(kGroupThreads % kSmallGroupThreads == 0, "count_chunk covers a chunk in NP passes");
 constexpr int kAssignJ = 8;          // entries per lane in the assign kernel (and chunk sizing)
 constexpr int kMaxR = 1024;
 constexpr int kMaxK = 127;
@@ -233,6 +242,7 @@ __device__ __forceinline__ void wstamp(long long* st, int i) {
 // Launch 1, blocks >= 1: expert histogram of one chunk of topk (clamped ids, like launch 2)
 // ---------------------------------------------------------------------------------------------
 
+template <int NP>
 __device__ void count_chunk(const GroupArgs& a, int* h) {
   const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31;
   const int c = blockIdx.x - 1;
@@ -240,16 +250,16 @@ __device__ void count_chunk(const GroupArgs& a, int* h) {
   const int end = min(a.N, start + a.C);
   grid_dep_wait();                                   // see plan_group_kernel
   grid_dep_launch();
-  int ids[kAssignJ];                                 // C <= 32*32*J <= nthr*J: all loads first
+  int ids[kAssignJ * NP];                            // C <= 32*32*J <= nthr*J*NP: all loads first
 #pragma unroll
-  for (int j = 0; j < kAssignJ; ++j) {
+  for (int j = 0; j < kAssignJ * NP; ++j) {
     const int i = start + j * nthr + tid;
     ids[j] = i < end ? clamp_i(__ldcg(a.topk + i), 0, a.E - 1) : -1;
   }
   for (int e = tid; e < a.E; e += nthr) h[e] = 0;
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < kAssignJ; ++j) {
+  for (int j = 0; j < kAssignJ * NP; ++j) {
     if (start + j * nthr >= end) break;              // uniform
     const int e = ids[j];
     const unsigned peers = __match_any_sync(kFull, e);
@@ -383,13 +393,14 @@ __device__ __forceinline__ int load_hist_ru(bool wide, const GroupArgs& a, int v
                                                ownS, rowlo, rowhi);
 }
 
-template <int NC>
+template <int NC, bool kRU2>
 __device__ __forceinline__ int load_hist_nc(bool wide, const GroupArgs& a, int vmax, int* remE,
                                             int* beforeS, int* ownS, unsigned* rowlo,
                                             unsigned* rowhi) {
-  return a.ld_NR == 1 ? load_hist_ru<NC, 1>(wide, a, vmax, remE, beforeS, ownS, rowlo, rowhi)
-                      : load_hist_ru<NC, 16 / NC>(wide, a, vmax, remE, beforeS, ownS, rowlo,
-                                                  rowhi);
+  if (a.ld_NR == 1) return load_hist_ru<NC, 1>(wide, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
+  if (kRU2 && NC < 8 && a.ld_NR == 2)
+    return load_hist_ru<NC, 2>(wide, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
+  return load_hist_ru<NC, 16 / NC>(wide, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -714,11 +725,11 @@ __device__ __forceinline__ int rank_quotas_order(const unsigned* kb, unsigned TT
 // the per-rank values each lane holds in the warp-level greedy loops).
 // ---------------------------------------------------------------------------------------------
 
-template <int NJ>
-__global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs a) {
+template <int NJ, int NT>
+__global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (blockIdx.x > 0) {
-    count_chunk(a, reinterpret_cast<int*>(smem_raw));
+    count_chunk<kGroupThreads / NT>(a, reinterpret_cast<int*>(smem_raw));
     return;
   }
   const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, warp = tid >> 5;
@@ -785,10 +796,14 @@ __global__ void __launch_bounds__(kGroupThreads, 1) plan_group_kernel(GroupArgs 
   {
     const int nc = a.ld_nc;                          // load tiling: host (load_tiling)
     const bool w = !one_word;
-    if (nc == 8) myerr = load_hist_nc<8>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
-    else if (nc == 4) myerr = load_hist_nc<4>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
-    else if (nc == 2) myerr = load_hist_nc<2>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
-    else myerr = load_hist_nc<1>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
+    // Two-row tiles (the small block at E = 384) load two rows, not 16 / NC with the rest
+    // predicated off (session 10: R = 8 load + quotas 5.9k -> 4.8k cycles with the small block).
+    // Only there: in the 1024-thread kernels the extra instances raise the spills.
+    constexpr bool ru2 = NT != kGroupThreads;
+    if (nc == 8) myerr = load_hist_nc<8, ru2>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
+    else if (nc == 4) myerr = load_hist_nc<4, ru2>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
+    else if (nc == 2) myerr = load_hist_nc<2, ru2>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
+    else myerr = load_hist_nc<1, ru2>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
   }
   if (tid < R) {
     srow[tid] = m_sr;
@@ -1594,13 +1609,15 @@ int check_sizes(int s, int K, int rank, int R, int E, int S, int tp, int NvS) {
   return 0;
 }
 
-template <int NJ>
-int launch_group(const GroupArgs& ga, int grid, size_t smem, cudaStream_t stream) {
-  cudaError_t e = ensure_smem(plan_group_kernel<NJ>, NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5, smem);
+template <int NJ, int NT = kGroupThreads>
+int launch_group(GroupArgs ga, int grid, size_t smem, cudaStream_t stream) {
+  load_tiling(ga.R, ga.E, NT / 32, ga);
+  const int slot = NT != kGroupThreads ? 7 : NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5;
+  cudaError_t e = ensure_smem(plan_group_kernel<NJ, NT>, slot, smem);
   if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: shared memory for the group kernel");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kGroupThreads);
+  cfg.blockDim = dim3(NT);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -1608,7 +1625,7 @@ int launch_group(const GroupArgs& ga, int grid, size_t smem, cudaStream_t stream
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = g_pdl ? 1 : 0;
-  e = cudaLaunchKernelEx(&cfg, plan_group_kernel<NJ>, ga);
+  e = cudaLaunchKernelEx(&cfg, plan_group_kernel<NJ, NT>, ga);
   if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: group kernel launch");
   return moonep_ep::fail(cudaGetLastError(), "moonep_plan: group kernel launch");
 }
@@ -1640,7 +1657,6 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   ga.scalars = reinterpret_cast<int32_t*>(w + L.scalars);
   ga.chunkcnt = reinterpret_cast<int32_t*>(w + L.chunkcnt);
   ga.C = ch.C; ga.N = s * K;
-  load_tiling(R, E, kGroupThreads / 32, ga);
   ga.stop = g_debug_stop;
   ga.stamps = g_stamps;
   ga.wstamps = g_wstamps;
@@ -1652,7 +1668,8 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   const int grid = assign && g_debug_stop >= 99 ? 1 + ch.nchunks : 1;
   const int nj = (R + 31) / 32;
   int rc;
-  if (nj <= 1) rc = launch_group<1>(ga, grid, gsmem, stream);
+  if (R + (R - 1) / 3 < kSmallGroupThreads / 32) rc = launch_group<1, kSmallGroupThreads>(ga, grid, gsmem, stream);
+  else if (nj <= 1) rc = launch_group<1>(ga, grid, gsmem, stream);
   else if (nj <= 2) rc = launch_group<2>(ga, grid, gsmem, stream);
   else if (nj <= 4) rc = launch_group<4>(ga, grid, gsmem, stream);
   else if (nj <= 8) rc = launch_group<8>(ga, grid, gsmem, stream);

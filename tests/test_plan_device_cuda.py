@@ -71,6 +71,9 @@ def _cases():
             s = [rng.randint(1, smax) for _ in range(R)]
         cases.append((kind, R, E, s, K, rng.choice([1, 8, 128]), rng.choice([0, 0, 3]),
                       rng.randrange(1 << 30)))
+    # The block-size boundary: R <= 12 runs the 512-thread group kernel, R = 13 the 1024 one.
+    cases += [("one_group", 12, 384, 257, 8, 128, 0, 25), ("zipf", 12, 768, 129, 8, 8, 0, 26),
+              ("one_group", 13, 416, 129, 8, 1, 0, 27)]
     return cases
 
 
