@@ -6,7 +6,7 @@
 //   2. for wgrad, orders the groups largest first (LPT: a wgrad tile costs ~M_g, and the static
 //      round-robin scheduler then balances better);
 //   3. evaluates the cost model (same formulas as moonep_ops/gemm_cost_model.py) for every
-//      candidate config at once, each on its share of the block's 1024 threads, and picks the
+//      candidate config at once, each on its share of block 0's threads, and picks the
 //      cheapest (see prep_kernel for the parallel forms of the model and of the LPT sort);
 //   4. writes the problem-shape / pointer / stride arrays, which do not depend on the config (in
 //      block 1, beside block 0's choice; for wgrad it sorts the groups too); the kind's fused
@@ -34,6 +34,15 @@ thread_local char g_err[512] = "";
 constexpr int kMaxGroups = 1024;
 constexpr int kPrepThreads = 1024;  // block 0: one thread per group (G <= 1024)
 constexpr int kWarps = kPrepThreads / 32;
+// G <= 256 runs blocks of 256 threads (session 10, A/B in one call: the prep kernel with the
+// model on fell 0.25-1.2 us in 5 of 6 benchmark cases, e.g. fwd G = 64 at 512 rows 5.55 -> 5.2
+// us and wgrad_lp 5.7 -> 4.55 us, and rose 0.15 us for wgrad_lp at G = 256; the choice 3.7-4.6k
+// -> 2.6-3.7k SM cycles: fewer warps to launch and to pass the barriers, and up to 255 registers
+// a thread instead of 64).  Every phase works for any block that holds a thread per group and a
+// warp per candidate.
+constexpr int kSmallPrepThreads = 256;
+static_assert(kPrepThreads % kSmallPrepThreads == 0 && kSmallPrepThreads >= 256,
+              "the block holds a thread per group and >= one warp per candidate");
 constexpr int kMaxSms = 1024;       // P <= 1024 (checked on the host)
 constexpr size_t kAlign = 256;
 
@@ -309,7 +318,8 @@ __device__ __noinline__ void zero_tails(const PrepParams& p, Smem& sm) {
 //     ~28 us at G = 256 once).  Entries sit at multiples of d = gcd(rem, P), and a CTA's window
 //     sum is constant between them while its tile count only falls, so the max over CTAs is a
 //     max over the Q points.
-__global__ void __launch_bounds__(kPrepThreads, 1) prep_kernel(const __grid_constant__ PrepParams p) {
+template <int NT>
+__global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ PrepParams p) {
   __shared__ Smem sm;
   if (blockIdx.x >= 2) {
     zero_tails(p, sm);
@@ -336,7 +346,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1) prep_kernel(const __grid_cons
   const bool rows_kind = p.kind < 2;
   int sink = 0;  // block 0: every line of the parameters at once, while cu_seqlens is in flight
   if (chooser) {
-    if (lane == 0 && warp < p.nprefetch) sink = reinterpret_cast<const int*>(&p)[warp * 16];
+    if (lane == 0)
+      for (int l = warp; l < p.nprefetch; l += NT / 32) sink ^= reinterpret_cast<const int*>(&p)[l * 16];
   } else {  // block 1: the problem arrays
     if (tid < G) {
 #pragma unroll
@@ -389,7 +400,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1) prep_kernel(const __grid_cons
 #pragma unroll
     for (int c = 0; c < kMaxConfigs; ++c) {
       if (c < ncand) {
-        const int wt = sm.wtile[c][lane];
+        const int wt = lane < NT / 32 ? sm.wtile[c][lane] : 0;
         const int off = warp_sum(lane < warp ? wt : 0), tot = warp_sum(wt);
         if (tid < G) sm.u.rows.ts[c][tid] = off + part[c];
         if (c == k) T = tot;
@@ -712,7 +723,8 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     }
   }
   p.ncand = ncand;
-  p.tc = (kWarps / ncand) * 32;
+  const int nt = G <= kSmallPrepThreads ? kSmallPrepThreads : kPrepThreads;
+  p.tc = (nt / 32 / ncand) * 32;
   p.magic_tc = magic(p.tc);
   p.magic_P = magic(P);
   p.nprefetch = (int)((offsetof(PrepParams, N) + 63) / 64);
@@ -724,21 +736,23 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   }
   int rounded = (G + 31) / 32 * 32;  // wgrad ranks: threads per group in the cross-chunk phase
   p.sx = 1;
-  while (p.sx < 32 && 2 * p.sx * rounded <= kPrepThreads) p.sx *= 2;
+  while (p.sx < 32 && 2 * p.sx * rounded <= nt) p.sx *= 2;
 
   // block 0: choice; block 1: problem arrays; blocks >= 2: zeroing (fwd/dgrad padding rows,
-  // wgrad_lp empty groups).  At most 32 zeroing blocks of 1024 threads (as many threads as the
-  // 132 x 256 before): more blocks made the prep kernel ~0.5-1 us longer on the H200 with
-  // nothing to zero.
-  int tail_blocks = kind == 3 ? (sm_count - 2 < 32 ? sm_count - 2 : 32) : 0;
+  // wgrad_lp empty groups).  At most 32 zeroing blocks of 1024 threads or 128 of 256 (as many
+  // threads as the 132 x 256 before): more blocks made the prep kernel ~0.5-1 us longer on the
+  // H200 with nothing to zero.
+  const int max_tail = 32 * (kPrepThreads / nt);  // as many zeroing threads at either size
+  int tail_blocks = kind == 3 ? (sm_count - 2 < max_tail ? sm_count - 2 : max_tail) : 0;
   if (kind < 2) {
     const long long vec = (long long)M * (kind == 0 ? N : K) / 8;
-    tail_blocks = (int)((vec + kPrepThreads - 1) / kPrepThreads);
+    tail_blocks = (int)((vec + nt - 1) / nt);
     if (tail_blocks > sm_count - 2) tail_blocks = sm_count - 2;
-    if (tail_blocks > 32) tail_blocks = 32;
+    if (tail_blocks > max_tail) tail_blocks = max_tail;
   }
   if (kind != 2 && tail_blocks < 1) tail_blocks = 1;
-  prep_kernel<<<2 + tail_blocks, kPrepThreads, 0, s>>>(p);
+  if (nt == kPrepThreads) prep_kernel<kPrepThreads><<<2 + tail_blocks, nt, 0, s>>>(p);
+  else prep_kernel<kSmallPrepThreads><<<2 + tail_blocks, nt, 0, s>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     snprintf(g_err, sizeof(g_err), "prep kernel launch failed: %s", cudaGetErrorString(e));

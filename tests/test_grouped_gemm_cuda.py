@@ -40,6 +40,8 @@ COUNTS = {
     "one_group": [0] * 5 + [3001] + [0] * 10,
     "all_empty": [0] * 16,
     "balanced": [256] * 16,
+    # G > 256: the prep kernel's 1024-thread block (G <= 256 runs 256 threads)
+    "many_groups": [int(c) for c in np.random.default_rng(3).integers(0, 40, 320)],
 }
 
 
@@ -243,6 +245,10 @@ def test_device_selector_agrees_with_python_model(kind):
         counts[rng.integers(G, size=3)] = 0
         cases.append(counts)
     cases.append(np.full(96, 64))
+    # G > 256 (the prep kernel's 1024-thread block), zipf-like with empty groups
+    big = np.floor(rng.lognormal(0, 1.5, 320) * 40).astype(int)
+    big[rng.integers(320, size=20)] = 0
+    cases.append(big)
     for counts in cases:
         x, wl, ws, cu = make(counts.tolist(), N, K, pad=0)
         M, epn = x.shape[0], len(counts) // 2
