@@ -2,7 +2,7 @@
 // (moonep_ops/planner.py: plan_group with floor/ceil caps, rank_quotas "max", split_quotas "max",
 // layout, assign_slots, _rank_outputs).  docs/planner.md has the algorithm.
 //
-// Launch 1, plan_group_kernel, grid 1 + nchunks, 1024 threads (512 for R <= 12: kSmallGroupThreads):
+// Launch 1, plan_group_kernel, grid 1 + nchunks, 1024 threads (R <= 12: 512, kSmallGroupThreads):
 //   block 0   steps 1-3 for the whole group from the [R, E+3] histogram (validation included):
 //     0. load + validate the histogram (column sums cnt[e], this rank's prefix over source ranks,
 //        row sums, s_r, total, bad flags) in warp tiles of rows x 32*NC columns (coalesced
@@ -81,6 +81,12 @@ constexpr int kGroupThreads = 1024;
 // needs; larger groups keep 1024 threads (their SASS is unchanged).
 constexpr int kSmallGroupThreads = 512;
 static_assert(kGroupThreads % kSmallGroupThreads == 0, "count_chunk covers a chunk in NP passes");
+
+// Step 1 sorts each rank's expert keys on its own warp outside warp 0's scheduler (warp % 4 != 0:
+// warps 1, 2, 3, 5, ... for ranks 0, 1, 2, 3, ...); the batched split needs them all.
+__host__ __device__ constexpr bool sorting_warps_fit(int R, int nwarps) {
+  return R + (R - 1) / 3 < nwarps;
+}
 constexpr int kAssignJ = 8;          // entries per lane in the assign kernel (and chunk sizing)
 constexpr int kMaxR = 1024;
 constexpr int kMaxK = 127;
@@ -842,7 +848,7 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   // stop 198 and 199 (tests, benchmarks) turn every shortcut off: greedy loops round by round.
   const bool shortcuts = a.stop != 198 && a.stop != 199;
   const bool batch_ok = shortcuts && NJ == 1 && B <= 64 &&
-                        R + (R - 1) / 3 < nwarps;    // the sorting warps (step 1) exist
+                        sorting_warps_fit(R, nwarps);
 
   // ---- 1. validity, group loads, rank_quotas: all in warp 0, no block barrier -----------------
   if (warp == 0) {
@@ -1612,7 +1618,8 @@ int check_sizes(int s, int K, int rank, int R, int E, int S, int tp, int NvS) {
 template <int NJ, int NT = kGroupThreads>
 int launch_group(GroupArgs ga, int grid, size_t smem, cudaStream_t stream) {
   load_tiling(ga.R, ga.E, NT / 32, ga);
-  const int slot = NT != kGroupThreads ? 7 : NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5;
+  const int slot = NT != kGroupThreads ? 7
+                   : NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5;
   cudaError_t e = ensure_smem(plan_group_kernel<NJ, NT>, slot, smem);
   if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: shared memory for the group kernel");
   cudaLaunchConfig_t cfg{};
@@ -1668,7 +1675,8 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   const int grid = assign && g_debug_stop >= 99 ? 1 + ch.nchunks : 1;
   const int nj = (R + 31) / 32;
   int rc;
-  if (R + (R - 1) / 3 < kSmallGroupThreads / 32) rc = launch_group<1, kSmallGroupThreads>(ga, grid, gsmem, stream);
+  if (sorting_warps_fit(R, kSmallGroupThreads / 32))      // R <= 12
+    rc = launch_group<1, kSmallGroupThreads>(ga, grid, gsmem, stream);
   else if (nj <= 1) rc = launch_group<1>(ga, grid, gsmem, stream);
   else if (nj <= 2) rc = launch_group<2>(ga, grid, gsmem, stream);
   else if (nj <= 4) rc = launch_group<4>(ga, grid, gsmem, stream);
