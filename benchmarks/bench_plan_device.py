@@ -204,7 +204,10 @@ def main(argv=None) -> int:
     # matmuls (as in a training step: the kernel's code and the histogram are no longer cached),
     # "warm" = the 100th launch of a back-to-back run (what the graph timing above measures).
     print("\nGroup kernel stages in SM cycles (clock64 stamps in block 0, median of 7): wait = "
-          "from the block's start to the end of the dependency wait; total = after the wait")
+          "from the block's start to the end of the dependency wait; total = after the wait. "
+          "Thread 0 stamps right after each barrier, before it completes (BAR.SYNC."
+          "DEFER_BLOCKING): a stage column is warp 0's arrival to arrival; the last warp's "
+          "view is benchmarks/plan_warp_stamps.py")
     print("| R | E | routing | run | wait | load | validate+quotas | split | layout "
           "| pieces+writes | total | total us at the clock |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

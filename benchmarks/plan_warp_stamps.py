@@ -1,13 +1,17 @@
 """Which warp each stage of the device planner's group kernel waits for: every warp's clock64
-at the end of each stage (moonep_plan_debug_warp_stamps), median over 9 warm launches, as
-cycles after thread 0 left the previous stage's barrier.
+as it reaches the end of each stage (moonep_plan_debug_warp_stamps, before the barrier), median
+over 9 warm launches.
 
     PYTHONPATH=$PWD python benchmarks/plan_warp_stamps.py
 
-The last stage (pieces) has no barrier after it: its slowest warp, not thread 0, ends the
-kernel.  Caveat (session 9, not understood): in the split stage some warps' stamps come out
-later than thread 0's stamp after the barrier that follows it, although every plan is exact
-(tests); read the split column with care.
+A stage's barrier completes when its last warp arrives, so stage i runs from the last arrival at
+barrier i-1 (the load stage: from thread 0 leaving the dependency wait) to the last arrival at
+barrier i; the pieces stage has no barrier after it, and its slowest warp ends the kernel.
+Thread 0's own stamps after each __syncthreads() (moonep_plan_debug_stamps, the stage table of
+bench_plan_device.py) are taken before the barrier completes: the barrier is
+BAR.SYNC.DEFER_BLOCKING, and the warp issues on until a memory instruction
+(benchmarks/clock_barrier_probe.cu).  They time warp 0's arrivals, which is what the
+"thread 0" column shows; session 9's "warps stamped after the barrier" caveat was this.
 """
 from __future__ import annotations
 
@@ -58,16 +62,25 @@ def main() -> int:
             pdv.debug_warp_stamps(None)
             runs.append((st.tolist(), ws.view(5, 32).tolist()))
         # stage i starts at stamp i+1 (thread 0 after barrier i) and ends at each warp's stamp i
-        print(f"== R={R} E={E} {kind}: stage cycles (thread 0) | the five last warps, "
-              "warp@cycles after the stage's start | the first and the last warp")
+        print(f"== R={R} E={E} {kind}: stage cycles (to the last warp's arrival; thread 0's "
+              "stamps) | the five last warps, warp@cycles after the stage's start | the first "
+              "and the last warp")
         # the block has 16 warps at R <= 12 (kSmallGroupThreads): the others' stamps stay -1
         nw = sum(1 for w in range(32) if runs[0][1][0][w] != -1)
+
+        def start(r, i):         # stage i starts when barrier i-1 completes: its last arrival
+            return r[0][1] if i == 0 else max(r[1][i - 1][:nw])
+        total = 0.0
         for i, name in enumerate(STAGES):
-            tot = statistics.median(r[0][i + 2] - r[0][i + 1] for r in runs)
-            per = [statistics.median(r[1][i][w] - r[0][i + 1] for r in runs) for w in range(nw)]
+            dur = statistics.median(max(r[1][i][:nw]) - start(r, i) for r in runs)
+            t0 = statistics.median(r[0][i + 2] - r[0][i + 1] for r in runs)
+            per = [statistics.median(r[1][i][w] - start(r, i) for r in runs) for w in range(nw)]
             last = sorted(range(nw), key=lambda w: -per[w])[:5]
-            print(f"  {name:7s} {tot:6.0f} | " + " ".join(f"w{w}@{per[w]:.0f}" for w in last)
+            total += dur
+            print(f"  {name:7s} {dur:6.0f} {t0:6.0f} | "
+                  + " ".join(f"w{w}@{per[w]:.0f}" for w in last)
                   + f" | w0@{per[0]:.0f} w{nw - 1}@{per[nw - 1]:.0f}")
+        print(f"  total   {total:6.0f}")
     return 0
 
 
