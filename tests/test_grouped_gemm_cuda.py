@@ -40,7 +40,9 @@ COUNTS = {
     "one_group": [0] * 5 + [3001] + [0] * 10,
     "all_empty": [0] * 16,
     "balanced": [256] * 16,
-    # G > 256: the prep kernel's 1024-thread block (G <= 256 runs 256 threads)
+    # G = 256: the prep kernel's 256-thread block with a thread per group in every thread;
+    # G > 256: its 1024-thread block
+    "g256": [int(c) for c in np.random.default_rng(4).integers(0, 40, 256)],
     "many_groups": [int(c) for c in np.random.default_rng(3).integers(0, 40, 320)],
 }
 
