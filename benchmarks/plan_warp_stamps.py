@@ -61,7 +61,6 @@ def main() -> int:
             pdv.debug_stamps(None)
             pdv.debug_warp_stamps(None)
             runs.append((st.tolist(), ws.view(5, 32).tolist()))
-        # stage i starts at stamp i+1 (thread 0 after barrier i) and ends at each warp's stamp i
         print(f"== R={R} E={E} {kind}: stage cycles (to the last warp's arrival; thread 0's "
               "stamps) | the five last warps, warp@cycles after the stage's start | the first "
               "and the last warp")

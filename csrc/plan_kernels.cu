@@ -229,7 +229,10 @@ __device__ __forceinline__ int warp_incl_scan(int v, int lane) {
 // this block may have become resident while the previous kernel still ran.  The trigger right
 // after the wait lets a PDL-launched successor do the same (grid_dep_*: pdl.cuh).
 
-// Benchmarks only: thread 0 of block 0 records clock64 at stage boundary i.
+// Benchmarks only: thread 0 of block 0 records clock64 at stage boundary i.  Right after a
+// __syncthreads() (BAR.SYNC.DEFER_BLOCKING) the read comes before the barrier completes, so
+// these stamps are warp 0's arrivals (benchmarks/clock_barrier_probe.cu); the last warp's view
+// is wstamp's (benchmarks/plan_warp_stamps.py).
 __device__ __forceinline__ void stamp(long long* st, int i) {
   if (st != nullptr && threadIdx.x == 0) st[i] = clock64();
 }

@@ -347,7 +347,8 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
   int sink = 0;  // block 0: every line of the parameters at once, while cu_seqlens is in flight
   if (chooser) {
     if (lane == 0)
-      for (int l = warp; l < p.nprefetch; l += NT / 32) sink ^= reinterpret_cast<const int*>(&p)[l * 16];
+      for (int l = warp; l < p.nprefetch; l += NT / 32)
+        sink ^= reinterpret_cast<const int*>(&p)[l * 16];
   } else {  // block 1: the problem arrays
     if (tid < G) {
 #pragma unroll
