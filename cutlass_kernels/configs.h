@@ -10,24 +10,25 @@ namespace moonep {
 constexpr int kNumKinds = 4;  // fwd, dgrad, wgrad (fp32 +=), wgrad_lp (bf16 out)
 constexpr int kMaxConfigs = 8;
 
+// EN: the epilogue subtile's width (0: CUTLASS's choice, 32 columns; see gemm_kernel.cuh).
 struct ConfigGeom {
-  int BM, BN, BK, CM, CN, pingpong;
+  int BM, BN, BK, CM, CN, pingpong, EN;
 };
 
-// X(kind, name, BM, BN, BK, CM, CN, pingpong)
-#define MOONEP_GEMM_CONFIGS(X)                  \
-  X(fwd, c128x256, 128, 256, 64, 1, 2, 0)       \
-  X(fwd, p64x256, 64, 256, 64, 1, 2, 1)         \
-  X(fwd, p128x128, 128, 128, 64, 1, 2, 1)       \
-  X(dgrad, c128x256, 128, 256, 64, 1, 2, 0)     \
-  X(dgrad, p64x256, 64, 256, 64, 1, 2, 1)       \
-  X(dgrad, p128x128, 128, 128, 64, 1, 2, 1)     \
-  X(wgrad, c128x256, 128, 256, 64, 1, 2, 0)     \
-  X(wgrad, c128x128, 128, 128, 64, 1, 2, 0)     \
-  X(wgrad, p128x128, 128, 128, 64, 1, 2, 1)     \
-  X(wgrad_lp, c128x256, 128, 256, 64, 1, 2, 0)  \
-  X(wgrad_lp, c128x128, 128, 128, 64, 1, 2, 0)  \
-  X(wgrad_lp, p128x128, 128, 128, 64, 1, 2, 1)
+// X(kind, name, BM, BN, BK, CM, CN, pingpong, EN)
+#define MOONEP_GEMM_CONFIGS(X)                      \
+  X(fwd, c128x256, 128, 256, 64, 1, 2, 0, 64)       \
+  X(fwd, p64x256, 64, 256, 64, 1, 2, 1, 0)          \
+  X(fwd, p128x128, 128, 128, 64, 1, 2, 1, 0)        \
+  X(dgrad, c128x256, 128, 256, 64, 1, 2, 0, 0)      \
+  X(dgrad, p64x256, 64, 256, 64, 1, 2, 1, 0)        \
+  X(dgrad, p128x128, 128, 128, 64, 1, 2, 1, 0)      \
+  X(wgrad, c128x256, 128, 256, 64, 1, 2, 0, 0)      \
+  X(wgrad, c128x128, 128, 128, 64, 1, 2, 0, 0)      \
+  X(wgrad, p128x128, 128, 128, 64, 1, 2, 1, 64)     \
+  X(wgrad_lp, c128x256, 128, 256, 64, 1, 2, 0, 64)  \
+  X(wgrad_lp, c128x128, 128, 128, 64, 1, 2, 0, 64)  \
+  X(wgrad_lp, p128x128, 128, 128, 64, 1, 2, 1, 0)
 
 // Everything one kernel launch needs; the arrays live in the call's device workspace and are
 // filled by the prep kernel (prep.cu) from cu_seqlens, so nothing about group sizes is on the host.

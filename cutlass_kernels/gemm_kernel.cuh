@@ -70,7 +70,7 @@ struct KindTraits<3> : KindTraits<2> {  // wgrad_lp
   static constexpr float beta = 0.f;
 };
 
-template <int Kind, int BM, int BN, int BK, int CM, int CN, bool Pingpong>
+template <int Kind, int BM, int BN, int BK, int CM, int CN, bool Pingpong, int EN = 0>
 struct GroupedGemm {
   using T = KindTraits<Kind>;
   using ElementA = typename T::ElementA;
@@ -99,9 +99,18 @@ struct GroupedGemm {
 
   using Fusion = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>;
 
+  // Epilogue subtile: EN = 0 takes CUTLASS's (BM' x 32 with BM' = 128 cooperative, 64
+  // ping-pong); EN > 0 widens it to BM' x EN.  32 columns of fp32 are 128 B per row, and the
+  // fp32 read-modify-write of wgrad's ping-pong tile streams 11-18 % faster with 64 (session 11
+  // A/B, docs/benchmarks.md); the cooperative fp32 tiles lose, their wider C/D stages take
+  // mainloop stages.
+  using EpiTile = cute::conditional_t<EN == 0, cutlass::epilogue::collective::EpilogueTileAuto,
+                                      Shape<Int<Pingpong ? 64 : 128>, Int<(EN > 0 ? EN : 32)>>>;
+  static_assert(EN == 0 || BN % EN == 0, "the epilogue subtile width must divide BN");
+
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, ElementC, LayoutC*,
+      EpiTile, ElementAcc, float, ElementC, LayoutC*,
       kAlignC, ElementD, LayoutD*, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -164,7 +173,7 @@ struct GroupedGemm {
   }
 
   static constexpr int cm = CM, cn = CN;
-  static constexpr ConfigGeom geom() { return {BM, BN, BK, CM, CN, Pingpong ? 1 : 0}; }
+  static constexpr ConfigGeom geom() { return {BM, BN, BK, CM, CN, Pingpong ? 1 : 0, EN}; }
 
   static void strides(int M, int N, int K, StrideBytes* out) {
     auto sa = cutlass::make_cute_packed_stride(StrideA{}, make_shape(M, K, 1));

@@ -3,4 +3,4 @@
 #include "gemm_kernel.cuh"
 MOONEP_DEFINE_KIND(wgrad, GroupedGemm<2, 128, 256, 64, 1, 2, false>,
                    GroupedGemm<2, 128, 128, 64, 1, 2, false>,
-                   GroupedGemm<2, 128, 128, 64, 1, 2, true>)
+                   GroupedGemm<2, 128, 128, 64, 1, 2, true, 64>)

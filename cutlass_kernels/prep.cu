@@ -610,7 +610,7 @@ int moonep_gemm_num_configs(int kind) {
 int moonep_gemm_config_info(int kind, int cfg, int* info) {
   if (kind < 0 || kind >= kNumKinds || cfg < 0 || cfg >= registry().n[kind]) return -1;
   const ConfigGeom& g = registry().geom[kind][cfg];
-  const int v[8] = {g.BM, g.BN, g.BK, g.CM, g.CN, g.pingpong, 0, 0};
+  const int v[8] = {g.BM, g.BN, g.BK, g.CM, g.CN, g.pingpong, g.EN, 0};
   memcpy(info, v, sizeof(v));
   return 0;
 }

@@ -56,6 +56,7 @@ class GemmConfig:
     CM: int
     CN: int
     pingpong: bool
+    EN: int = 0          # epilogue subtile width (0: CUTLASS's 32); no term of the model
 
 
 # Must match cutlass_kernels/configs.h (checked by tests/test_grouped_gemm_cuda.py against the
@@ -63,7 +64,7 @@ class GemmConfig:
 # group's M-tile count up to the cluster size and those padding tiles still run the mainloop.
 CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
     "fwd": (
-        GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
+        GemmConfig("c128x256", 128, 256, 64, 1, 2, False, EN=64),
         GemmConfig("p64x256", 64, 256, 64, 1, 2, True),
         GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
     ),
@@ -75,11 +76,11 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
     "wgrad": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
         GemmConfig("c128x128", 128, 128, 64, 1, 2, False),
-        GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
+        GemmConfig("p128x128", 128, 128, 64, 1, 2, True, EN=64),
     ),
     "wgrad_lp": (
-        GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
-        GemmConfig("c128x128", 128, 128, 64, 1, 2, False),
+        GemmConfig("c128x256", 128, 256, 64, 1, 2, False, EN=64),
+        GemmConfig("c128x128", 128, 128, 64, 1, 2, False, EN=64),
         GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
     ),
 }
