@@ -167,7 +167,7 @@ def fit(data, peak, hbm):
             print(f"fit {kind}/{cfg.name} ({best}): eta={v[0]:.3f} bw_frac={v[1]:.3f} "
                   f"tau_sw={v[2]:.2f}us tau0={v[3]:.1f}us tau_epi={v[4]:.2f}us  "
                   f"rms log err {errors[f'{kind}/{cfg.name}']:.3f}", flush=True)
-    return result, errors, method
+    return {k: result[k] for k in gemm_cost_model.KINDS}, errors, method
 
 
 def _quality(kind, cases):
