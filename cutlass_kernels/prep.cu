@@ -199,6 +199,9 @@ __device__ __forceinline__ float wgrad_tile(const Cand& C, int m) {
   return fmaxf(fmaf(f, C.ca, C.cb), fmaf(f, C.ma, C.mb));
 }
 
+// fwd/dgrad: the candidates whose tile scans run side by side (the launcher refuses more)
+constexpr int kScanCand = 4;
+
 constexpr int kChunkPad = 33;  // sorted chunks of 32 groups, one word apart: no bank conflicts
 
 // Shared memory (block-wide phases separated by __syncthreads):
@@ -318,7 +321,10 @@ __device__ __noinline__ void zero_tails(const PrepParams& p, Smem& sm) {
 //     ~28 us at G = 256 once).  Entries sit at multiples of d = gcd(rem, P), and a CTA's window
 //     sum is constant between them while its tile count only falls, so the max over CTAs is a
 //     max over the Q points.
-template <int NT>
+// RowsKind: fwd/dgrad (true) or wgrad (false), a kernel each: one function holding both models
+// let the compiler trade one's unrolling against the other's (session 11: interleaving the
+// fwd scans cut their cycles by 22 % and cost wgrad's window loops 25 %).
+template <int NT, bool RowsKind>
 __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ PrepParams p) {
   __shared__ Smem sm;
   if (blockIdx.x >= 2) {
@@ -343,7 +349,7 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
     start = rows.x;
     cnt = rows.y - rows.x;
   }
-  const bool rows_kind = p.kind < 2;
+  constexpr bool rows_kind = RowsKind;
   int sink = 0;  // block 0: every line of the parameters at once, while cu_seqlens is in flight
   if (chooser) {
     if (lane == 0)
@@ -357,7 +363,7 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
         for (int w = 0; w < 4; ++w)
           if (w < p.sbw[a]) p.stride[a][(long long)tid * p.sbw[a] + w] = p.sb[a][w];
     }
-    if (rows_kind) {
+    if constexpr (rows_kind) {
       if (tid < G) write_group(p, tid, tid, start, cnt);
       return;
     }
@@ -370,22 +376,28 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
   long long t_rows, t_model;
   int chosen = 0;
 
-  if (rows_kind) {
-    // tiles of group tid under every candidate; scans within the warp
-    int part[kMaxConfigs];
+  if constexpr (rows_kind) {
+    // tiles of group tid under every candidate; scans within the warp.  The candidates' scans
+    // run side by side (kScanCand chains, unused ones on zeros): one after the other, each
+    // shuffle waited for the previous one, and the chains were most of the choice's cycles.
+    int part[kScanCand], incl[kScanCand];
 #pragma unroll
-    for (int c = 0; c < kMaxConfigs; ++c) {
-      part[c] = 0;
-      if (c < ncand) {
-        const int t = cnt > 0 ? rows_tiles(p.cand[c], cnt) : 0;
-        int incl = t;
-        for (int off = 1; off < 32; off <<= 1) {
-          const int v = __shfl_up_sync(0xffffffffu, incl, off);
-          if (lane >= off) incl += v;
-        }
-        part[c] = incl - t;
-        if (lane == 31) sm.wtile[c][warp] = incl;
+    for (int c = 0; c < kScanCand; ++c) {
+      part[c] = c < ncand && cnt > 0 ? rows_tiles(p.cand[c], cnt) : 0;
+      incl[c] = part[c];
+    }
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+#pragma unroll
+      for (int c = 0; c < kScanCand; ++c) {
+        const int v = __shfl_up_sync(0xffffffffu, incl[c], off);
+        if (lane >= off) incl[c] += v;
       }
+    }
+#pragma unroll
+    for (int c = 0; c < kScanCand; ++c) {
+      part[c] = incl[c] - part[c];
+      if (lane == 31 && c < ncand) sm.wtile[c][warp] = incl[c];
     }
     if (lane == 0) sm.wnz[warp] = __popc(nzmask);
     __syncthreads();  // barrier 1
@@ -398,12 +410,24 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
                          warp_sum(lane < warp ? sm.wnz[lane] : 0);
       if (tid < G) sm.u.rows.cb[tid] = (float)before * p.wbytes + (float)start * p.rbytes;
     }
+    {  // lane w of every warp scans warp w's tile totals, all candidates side by side
+      int sc[kScanCand];
 #pragma unroll
-    for (int c = 0; c < kMaxConfigs; ++c) {
-      if (c < ncand) {
-        const int wt = lane < NT / 32 ? sm.wtile[c][lane] : 0;
-        const int off = warp_sum(lane < warp ? wt : 0), tot = warp_sum(wt);
-        if (tid < G) sm.u.rows.ts[c][tid] = off + part[c];
+      for (int c = 0; c < kScanCand; ++c)
+        sc[c] = c < ncand && lane < NT / 32 ? sm.wtile[c][lane] : 0;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+#pragma unroll
+        for (int c = 0; c < kScanCand; ++c) {
+          const int v = __shfl_up_sync(0xffffffffu, sc[c], off);
+          if (lane >= off) sc[c] += v;
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kScanCand; ++c) {
+        const int before_w = __shfl_sync(0xffffffffu, sc[c], max(warp - 1, 0));
+        const int tot = __shfl_sync(0xffffffffu, sc[c], 31);
+        if (c < ncand && tid < G) sm.u.rows.ts[c][tid] = (warp ? before_w : 0) + part[c];
         if (c == k) T = tot;
       }
     }
@@ -686,6 +710,8 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   int ncand = 0;
   for (int c = 0; c < nconf; ++c) {
     if (config >= 0 ? c != config : !((mask >> c) & 1)) continue;
+    if (kind < 2 && ncand == kScanCand)
+      return fail("more fwd/dgrad candidates than the prep kernel scans (raise kScanCand)");
     Cand& C = p.cand[ncand++];
     C.cfg = c;
     if (config >= 0) continue;
@@ -752,8 +778,11 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     if (tail_blocks > max_tail) tail_blocks = max_tail;
   }
   if (kind != 2 && tail_blocks < 1) tail_blocks = 1;
-  if (nt == kPrepThreads) prep_kernel<kPrepThreads><<<2 + tail_blocks, nt, 0, s>>>(p);
-  else prep_kernel<kSmallPrepThreads><<<2 + tail_blocks, nt, 0, s>>>(p);
+  const bool rows = kind < 2;
+  if (nt == kPrepThreads && rows) prep_kernel<kPrepThreads, true><<<2 + tail_blocks, nt, 0, s>>>(p);
+  else if (nt == kPrepThreads) prep_kernel<kPrepThreads, false><<<2 + tail_blocks, nt, 0, s>>>(p);
+  else if (rows) prep_kernel<kSmallPrepThreads, true><<<2 + tail_blocks, nt, 0, s>>>(p);
+  else prep_kernel<kSmallPrepThreads, false><<<2 + tail_blocks, nt, 0, s>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     snprintf(g_err, sizeof(g_err), "prep kernel launch failed: %s", cudaGetErrorString(e));
