@@ -171,6 +171,20 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
+// Inclusive warp scans of N values side by side: the N chains interleave, so no shuffle waits
+// for another value's (one scan after the other, every shuffle waited for the previous one).
+template <int N>
+__device__ __forceinline__ void warp_scans(int (&v)[N], int lane) {
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+#pragma unroll
+    for (int c = 0; c < N; ++c) {
+      const int u = __shfl_up_sync(0xffffffffu, v[c], off);
+      if (lane >= off) v[c] += u;
+    }
+  }
+}
+
 // gemm_cost_model.pick on the device, candidate k in lane k < 8 (lanes past the candidates hold
 // cost = vol = 3e38): among the candidates predicted within tie_hi of the fastest, the least MMA
 // work, then the first listed.  Every lane returns lane 0's answer.
@@ -377,23 +391,16 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
   int chosen = 0;
 
   if constexpr (rows_kind) {
-    // tiles of group tid under every candidate; scans within the warp.  The candidates' scans
-    // run side by side (kScanCand chains, unused ones on zeros): one after the other, each
-    // shuffle waited for the previous one, and the chains were most of the choice's cycles.
+    // tiles of group tid under every candidate; scans within the warp, the candidates' side by
+    // side (kScanCand chains, unused ones on zeros; one after the other they were most of the
+    // choice's cycles)
     int part[kScanCand], incl[kScanCand];
 #pragma unroll
     for (int c = 0; c < kScanCand; ++c) {
       part[c] = c < ncand && cnt > 0 ? rows_tiles(p.cand[c], cnt) : 0;
       incl[c] = part[c];
     }
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-#pragma unroll
-      for (int c = 0; c < kScanCand; ++c) {
-        const int v = __shfl_up_sync(0xffffffffu, incl[c], off);
-        if (lane >= off) incl[c] += v;
-      }
-    }
+    warp_scans(incl, lane);
 #pragma unroll
     for (int c = 0; c < kScanCand; ++c) {
       part[c] = incl[c] - part[c];
@@ -415,14 +422,7 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
 #pragma unroll
       for (int c = 0; c < kScanCand; ++c)
         sc[c] = c < ncand && lane < NT / 32 ? sm.wtile[c][lane] : 0;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-#pragma unroll
-        for (int c = 0; c < kScanCand; ++c) {
-          const int v = __shfl_up_sync(0xffffffffu, sc[c], off);
-          if (lane >= off) sc[c] += v;
-        }
-      }
+      warp_scans(sc, lane);
 #pragma unroll
       for (int c = 0; c < kScanCand; ++c) {
         const int before_w = __shfl_sync(0xffffffffu, sc[c], max(warp - 1, 0));
