@@ -263,6 +263,9 @@ def main(argv=None):
     where = (f"refit from {Path(args.from_json).name}" if args.from_json else
              f"on {torch.cuda.get_device_name()}, torch {torch.__version__}")
     source = f"benchmarks/calibrate_grouped_gemm.py {where}, {datetime.date.today().isoformat()}"
+    if partial:
+        source = (f"{','.join(kinds)}: {source}; other kinds kept "
+                  f"({gemm_tuning.CALIBRATION_SOURCE})")
     write_tuning(Path(args.write), result, peak, hbm, source)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

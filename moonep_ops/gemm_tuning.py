@@ -12,7 +12,7 @@ EFFICIENCY[kind][config] = (eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us):
 """
 
 CALIBRATED = True
-CALIBRATION_SOURCE = 'benchmarks/calibrate_grouped_gemm.py refit from calib_s11.json, 2026-11-30'
+CALIBRATION_SOURCE = 'fwd,wgrad,wgrad_lp: benchmarks/calibrate_grouped_gemm.py refit from calib_s11.json, 2026-11-30; other kinds kept (benchmarks/calibrate_grouped_gemm.py refit from calib_s3.json, 2026-11-29)'
 
 PEAK_TFLOPS = 796.2
 HBM_TBPS = 4.243
