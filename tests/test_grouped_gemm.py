@@ -527,3 +527,45 @@ def test_build_rebuilds_when_any_header_changes(tmp_path):
         os.utime(hdr, (1500, 1500))
     assert not build._stale(src, obj)
     assert build._stale(src, tmp_path / "missing.o")
+
+
+def test_calibration_refits_only_the_kinds_asked(tmp_path, monkeypatch):
+    """calibrate_grouped_gemm.py --from-json --kinds wgrad_lp: wgrad_lp's constants are refitted
+    from the measurements; every other kind, the dense peak and the copy bandwidth stay as the
+    tuning file has them (they were fitted together), and the source names what was refitted."""
+    import copy
+    import json
+    import runpy
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["calibrate_grouped_gemm.py"])
+    import calibrate_grouped_gemm as cal
+    before = copy.deepcopy(gemm_tuning.EFFICIENCY)
+    peak, hbm = gemm_tuning.PEAK_TFLOPS, gemm_tuning.HBM_TBPS
+    # fit() sets the module's constants while it searches: give it copies
+    monkeypatch.setattr(gemm_tuning, "EFFICIENCY", copy.deepcopy(before))
+    monkeypatch.setattr(gemm_tuning, "PEAK_TFLOPS", peak)
+    monkeypatch.setattr(gemm_tuning, "HBM_TBPS", hbm)
+    rng = np.random.default_rng(0)
+    cases = []
+    for G, N, K in ((32, 4096, 7168), (64, 2048, 7168), (48, 4096, 1536)):
+        counts = rng.integers(0, 900, G)
+        pred = gemm_cost_model.predict(counts, N, K, "wgrad_lp")
+        cases.append(dict(skew="synthetic", G=G, N=N, K=K, counts=counts.tolist(),
+                          us={n: 1.3 * v for n, v in pred.items()}))
+    src = tmp_path / "measured.json"
+    src.write_text(json.dumps(dict(peak_tflops=2 * peak, hbm_tbps=2 * hbm,
+                                   data={"wgrad_lp": cases, "fwd": []})))
+    out = tmp_path / "gemm_tuning.py"
+    cal.main(["--from-json", str(src), "--kinds", "wgrad_lp", "--write", str(out),
+              "--out", str(tmp_path)])
+    new = runpy.run_path(str(out))
+    assert (new["PEAK_TFLOPS"], new["HBM_TBPS"]) == (round(peak, 1), round(hbm, 3))
+    assert list(new["EFFICIENCY"]) == list(gemm_cost_model.KINDS)
+    for kind in ("fwd", "dgrad", "wgrad"):
+        assert new["EFFICIENCY"][kind] == {n: tuple(v) for n, v in before[kind].items()}
+    assert new["EFFICIENCY"]["wgrad_lp"] != {n: tuple(v) for n, v in before["wgrad_lp"].items()}
+    assert new["CALIBRATION_SOURCE"].startswith("wgrad_lp: ")
+    with pytest.raises(SystemExit, match="unknown kind"):
+        cal.main(["--from-json", str(src), "--kinds", "wgrad,bogus", "--write", str(out)])
