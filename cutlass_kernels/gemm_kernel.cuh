@@ -100,7 +100,7 @@ struct GroupedGemm {
   using Fusion = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>;
 
   // Epilogue subtile: EN = 0 takes CUTLASS's (BM' x 32 with BM' = 128 cooperative, 64
-  // ping-pong); EN > 0 widens it to BM' x EN.  32 columns of fp32 are 128 B per row, and the
+  // ping-pong); EN > 0 makes it BM' x EN.  32 columns of fp32 are 128 B per row, and the
   // fp32 read-modify-write of wgrad's ping-pong tile streams 11-18 % faster with 64 (session 11
   // A/B, docs/benchmarks.md); the cooperative fp32 tiles lose, their wider C/D stages take
   // mainloop stages.
