@@ -109,6 +109,12 @@ def _n_tiles(n_out: int, cfg: GemmConfig) -> int:
     return _cdiv(_cdiv(n_out, cfg.BN), cfg.CN) * cfg.CN
 
 
+def _rows_tiles(counts: np.ndarray, n_out: int, cfg: GemmConfig) -> np.ndarray:
+    """fwd/dgrad tiles of each group of ``counts`` rows: ceil(M_g / BM) row tiles times
+    ``_n_tiles``."""
+    return _cdiv(counts, cfg.BM) * _n_tiles(n_out, cfg)
+
+
 def _wgrad_tiles(N: int, K: int, cfg: GemmConfig) -> int:
     """Output tiles of one wgrad group (its [N, K] gradient): the same for every group."""
     return _cdiv(N, cfg.BM) * _n_tiles(K, cfg)
@@ -122,8 +128,7 @@ def _constants(kind: str, name: str):
 def _predict_rows(counts: np.ndarray, n_out: int, k_red: int, cfg: GemmConfig, kind: str,
                   P: int, peak: float, hbm: float) -> float:
     eta, bw_frac, tau_sw, tau0, tau_epi = _constants(kind, cfg.name)
-    n_tiles = _n_tiles(n_out, cfg)
-    tiles = _cdiv(counts, cfg.BM) * n_tiles                    # [G]
+    tiles = _rows_tiles(counts, n_out, cfg)                    # [G]
     T = int(tiles.sum())
     if T == 0:
         return tau0
@@ -208,7 +213,7 @@ def mma_volume(counts: Sequence[int], N: int, K: int, kind: str, name: str) -> f
     cfg = CONFIGS[kind][config_index(kind, name)]
     if kind in ("fwd", "dgrad"):
         n_out = N if kind == "fwd" else K
-        return float(int(_cdiv(c, cfg.BM).sum()) * _n_tiles(n_out, cfg) * cfg.BM * cfg.BN)
+        return float(int(_rows_tiles(c, n_out, cfg).sum()) * cfg.BM * cfg.BN)
     return float(_wgrad_tiles(N, K, cfg) * cfg.BM * cfg.BN)
 
 
