@@ -407,8 +407,9 @@ __device__ __forceinline__ int load_hist_nc(bool wide, const GroupArgs& a, int v
                                             int* beforeS, int* ownS, unsigned* rowlo,
                                             unsigned* rowhi) {
   if (a.ld_NR == 1) return load_hist_ru<NC, 1>(wide, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
-  if (kRU2 && NC < 8 && a.ld_NR == 2)
-    return load_hist_ru<NC, 2>(wide, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
+  if constexpr (kRU2 && NC < 8) {                    // not instantiated in the 1024-thread kernels
+    if (a.ld_NR == 2) return load_hist_ru<NC, 2>(wide, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
+  }
   return load_hist_ru<NC, 16 / NC>(wide, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
 }
 
