@@ -11,30 +11,38 @@ constexpr int kNumKinds = 4;  // fwd, dgrad, wgrad (fp32 +=), wgrad_lp (bf16 out
 constexpr int kMaxConfigs = 8;
 
 // EN: the epilogue subtile's width (0: CUTLASS's choice, 32 columns; see gemm_kernel.cuh).
+// swap = 1: the config computes the transposed product (swap-AB: D^T = B A^T), so the weight
+// rows take the BM-row M tiles and a group's token rows the N tiles (BN any multiple of 8 up
+// to 256).  fwd: A = W_g [n_out, K] RowMajor, B = x rows ColumnMajor (K contiguous), D = y^T
+// ColumnMajor; dgrad: A = W_g^T [K, N] ColumnMajor, B = dy rows ColumnMajor, D = dx^T
+// ColumnMajor.  Its cluster (1 x CN) pairs token tiles that share one weight tile (TMA
+// multicast), and a group's token-tile count rounds up to CN.
 struct ConfigGeom {
-  int BM, BN, BK, CM, CN, pingpong, EN;
+  int BM, BN, BK, CM, CN, pingpong, EN, swap;
 };
 
-// X(kind, name, BM, BN, BK, CM, CN, pingpong, EN)
-#define MOONEP_GEMM_CONFIGS(X)                      \
-  X(fwd, c128x256, 128, 256, 64, 1, 2, 0, 64)       \
-  X(fwd, p64x256, 64, 256, 64, 1, 2, 1, 0)          \
-  X(fwd, p128x128, 128, 128, 64, 1, 2, 1, 0)        \
-  X(dgrad, c128x256, 128, 256, 64, 1, 2, 0, 0)      \
-  X(dgrad, p64x256, 64, 256, 64, 1, 2, 1, 0)        \
-  X(dgrad, p128x128, 128, 128, 64, 1, 2, 1, 0)      \
-  X(wgrad, c128x256, 128, 256, 64, 1, 2, 0, 0)      \
-  X(wgrad, c128x128, 128, 128, 64, 1, 2, 0, 0)      \
-  X(wgrad, p128x128, 128, 128, 64, 1, 2, 1, 64)     \
-  X(wgrad_lp, c128x256, 128, 256, 64, 1, 2, 0, 64)  \
-  X(wgrad_lp, c128x128, 128, 128, 64, 1, 2, 0, 64)  \
-  X(wgrad_lp, p128x128, 128, 128, 64, 1, 2, 1, 0)
+// X(kind, name, BM, BN, BK, CM, CN, pingpong, EN, swap)
+#define MOONEP_GEMM_CONFIGS(X)                         \
+  X(fwd, c128x256, 128, 256, 64, 1, 2, 0, 64, 0)       \
+  X(fwd, p64x256, 64, 256, 64, 1, 2, 1, 0, 0)          \
+  X(fwd, p128x128, 128, 128, 64, 1, 2, 1, 0, 0)        \
+  X(fwd, s128x80, 128, 80, 64, 1, 2, 0, 0, 1)          \
+  X(dgrad, c128x256, 128, 256, 64, 1, 2, 0, 0, 0)      \
+  X(dgrad, p64x256, 64, 256, 64, 1, 2, 1, 0, 0)        \
+  X(dgrad, p128x128, 128, 128, 64, 1, 2, 1, 0, 0)      \
+  X(dgrad, s128x80, 128, 80, 64, 1, 2, 0, 0, 1)        \
+  X(wgrad, c128x256, 128, 256, 64, 1, 2, 0, 0, 0)      \
+  X(wgrad, c128x128, 128, 128, 64, 1, 2, 0, 0, 0)      \
+  X(wgrad, p128x128, 128, 128, 64, 1, 2, 1, 64, 0)     \
+  X(wgrad_lp, c128x256, 128, 256, 64, 1, 2, 0, 64, 0)  \
+  X(wgrad_lp, c128x128, 128, 128, 64, 1, 2, 0, 64, 0)  \
+  X(wgrad_lp, p128x128, 128, 128, 64, 1, 2, 1, 0, 0)
 
 // Everything one kernel launch needs; the arrays live in the call's device workspace and are
 // filled by the prep kernel (prep.cu) from cu_seqlens, so nothing about group sizes is on the host.
 struct RunArgs {
   int G;
-  void* shapes;            // cute::Shape<int,int,int>[G] (M, N, K per group)
+  void* shapes;            // cute::Shape<int,int,int>[G] (M, N, K per group; swap: N, M, K)
   const void** ptr_A;
   const void** ptr_B;
   const void** ptr_C;      // wgrad only (== ptr_D: accumulate in place)
@@ -61,7 +69,8 @@ struct KindEntry {
   int n;
   const ConfigGeom* geoms;
   size_t (*workspace_bytes)(int c, int G, int sm_count);
-  void (*strides)(int M, int N, int K, StrideBytes* out);
+  // Config c's strides for the unswapped problem (M rows, N, K); a swap config transposes.
+  void (*strides)(int c, int M, int N, int K, StrideBytes* out);
   // r[c]: config c's problem arrays and CUTLASS workspace; chosen: the device word with the index
   // of the config to run (written by the prep kernel).  One launch on r[0].stream.
   int (*run)(RunArgs const* r, const int* chosen, char* err, int err_len);

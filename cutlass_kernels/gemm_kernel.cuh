@@ -12,7 +12,19 @@
 //         C = D with beta = 1 (the += of the accumulate op happens in the epilogue).
 //   wgrad_lp  as wgrad, but D = dW_g in bf16 written once (beta = 0, no C): the autograd path,
 //         4x fewer output bytes than the fp32 read-modify-write.
+//   swap-AB configs of fwd / dgrad (configs.h, swap = 1; KindTraits<4> / <5>): the transposed
+//         product, the weight rows as M and the group's tokens as N:
+//   fwd   A = W_g [N,K] RowMajor   B = x rows (M_g x K) ColumnMajor   D = y^T ColumnMajor
+//   dgrad A = W_g^T (K x N) ColumnMajor   B = dy rows ColumnMajor   D = dx^T ColumnMajor
 #pragma once
+
+// CuTe's GMMA selector offers N = 80 (and every other N not a multiple of 32 below 256) only
+// with this macro; without it the swap configs' 80-column tile compiled to five 64x16x16
+// HGMMA per k-step instead of one 64x80x16 (session 11: a third of the expected rate).  The
+// tiles of N = 128 and 256 select the same instructions either way.
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#endif
 
 #include <cstdio>
 #include <tuple>
@@ -69,10 +81,25 @@ struct KindTraits<3> : KindTraits<2> {  // wgrad_lp
   using ElementD = cutlass::bfloat16_t;
   static constexpr float beta = 0.f;
 };
+template <>
+struct KindTraits<4> : KindTraits<0> {  // fwd, swap-AB
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::ColumnMajor;
+};
+template <>
+struct KindTraits<5> : KindTraits<0> {  // dgrad, swap-AB
+  using LayoutA = cutlass::layout::ColumnMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::ColumnMajor;
+};
 
+// Kind 4 / 5: the swap-AB configs of fwd / dgrad (the prep kernel writes their problem arrays
+// transposed: shapes (n_out, M_g, k_red), A = the weight, B = the rows).
 template <int Kind, int BM, int BN, int BK, int CM, int CN, bool Pingpong, int EN = 0>
 struct GroupedGemm {
   using T = KindTraits<Kind>;
+  static constexpr bool kSwap = Kind >= 4;
   using ElementA = typename T::ElementA;
   using ElementB = typename T::ElementB;
   using ElementC = typename T::ElementC;
@@ -173,9 +200,13 @@ struct GroupedGemm {
   }
 
   static constexpr int cm = CM, cn = CN;
-  static constexpr ConfigGeom geom() { return {BM, BN, BK, CM, CN, Pingpong ? 1 : 0, EN}; }
+  static constexpr ConfigGeom geom() {
+    return {BM, BN, BK, CM, CN, Pingpong ? 1 : 0, EN, kSwap ? 1 : 0};
+  }
 
+  // (M, N, K) of the unswapped problem; only the leading dimensions matter (packed strides).
   static void strides(int M, int N, int K, StrideBytes* out) {
+    if constexpr (kSwap) std::swap(M, N);
     auto sa = cutlass::make_cute_packed_stride(StrideA{}, make_shape(M, K, 1));
     auto sb = cutlass::make_cute_packed_stride(StrideB{}, make_shape(N, K, 1));
     auto sd = cutlass::make_cute_packed_stride(StrideD{}, make_shape(M, N, 1));
@@ -244,10 +275,11 @@ struct FusedKind {
 
   static constexpr ConfigGeom geoms[kN] = {Gs::geom()...};
   static constexpr size_t (*ws_fns[kN])(int, int) = {&Gs::workspace_bytes...};
+  static constexpr void (*stride_fns[kN])(int, int, int, StrideBytes*) = {&Gs::strides...};
 
   static size_t workspace_bytes(int c, int G, int sm_count) { return ws_fns[c](G, sm_count); }
-  static void strides(int M, int N, int K, StrideBytes* out) {
-    FirstKernel<Gs...>::type::strides(M, N, K, out);  // layouts depend on the kind only
+  static void strides(int c, int M, int N, int K, StrideBytes* out) {
+    stride_fns[c](M, N, K, out);  // the kind's layouts, transposed for a swap config
   }
 
   template <size_t I>

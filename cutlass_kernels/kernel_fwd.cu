@@ -2,4 +2,5 @@
 #include "gemm_kernel.cuh"
 MOONEP_DEFINE_KIND(fwd, GroupedGemm<0, 128, 256, 64, 1, 2, false, 64>,
                    GroupedGemm<0, 64, 256, 64, 1, 2, true>,
-                   GroupedGemm<0, 128, 128, 64, 1, 2, true>)
+                   GroupedGemm<0, 128, 128, 64, 1, 2, true>,
+                   GroupedGemm<4, 128, 80, 64, 1, 2, false>)

@@ -7,7 +7,7 @@
 extern "C" {
 #endif
 
-#define MOONEP_GEMM_ABI_VERSION 6
+#define MOONEP_GEMM_ABI_VERSION 7
 #define MOONEP_API __attribute__((visibility("default")))
 
 // kind: 0 fwd (y = x W^T), 1 dgrad (dx = dy W), 2 wgrad (dW += dy^T x, fp32),
@@ -22,7 +22,7 @@ MOONEP_API int moonep_gemm_abi_version(void);
 MOONEP_API const char* moonep_gemm_last_error(void);
 MOONEP_API int moonep_gemm_num_configs(int kind);
 // info[8] = {BM, BN, BK, cluster_m, cluster_n, pingpong, epilogue subtile width (0: CUTLASS's),
-// 0}; returns 0 on success.
+// swap_ab}; returns 0 on success.
 MOONEP_API int moonep_gemm_config_info(int kind, int cfg, int* info);
 // Device workspace one call needs (problem arrays for every config + CUTLASS workspaces).
 MOONEP_API size_t moonep_gemm_workspace_bytes(int kind, int G, int sm_count);

@@ -56,6 +56,7 @@ struct Registry {
   const char* name[kNumKinds][kMaxConfigs] = {};
   ConfigGeom geom[kNumKinds][kMaxConfigs] = {};
   int n[kNumKinds] = {};
+  int nori[kNumKinds] = {};  // problem-array orientations: 2 when the kind has a swap config
   char mismatch[200] = "";
   Registry() {
 #define MOONEP_REGISTER(KIND, NAME, ...) add(#KIND, #NAME, ConfigGeom{__VA_ARGS__});
@@ -76,6 +77,7 @@ struct Registry {
                                               : 3;
     name[k][n[k]] = config;
     geom[k][n[k]++] = g;
+    nori[k] = g.swap ? 2 : (nori[k] ? nori[k] : 1);
   }
 };
 
@@ -84,8 +86,8 @@ const Registry& registry() {
   return r;
 }
 
-struct Layout {  // byte offsets inside the call's workspace
-  size_t chosen, shapes[kMaxConfigs], ptr[4], stride[4], cutlass[kMaxConfigs], total;
+struct Layout {  // byte offsets inside the call's workspace; [o]: orientation (1: swap-AB)
+  size_t chosen, shapes[kMaxConfigs], ptr[2][4], stride[2][4], cutlass[kMaxConfigs], total;
 };
 
 Layout layout(int kind, int G, int sm_count) {
@@ -98,13 +100,15 @@ Layout layout(int kind, int G, int sm_count) {
     L.shapes[c] = off;
     off = align_up(off + (size_t)G * 3 * sizeof(int));
   }
-  for (int i = 0; i < 4; ++i) {
-    L.ptr[i] = off;
-    off = align_up(off + (size_t)G * sizeof(void*));
-  }
-  for (int i = 0; i < 4; ++i) {
-    L.stride[i] = off;
-    off = align_up(off + (size_t)G * 32);
+  for (int o = 0; o < reg.nori[kind]; ++o) {
+    for (int i = 0; i < 4; ++i) {
+      L.ptr[o][i] = off;
+      off = align_up(off + (size_t)G * sizeof(void*));
+    }
+    for (int i = 0; i < 4; ++i) {
+      L.stride[o][i] = off;
+      off = align_up(off + (size_t)G * 32);
+    }
   }
   for (int c = 0; c < reg.n[kind]; ++c) {
     L.cutlass[c] = off;
@@ -118,7 +122,9 @@ Layout layout(int kind, int G, int sm_count) {
 // gemm_cost_model.py's formulas, computed on the host (in double, rounded to float once).
 struct Cand {
   int cfg;                    // config index
-  int bm, bm_shift, nt;       // fwd/dgrad: BM, log2(BM) (-1: not a power of two), N-tiles per M-tile
+  int bm, bm_shift, nt;       // fwd/dgrad: rows per row tile (BM; swap: BN), its log2 (-1: not a
+                              // power of two), tiles per row tile (swap: weight tiles, ceil(n/BM))
+  int cn;                     // fwd/dgrad swap: row tiles round up to the cluster (CN); else 1
   int base, rem, d, Q, S, log2S;  // wgrad: t_w / P, t_w % P, gcd(rem, P), P / d, lanes per class
   unsigned magic_d;           // wgrad: udiv_small magic of d
   float tau_sw, tau0;
@@ -145,10 +151,12 @@ struct PrepParams {  // the fields block 0 reads first come first (one or two co
   const char *A, *B, *B_slot;
   char *D, *D_slot;
   int* shapes[kMaxConfigs];
-  const void** ptr[4];  // A, B, C, D
-  long long* stride[4];
-  long long sb[4][4];   // the stride of A, B, C, D (8-byte words; the same for every group)
-  int sbw[4];           // words per stride
+  unsigned swapmask;       // bit c: config c is swap-AB (its shapes are written transposed)
+  int nori;                // orientations of the problem arrays (2: the kind has a swap config)
+  const void** ptr[2][4];  // [orientation][A, B, C, D]
+  long long* stride[2][4];
+  long long sb[2][4][4];   // the stride of A, B, C, D (8-byte words; the same for every group)
+  int sbw[2][4];           // words per stride
 };
 
 __device__ __forceinline__ int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
@@ -204,7 +212,8 @@ __device__ __forceinline__ int pick_lane(float cost, float vol, int lane, float 
 
 // fwd / dgrad: tiles of a group of c rows (c >= 0)
 __device__ __forceinline__ int rows_tiles(const Cand& C, int c) {
-  const int mt = C.bm_shift >= 0 ? (c + C.bm - 1) >> C.bm_shift : (c + C.bm - 1) / C.bm;
+  int mt = C.bm_shift >= 0 ? (c + C.bm - 1) >> C.bm_shift : (c + C.bm - 1) / C.bm;
+  if (C.cn > 1) mt = (mt + C.cn - 1) / C.cn * C.cn;  // swap: token tiles fill whole clusters
   return mt * C.nt;
 }
 // wgrad: cost of one tile of a group of m rows
@@ -254,28 +263,32 @@ __device__ __forceinline__ void write_group(const PrepParams& p, int i, int g, l
   const int N = p.N, K = p.K, epn = p.epn;
   const long long wofs = (long long)(g < epn ? g : g - epn) * N * K;
   int s0, s1, s2;
-  if (p.kind == 0) {  // fwd: (M_g, N, K)
-    p.ptr[0][i] = p.A + start * K * 2;
-    p.ptr[1][i] = (g < epn ? p.B : p.B_slot) + wofs * 2;
-    p.ptr[3][i] = p.D + start * N * 2;
-    s0 = cnt; s1 = N; s2 = K;
-  } else if (p.kind == 1) {  // dgrad: (M_g, K, N)
-    p.ptr[0][i] = p.A + start * N * 2;
-    p.ptr[1][i] = (g < epn ? p.B : p.B_slot) + wofs * 2;
-    p.ptr[3][i] = p.D + start * K * 2;
-    s0 = cnt; s1 = K; s2 = N;
+  if (p.kind < 2) {  // fwd: (M_g, N, K); dgrad: (M_g, K, N); swap-AB: A and B, M and N swapped
+    const char* rows = p.A + start * (p.kind == 0 ? K : N) * 2;
+    const char* w = (g < epn ? p.B : p.B_slot) + wofs * 2;
+    char* out = p.D + start * (p.kind == 0 ? N : K) * 2;
+    p.ptr[0][0][i] = rows;
+    p.ptr[0][1][i] = w;
+    p.ptr[0][3][i] = out;
+    if (p.nori > 1) {
+      p.ptr[1][0][i] = w;
+      p.ptr[1][1][i] = rows;
+      p.ptr[1][3][i] = out;
+    }
+    s0 = cnt; s1 = p.kind == 0 ? N : K; s2 = p.kind == 0 ? K : N;
   } else {  // wgrad: (N, K, M_g); empty groups get no tiles (fp32: unchanged; lp: zeroed)
-    p.ptr[0][i] = p.A + start * N * 2;
-    p.ptr[1][i] = p.B + start * K * 2;
+    p.ptr[0][0][i] = p.A + start * N * 2;
+    p.ptr[0][1][i] = p.B + start * K * 2;
     char* d = (g < epn ? p.D : p.D_slot) + wofs * (p.kind == 2 ? 4 : 2);
-    p.ptr[2][i] = d;
-    p.ptr[3][i] = d;
+    p.ptr[0][2][i] = d;
+    p.ptr[0][3][i] = d;
     s0 = cnt > 0 ? N : 0; s1 = K; s2 = cnt;
   }
   for (int c = 0; c < p.nconf; ++c) {
     int* sh = p.shapes[c] + 3 * i;
-    sh[0] = s0;
-    sh[1] = s1;
+    const bool sw = (p.swapmask >> c) & 1u;
+    sh[0] = sw ? s1 : s0;
+    sh[1] = sw ? s0 : s1;
     sh[2] = s2;
   }
 }
@@ -371,11 +384,12 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
         sink ^= reinterpret_cast<const int*>(&p)[l * 16];
   } else {  // block 1: the problem arrays
     if (tid < G) {
+      for (int o = 0; o < p.nori; ++o)
 #pragma unroll
-      for (int a = 0; a < 4; ++a)
+        for (int a = 0; a < 4; ++a)
 #pragma unroll
-        for (int w = 0; w < 4; ++w)
-          if (w < p.sbw[a]) p.stride[a][(long long)tid * p.sbw[a] + w] = p.sb[a][w];
+          for (int w = 0; w < 4; ++w)
+            if (w < p.sbw[o][a]) p.stride[o][a][(long long)tid * p.sbw[o][a] + w] = p.sb[o][a][w];
     }
     if constexpr (rows_kind) {
       if (tid < G) write_group(p, tid, tid, start, cnt);
@@ -634,7 +648,7 @@ int moonep_gemm_num_configs(int kind) {
 int moonep_gemm_config_info(int kind, int cfg, int* info) {
   if (kind < 0 || kind >= kNumKinds || cfg < 0 || cfg >= registry().n[kind]) return -1;
   const ConfigGeom& g = registry().geom[kind][cfg];
-  const int v[8] = {g.BM, g.BN, g.BK, g.CM, g.CN, g.pingpong, g.EN, 0};
+  const int v[8] = {g.BM, g.BN, g.BK, g.CM, g.CN, g.pingpong, g.EN, g.swap};
   memcpy(info, v, sizeof(v));
   return 0;
 }
@@ -679,21 +693,31 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   p.D = static_cast<char*>(D);
   p.D_slot = static_cast<char*>(D_slot);
   p.chosen_out = reinterpret_cast<int*>(ws + L.chosen);
-  for (int c = 0; c < nconf; ++c) p.shapes[c] = reinterpret_cast<int*>(ws + L.shapes[c]);
-  for (int i = 0; i < 4; ++i) {
-    p.ptr[i] = reinterpret_cast<const void**>(ws + L.ptr[i]);
-    p.stride[i] = reinterpret_cast<long long*>(ws + L.stride[i]);
+  p.swapmask = 0;
+  for (int c = 0; c < nconf; ++c) {
+    p.shapes[c] = reinterpret_cast<int*>(ws + L.shapes[c]);
+    if (reg.geom[kind][c].swap) p.swapmask |= 1u << c;
   }
-  // Strides depend on N and K only (leading dimensions), never on the group's rows.
+  p.nori = reg.nori[kind];
+  // Strides depend on N and K only (leading dimensions), never on the group's rows.  One set per
+  // orientation, from the first config of that orientation.
   const int pm = kind >= 2 ? N : 1, pn = kind == 0 ? N : K, pk = kind == 0 ? K : (kind == 1 ? N : 1);
-  StrideBytes sb{};
-  reg.kind[kind]->strides(pm, pn, pk, &sb);
-  const unsigned char* sbsrc[4] = {sb.a, sb.b, sb.c, sb.d};
-  const int sbsize[4] = {sb.size_a, sb.size_b, sb.size_c, sb.size_d};
-  for (int a = 0; a < 4; ++a) {
-    if (sbsize[a] % 8 != 0 || sbsize[a] > 32) return fail("internal: stride size not a multiple of 8 bytes");
-    p.sbw[a] = sbsize[a] / 8;
-    memcpy(p.sb[a], sbsrc[a], sbsize[a]);
+  for (int o = 0; o < p.nori; ++o) {
+    for (int i = 0; i < 4; ++i) {
+      p.ptr[o][i] = reinterpret_cast<const void**>(ws + L.ptr[o][i]);
+      p.stride[o][i] = reinterpret_cast<long long*>(ws + L.stride[o][i]);
+    }
+    int c0 = 0;
+    while (c0 < nconf && reg.geom[kind][c0].swap != o) ++c0;
+    StrideBytes sb{};
+    reg.kind[kind]->strides(c0, pm, pn, pk, &sb);
+    const unsigned char* sbsrc[4] = {sb.a, sb.b, sb.c, sb.d};
+    const int sbsize[4] = {sb.size_a, sb.size_b, sb.size_c, sb.size_d};
+    for (int a = 0; a < 4; ++a) {
+      if (sbsize[a] % 8 != 0 || sbsize[a] > 32) return fail("internal: stride size not a multiple of 8 bytes");
+      p.sbw[o][a] = sbsize[a] / 8;
+      memcpy(p.sb[o][a], sbsrc[a], sbsize[a]);
+    }
   }
 
   // The candidates of the device cost model and their constants (gemm_cost_model.py's formulas,
@@ -721,12 +745,13 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     C.tau_sw = tuning[4 + 5 * c];
     C.tau0 = tuning[5 + 5 * c];
     const double tile_flops_us = peak * 1e6 / P * eta;  // flop per us of one CTA
-    C.bm = g.BM;
+    C.bm = g.swap ? g.BN : g.BM;  // rows per row tile
+    C.cn = g.swap ? g.CN : 1;
     C.bm_shift = -1;
     for (int sh = 0; sh < 31; ++sh)
-      if ((1 << sh) == g.BM) C.bm_shift = sh;
+      if ((1 << sh) == C.bm) C.bm_shift = sh;
     if (kind < 2) {
-      C.nt = (int)(cdiv_ll(cdiv_ll(n_out, g.BN), g.CN) * g.CN);
+      C.nt = g.swap ? (int)cdiv_ll(n_out, g.BM) : (int)(cdiv_ll(cdiv_ll(n_out, g.BN), g.CN) * g.CN);
       C.vol = (float)g.BM * (float)g.BN;
       C.tau = (float)(2.0 * g.BM * g.BN * k_red / tile_flops_us + tau_epi);
       C.inv_bw = (float)(1.0 / (hbm * 1e6 * bw_frac));
@@ -790,22 +815,22 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   }
 
   // One launch of the kind's fused kernel; it runs the config the prep kernel wrote to `chosen`.
-  RunArgs base{};
-  base.G = G;
-  base.ptr_A = p.ptr[0];
-  base.ptr_B = p.ptr[1];
-  base.ptr_C = p.ptr[2];
-  base.ptr_D = const_cast<void**>(p.ptr[3]);
-  base.stride_A = p.stride[0];
-  base.stride_B = p.stride[1];
-  base.stride_C = p.stride[2];
-  base.stride_D = p.stride[3];
-  base.sm_count = sm_count;
-  base.raster = raster;
-  base.stream = stream;
   RunArgs r[kMaxConfigs];
-  for (int c = 0; c < nconf; ++c) {  // configs differ only in their shapes and CUTLASS workspace
-    r[c] = base;
+  for (int c = 0; c < nconf; ++c) {  // configs differ in orientation, shapes and CUTLASS workspace
+    const int o = reg.geom[kind][c].swap ? 1 : 0;
+    r[c] = RunArgs{};
+    r[c].G = G;
+    r[c].ptr_A = p.ptr[o][0];
+    r[c].ptr_B = p.ptr[o][1];
+    r[c].ptr_C = p.ptr[o][2];
+    r[c].ptr_D = const_cast<void**>(p.ptr[o][3]);
+    r[c].stride_A = p.stride[o][0];
+    r[c].stride_B = p.stride[o][1];
+    r[c].stride_C = p.stride[o][2];
+    r[c].stride_D = p.stride[o][3];
+    r[c].sm_count = sm_count;
+    r[c].raster = raster;
+    r[c].stream = stream;
     r[c].shapes = ws + L.shapes[c];
     r[c].cutlass_ws = ws + L.cutlass[c];
   }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 # Bumped whenever an exported signature changes; the library reports its own value and a
 # mismatch is treated as "not loadable" rather than risking a call with the wrong arguments.
-GEMM_ABI_VERSION = 6
+GEMM_ABI_VERSION = 7
 EP_ABI_VERSION = 2          # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 
 _LIB_DIR = Path(__file__).resolve().parent / "lib"

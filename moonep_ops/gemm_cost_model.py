@@ -57,6 +57,7 @@ class GemmConfig:
     CN: int
     pingpong: bool
     EN: int = 0          # epilogue subtile width (0: CUTLASS's 32); no term of the model
+    swap: bool = False   # swap-AB (fwd/dgrad): weight rows in BM-row M tiles, tokens in BN tiles
 
 
 # Must match cutlass_kernels/configs.h (checked by tests/test_grouped_gemm_cuda.py against the
@@ -67,11 +68,13 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False, EN=64),
         GemmConfig("p64x256", 64, 256, 64, 1, 2, True),
         GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
+        GemmConfig("s128x80", 128, 80, 64, 1, 2, False, swap=True),
     ),
     "dgrad": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
         GemmConfig("p64x256", 64, 256, 64, 1, 2, True),
         GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
+        GemmConfig("s128x80", 128, 80, 64, 1, 2, False, swap=True),
     ),
     "wgrad": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
@@ -110,8 +113,11 @@ def _n_tiles(n_out: int, cfg: GemmConfig) -> int:
 
 
 def _rows_tiles(counts: np.ndarray, n_out: int, cfg: GemmConfig) -> np.ndarray:
-    """fwd/dgrad tiles of each group of ``counts`` rows: ceil(M_g / BM) row tiles times
-    ``_n_tiles``."""
+    """fwd/dgrad tiles of each group of ``counts`` rows.  Swap-AB: ceil(n_out / BM) weight tiles
+    times the group's token tiles ceil(M_g / BN), rounded up to the cluster's CN (its cluster
+    runs along the tokens); else ceil(M_g / BM) row tiles times ``_n_tiles``."""
+    if cfg.swap:
+        return _cdiv(_cdiv(counts, cfg.BN), cfg.CN) * cfg.CN * _cdiv(n_out, cfg.BM)
     return _cdiv(counts, cfg.BM) * _n_tiles(n_out, cfg)
 
 

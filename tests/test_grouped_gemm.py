@@ -385,13 +385,14 @@ def test_candidate_mask_env(monkeypatch):
 
 def test_cxx_config_table_matches_python():
     text = (ROOT / "cutlass_kernels" / "configs.h").read_text()
-    rows = re.findall(r"X\((\w+), (\w+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", text)
+    rows = re.findall(r"X\((\w+), (\w+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)",
+                      text)
     from_cxx = {}
     for kind, name, *nums in rows:
         from_cxx.setdefault(kind, []).append((name, *map(int, nums)))
     for kind, cfgs in gemm_cost_model.CONFIGS.items():
-        assert [(c.name, c.BM, c.BN, c.BK, c.CM, c.CN, int(c.pingpong), c.EN) for c in cfgs] == \
-            from_cxx[kind]
+        assert [(c.name, c.BM, c.BN, c.BK, c.CM, c.CN, int(c.pingpong), c.EN, int(c.swap))
+                for c in cfgs] == from_cxx[kind]
         assert set(gemm_tuning.EFFICIENCY[kind]) == {c.name for c in cfgs}
     # One fused kernel per kind: kernel_<kind>.cu lists the same configs in the same order.
     units = sorted(p.name for p in (ROOT / "cutlass_kernels").glob("kernel_*.cu"))
@@ -400,8 +401,10 @@ def test_cxx_config_table_matches_python():
         src = (ROOT / "cutlass_kernels" / f"kernel_{kind}.cu").read_text()
         listed = re.findall(r"GroupedGemm<(\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (true|false)"
                             r"(?:, (\d+))?>", src)
+        # swap-AB configs are kernel kinds 4 (fwd) and 5 (dgrad) in gemm_kernel.cuh
         assert [(int(k), *map(int, g[:5]), g[5] == "true", int(g[6] or 0)) for k, *g in listed] == \
-            [(kid, c.BM, c.BN, c.BK, c.CM, c.CN, c.pingpong, c.EN) for c in cfgs], kind
+            [(kid + 4 if c.swap else kid, c.BM, c.BN, c.BK, c.CM, c.CN, c.pingpong, c.EN)
+             for c in cfgs], kind
 
 
 # ------------------------------------------------------------------------------------------

@@ -229,7 +229,8 @@ def test_library_config_table_matches_python():
         for i, c in enumerate(cfgs):
             info = (ctypes.c_int * 8)()
             assert lib.moonep_gemm_config_info(kid, i, info) == 0
-            assert list(info)[:7] == [c.BM, c.BN, c.BK, c.CM, c.CN, int(c.pingpong), c.EN]
+            assert list(info) == [c.BM, c.BN, c.BK, c.CM, c.CN, int(c.pingpong), c.EN,
+                                  int(c.swap)]
 
 
 @needs_lib
