@@ -18,7 +18,7 @@
 //   dgrad A = W_g^T (K x N) ColumnMajor   B = dy rows ColumnMajor   D = dx^T ColumnMajor
 #pragma once
 
-// CuTe's GMMA selector offers N = 80 (and every other N not a multiple of 32 below 256) only
+// CuTe's GMMA selector offers N = 80 (and the other "extended" shapes) only
 // with this macro; without it the swap configs' 80-column tile compiled to five 64x16x16
 // HGMMA per k-step instead of one 64x80x16 (session 11: a third of the expected rate).  The
 // tiles of N = 128 and 256 select the same instructions either way.
