@@ -183,7 +183,7 @@ def selection_quality(data):
     return {kind: _quality(kind, cases) for kind, cases in data.items()}
 
 
-def write_tuning(path: Path, result, peak, hbm, source):
+def write_tuning(path: Path, result, peak, hbm, sources: dict):
     lines = [
         '"""Fitted constants of the grouped-GEMM cost model (moonep_ops.gemm_cost_model).',
         "",
@@ -199,7 +199,11 @@ def write_tuning(path: Path, result, peak, hbm, source):
         '"""',
         "",
         "CALIBRATED = True",
-        f"CALIBRATION_SOURCE = {source!r}",
+        "# Where each kind's constants come from (a partial refit, --kinds, keeps the others').",
+        "CALIBRATION_SOURCES = {",
+        *[f"    {k!r}: {v!r}," for k, v in sources.items()],
+        "}",
+        'CALIBRATION_SOURCE = "; ".join(f"{k}: {v}" for k, v in CALIBRATION_SOURCES.items())',
         "",
         f"PEAK_TFLOPS = {peak:.1f}",
         f"HBM_TBPS = {hbm:.3f}",
@@ -263,10 +267,9 @@ def main(argv=None):
     where = (f"refit from {Path(args.from_json).name}" if args.from_json else
              f"on {torch.cuda.get_device_name()}, torch {torch.__version__}")
     source = f"benchmarks/calibrate_grouped_gemm.py {where}, {datetime.date.today().isoformat()}"
-    if partial:
-        source = (f"{','.join(kinds)}: {source}; other kinds kept "
-                  f"({gemm_tuning.CALIBRATION_SOURCE})")
-    write_tuning(Path(args.write), result, peak, hbm, source)
+    sources = {k: source if k in kinds else gemm_tuning.CALIBRATION_SOURCES[k]
+               for k in gemm_cost_model.KINDS}
+    write_tuning(Path(args.write), result, peak, hbm, sources)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "calibration_grouped_gemm.json").write_text(json.dumps(

@@ -66,15 +66,15 @@ class GemmConfig:
 CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
     "fwd": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False, EN=64),
-        GemmConfig("p64x256", 64, 256, 64, 1, 2, True),
         GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
-        GemmConfig("s128x80", 128, 80, 64, 1, 2, False, swap=True),
+        GemmConfig("s256x80", 256, 80, 64, 1, 2, False, swap=True),
+        GemmConfig("s256x96", 256, 96, 64, 1, 2, False, swap=True),
     ),
     "dgrad": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
-        GemmConfig("p64x256", 64, 256, 64, 1, 2, True),
         GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
-        GemmConfig("s128x80", 128, 80, 64, 1, 2, False, swap=True),
+        GemmConfig("s256x80", 256, 80, 64, 1, 2, False, swap=True),
+        GemmConfig("s256x96", 256, 96, 64, 1, 2, False, swap=True),
     ),
     "wgrad": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False),

@@ -12,7 +12,14 @@ EFFICIENCY[kind][config] = (eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us):
 """
 
 CALIBRATED = True
-CALIBRATION_SOURCE = 'fwd,wgrad,wgrad_lp: benchmarks/calibrate_grouped_gemm.py refit from calib_s11.json, 2026-11-30; other kinds kept (benchmarks/calibrate_grouped_gemm.py refit from calib_s3.json, 2026-11-29)'
+# Where each kind's constants come from (a partial refit, --kinds, keeps the others').
+CALIBRATION_SOURCES = {
+    'fwd': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s12.json, 2026-11-30',
+    'dgrad': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s12.json, 2026-11-30',
+    'wgrad': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s11.json, 2026-11-30',
+    'wgrad_lp': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s11.json, 2026-11-30',
+}
+CALIBRATION_SOURCE = "; ".join(f"{k}: {v}" for k, v in CALIBRATION_SOURCES.items())
 
 PEAK_TFLOPS = 796.2
 HBM_TBPS = 4.243
@@ -25,18 +32,16 @@ SELECT_TIE_TOL = 0.005
 
 EFFICIENCY = {
     "fwd": {
-        "c128x256": (0.9327, 1.0, 0.0, 0.0, 6.8978),
-        "p64x256": (0.5477, 1.0, 0.7907, 2.7083, 0.0),
-        "p128x128": (0.7971, 1.0, 2.2019, 9.5257, 0.0002),
-        # seeded by hand (wip/swap-ab, not yet calibrated): c128x256's constants with a lower
-        # eta, so the selector prefers it only where the padding saved is large
-        "s128x80": (0.70, 1.0, 0.0, 0.0, 6.8978),
+        "c128x256": (0.9751, 1.0, 0.0, 39.633, 5.384),
+        "p128x128": (0.861, 1.0, 1.6739, 66.1606, 0.0),
+        "s256x80": (0.9619, 1.0, 0.0, 48.1744, 5.1049),
+        "s256x96": (0.9575, 1.0, 0.0, 51.7609, 4.9299),
     },
     "dgrad": {
-        "c128x256": (0.9672, 0.9694, 0.0, 0.0, 8.9252),
-        "p64x256": (0.6506, 1.0, 5.5886, 5.4807, 3.3958),
-        "p128x128": (0.8894, 0.9434, 5.1384, 19.3074, 0.0),
-        "s128x80": (0.70, 0.9694, 0.0, 0.0, 8.9252),   # seeded by hand, as fwd's
+        "c128x256": (0.9493, 0.946, 0.0, 0.0, 7.6109),
+        "p128x128": (0.853, 0.8925, 3.4771, 0.0, 0.0),
+        "s256x80": (0.9471, 1.0, 0.0034, 20.0301, 6.1892),
+        "s256x96": (0.97, 1.0, 0.1155, 10.3658, 6.9317),
     },
     "wgrad": {
         "c128x256": (0.8394, 0.8219, 0.2747, 10.6539, 8.1877),

@@ -238,7 +238,7 @@ def test_library_config_table_matches_python():
 def test_device_selector_agrees_with_python_model(kind):
     """The config picked on the GPU is the Python rule's (gemm_cost_model.pick: the fastest
     predicted, near-ties to the least MMA work), up to float32 rounding at the tie window's
-    edge.  The last case is the streaming benchmark's exact tie (G = 96 groups of 64 rows)."""
+    edge.  One case is the streaming benchmark's (G = 96 groups of 64 rows)."""
     rng = np.random.default_rng(7)
     N, K = 2048, 7168
     cases = []
@@ -277,8 +277,6 @@ def test_device_selector_agrees_with_python_model(kind):
         assert pred[name] <= window * (1 + slack), (pred, name)
         assert not [n for n in pred if pred[n] <= window * (1 - slack) and vol[n] < vol[name]], \
             (pred, vol, name)
-        if len(counts) == 96 and kind == "fwd" and "p64x256" in pred:
-            assert name == gemm_cost_model.select(counts, N, K, kind) == "p64x256", (pred, name)
 
 
 @needs_lib
