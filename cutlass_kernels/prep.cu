@@ -56,7 +56,7 @@ struct Registry {
   const char* name[kNumKinds][kMaxConfigs] = {};
   ConfigGeom geom[kNumKinds][kMaxConfigs] = {};
   int n[kNumKinds] = {};
-  int nori[kNumKinds] = {};  // problem-array orientations: 2 when the kind has a swap config
+  bool has_swap[kNumKinds] = {};  // the kind has a swap-AB config (a second set of strides)
   char mismatch[200] = "";
   Registry() {
 #define MOONEP_REGISTER(KIND, NAME, ...) add(#KIND, #NAME, ConfigGeom{__VA_ARGS__});
@@ -77,7 +77,7 @@ struct Registry {
                                               : 3;
     name[k][n[k]] = config;
     geom[k][n[k]++] = g;
-    nori[k] = g.swap ? 2 : (nori[k] ? nori[k] : 1);
+    has_swap[k] = has_swap[k] || g.swap;
   }
 };
 
@@ -86,8 +86,8 @@ const Registry& registry() {
   return r;
 }
 
-struct Layout {  // byte offsets inside the call's workspace; [o]: orientation (1: swap-AB)
-  size_t chosen, shapes[kMaxConfigs], ptr[2][4], stride[2][4], cutlass[kMaxConfigs], total;
+struct Layout {  // byte offsets inside the call's workspace (stride_sw: swap-AB configs' strides)
+  size_t chosen, shapes[kMaxConfigs], ptr[4], stride[4], stride_sw[4], cutlass[kMaxConfigs], total;
 };
 
 Layout layout(int kind, int G, int sm_count) {
@@ -100,15 +100,17 @@ Layout layout(int kind, int G, int sm_count) {
     L.shapes[c] = off;
     off = align_up(off + (size_t)G * 3 * sizeof(int));
   }
-  for (int o = 0; o < reg.nori[kind]; ++o) {
-    for (int i = 0; i < 4; ++i) {
-      L.ptr[o][i] = off;
-      off = align_up(off + (size_t)G * sizeof(void*));
-    }
-    for (int i = 0; i < 4; ++i) {
-      L.stride[o][i] = off;
-      off = align_up(off + (size_t)G * 32);
-    }
+  for (int i = 0; i < 4; ++i) {
+    L.ptr[i] = off;
+    off = align_up(off + (size_t)G * sizeof(void*));
+  }
+  for (int i = 0; i < 4; ++i) {
+    L.stride[i] = off;
+    off = align_up(off + (size_t)G * 32);
+  }
+  for (int i = 0; reg.has_swap[kind] && i < 4; ++i) {
+    L.stride_sw[i] = off;
+    off = align_up(off + (size_t)G * 32);
   }
   for (int c = 0; c < reg.n[kind]; ++c) {
     L.cutlass[c] = off;
@@ -122,11 +124,12 @@ Layout layout(int kind, int G, int sm_count) {
 // gemm_cost_model.py's formulas, computed on the host (in double, rounded to float once).
 struct Cand {
   int cfg;                    // config index
-  int bm, bm_shift, nt;       // fwd/dgrad: rows per row tile (BM; swap: BN), its log2 (-1: not a
-                              // power of two), tiles per row tile (swap: weight tiles, ceil(n/BM))
-  int cn;                     // fwd/dgrad swap: row tiles round up to the cluster (CN); else 1
+  // fwd/dgrad: rows per row tile, its log2 (-1: not a power of two), tiles per row tile.  A
+  // swap config's token tiles round up to its cluster (CN), so its row tile is a whole cluster:
+  // bm = BN * CN rows, nt = CN * ceil(n_out / BM) (roundup(ceil(c/BN), CN) = CN * ceil(c/(BN*CN))).
+  int bm, bm_shift, nt;
   int base, rem, d, Q, S, log2S;  // wgrad: t_w / P, t_w % P, gcd(rem, P), P / d, lanes per class
-  unsigned magic_d;           // wgrad: udiv_small magic of d
+  unsigned magic_d;           // wgrad: udiv_small magic of d; fwd/dgrad: of bm (0: divide)
   float tau_sw, tau0;
   float tau, inv_bw;          // fwd/dgrad: tile time (us), us per byte
   float ca, cb, ma, mb;       // wgrad: a tile of a group of m rows costs max(m*ca + cb, m*ma + mb)
@@ -151,12 +154,15 @@ struct PrepParams {  // the fields block 0 reads first come first (one or two co
   const char *A, *B, *B_slot;
   char *D, *D_slot;
   int* shapes[kMaxConfigs];
-  unsigned swapmask;       // bit c: config c is swap-AB (its shapes are written transposed)
-  int nori;                // orientations of the problem arrays (2: the kind has a swap config)
-  const void** ptr[2][4];  // [orientation][A, B, C, D]
-  long long* stride[2][4];
-  long long sb[2][4][4];   // the stride of A, B, C, D (8-byte words; the same for every group)
-  int sbw[2][4];           // words per stride
+  const void** ptr[4];  // A, B, C, D (a swap config takes A and B exchanged)
+  long long* stride[4];
+  long long sb[4][4];   // the stride of A, B, C, D (8-byte words; the same for every group)
+  int sbw[4];           // words per stride
+  // swap-AB configs (fwd/dgrad): their shapes are written transposed and their strides apart
+  unsigned swapmask;    // bit c: config c is swap-AB
+  long long* stride_sw[4];  // null when the kind has no swap config
+  long long sb_sw[4][4];
+  int sbw_sw[4];
 };
 
 __device__ __forceinline__ int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
@@ -212,8 +218,9 @@ __device__ __forceinline__ int pick_lane(float cost, float vol, int lane, float 
 
 // fwd / dgrad: tiles of a group of c rows (c >= 0)
 __device__ __forceinline__ int rows_tiles(const Cand& C, int c) {
-  int mt = C.bm_shift >= 0 ? (c + C.bm - 1) >> C.bm_shift : (c + C.bm - 1) / C.bm;
-  if (C.cn > 1) mt = (mt + C.cn - 1) / C.cn * C.cn;  // swap: token tiles fill whole clusters
+  const int x = c + C.bm - 1;
+  const int mt = C.bm_shift >= 0 ? x >> C.bm_shift
+                                 : (C.magic_d ? udiv_small(x, C.bm, C.magic_d) : x / C.bm);
   return mt * C.nt;
 }
 // wgrad: cost of one tile of a group of m rows
@@ -263,25 +270,17 @@ __device__ __forceinline__ void write_group(const PrepParams& p, int i, int g, l
   const int N = p.N, K = p.K, epn = p.epn;
   const long long wofs = (long long)(g < epn ? g : g - epn) * N * K;
   int s0, s1, s2;
-  if (p.kind < 2) {  // fwd: (M_g, N, K); dgrad: (M_g, K, N); swap-AB: A and B, M and N swapped
-    const char* rows = p.A + start * (p.kind == 0 ? K : N) * 2;
-    const char* w = (g < epn ? p.B : p.B_slot) + wofs * 2;
-    char* out = p.D + start * (p.kind == 0 ? N : K) * 2;
-    p.ptr[0][0][i] = rows;
-    p.ptr[0][1][i] = w;
-    p.ptr[0][3][i] = out;
-    if (p.nori > 1) {
-      p.ptr[1][0][i] = w;
-      p.ptr[1][1][i] = rows;
-      p.ptr[1][3][i] = out;
-    }
+  if (p.kind < 2) {  // fwd: (M_g, N, K); dgrad: (M_g, K, N); swap-AB: M and N exchanged
+    p.ptr[0][i] = p.A + start * (p.kind == 0 ? K : N) * 2;
+    p.ptr[1][i] = (g < epn ? p.B : p.B_slot) + wofs * 2;
+    p.ptr[3][i] = p.D + start * (p.kind == 0 ? N : K) * 2;
     s0 = cnt; s1 = p.kind == 0 ? N : K; s2 = p.kind == 0 ? K : N;
   } else {  // wgrad: (N, K, M_g); empty groups get no tiles (fp32: unchanged; lp: zeroed)
-    p.ptr[0][0][i] = p.A + start * N * 2;
-    p.ptr[0][1][i] = p.B + start * K * 2;
+    p.ptr[0][i] = p.A + start * N * 2;
+    p.ptr[1][i] = p.B + start * K * 2;
     char* d = (g < epn ? p.D : p.D_slot) + wofs * (p.kind == 2 ? 4 : 2);
-    p.ptr[0][2][i] = d;
-    p.ptr[0][3][i] = d;
+    p.ptr[2][i] = d;
+    p.ptr[3][i] = d;
     s0 = cnt > 0 ? N : 0; s1 = K; s2 = cnt;
   }
   for (int c = 0; c < p.nconf; ++c) {
@@ -384,14 +383,20 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
         sink ^= reinterpret_cast<const int*>(&p)[l * 16];
   } else {  // block 1: the problem arrays
     if (tid < G) {
-      for (int o = 0; o < p.nori; ++o)
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+          if (w < p.sbw[a]) p.stride[a][(long long)tid * p.sbw[a] + w] = p.sb[a][w];
+    }
+    if constexpr (rows_kind) {
+      if (tid < G && p.stride_sw[0]) {
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
           for (int w = 0; w < 4; ++w)
-            if (w < p.sbw[o][a]) p.stride[o][a][(long long)tid * p.sbw[o][a] + w] = p.sb[o][a][w];
-    }
-    if constexpr (rows_kind) {
+            if (w < p.sbw_sw[a]) p.stride_sw[a][(long long)tid * p.sbw_sw[a] + w] = p.sb_sw[a][w];
+      }
       if (tid < G) write_group(p, tid, tid, start, cnt);
       return;
     }
@@ -698,25 +703,26 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     p.shapes[c] = reinterpret_cast<int*>(ws + L.shapes[c]);
     if (reg.geom[kind][c].swap) p.swapmask |= 1u << c;
   }
-  p.nori = reg.nori[kind];
-  // Strides depend on N and K only (leading dimensions), never on the group's rows.  One set per
-  // orientation, from the first config of that orientation.
+  for (int i = 0; i < 4; ++i) {
+    p.ptr[i] = reinterpret_cast<const void**>(ws + L.ptr[i]);
+    p.stride[i] = reinterpret_cast<long long*>(ws + L.stride[i]);
+    p.stride_sw[i] = reg.has_swap[kind] ? reinterpret_cast<long long*>(ws + L.stride_sw[i]) : nullptr;
+  }
+  // Strides depend on N and K only (leading dimensions), never on the group's rows: one set for
+  // the kind's plain configs and one for its swap-AB configs, from the first config of each.
   const int pm = kind >= 2 ? N : 1, pn = kind == 0 ? N : K, pk = kind == 0 ? K : (kind == 1 ? N : 1);
-  for (int o = 0; o < p.nori; ++o) {
-    for (int i = 0; i < 4; ++i) {
-      p.ptr[o][i] = reinterpret_cast<const void**>(ws + L.ptr[o][i]);
-      p.stride[o][i] = reinterpret_cast<long long*>(ws + L.stride[o][i]);
-    }
+  for (int o = 0; o < (reg.has_swap[kind] ? 2 : 1); ++o) {
     int c0 = 0;
     while (c0 < nconf && reg.geom[kind][c0].swap != o) ++c0;
+    if (c0 == nconf) continue;  // a kind of swap configs only: no plain strides to write
     StrideBytes sb{};
     reg.kind[kind]->strides(c0, pm, pn, pk, &sb);
     const unsigned char* sbsrc[4] = {sb.a, sb.b, sb.c, sb.d};
     const int sbsize[4] = {sb.size_a, sb.size_b, sb.size_c, sb.size_d};
     for (int a = 0; a < 4; ++a) {
       if (sbsize[a] % 8 != 0 || sbsize[a] > 32) return fail("internal: stride size not a multiple of 8 bytes");
-      p.sbw[o][a] = sbsize[a] / 8;
-      memcpy(p.sb[o][a], sbsrc[a], sbsize[a]);
+      (o ? p.sbw_sw : p.sbw)[a] = sbsize[a] / 8;
+      memcpy(o ? p.sb_sw[a] : p.sb[a], sbsrc[a], sbsize[a]);
     }
   }
 
@@ -745,13 +751,15 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     C.tau_sw = tuning[4 + 5 * c];
     C.tau0 = tuning[5 + 5 * c];
     const double tile_flops_us = peak * 1e6 / P * eta;  // flop per us of one CTA
-    C.bm = g.swap ? g.BN : g.BM;  // rows per row tile
-    C.cn = g.swap ? g.CN : 1;
+    C.bm = g.swap ? g.BN * g.CN : g.BM;  // rows per row tile (swap: a cluster of token tiles)
     C.bm_shift = -1;
     for (int sh = 0; sh < 31; ++sh)
       if ((1 << sh) == C.bm) C.bm_shift = sh;
     if (kind < 2) {
-      C.nt = g.swap ? (int)cdiv_ll(n_out, g.BM) : (int)(cdiv_ll(cdiv_ll(n_out, g.BN), g.CN) * g.CN);
+      C.nt = g.swap ? (int)(g.CN * cdiv_ll(n_out, g.BM))
+                    : (int)(cdiv_ll(cdiv_ll(n_out, g.BN), g.CN) * g.CN);
+      // udiv_small needs x = rows + bm - 1 < 2^22 and bm <= 1024
+      C.magic_d = C.bm_shift < 0 && C.bm <= 1024 && (long long)M + C.bm < (1 << 22) ? magic(C.bm) : 0;
       C.vol = (float)g.BM * (float)g.BN;
       C.tau = (float)(2.0 * g.BM * g.BN * k_red / tile_flops_us + tau_epi);
       C.inv_bw = (float)(1.0 / (hbm * 1e6 * bw_frac));
@@ -816,18 +824,19 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
 
   // One launch of the kind's fused kernel; it runs the config the prep kernel wrote to `chosen`.
   RunArgs r[kMaxConfigs];
-  for (int c = 0; c < nconf; ++c) {  // configs differ in orientation, shapes and CUTLASS workspace
-    const int o = reg.geom[kind][c].swap ? 1 : 0;
+  for (int c = 0; c < nconf; ++c) {  // configs differ in shapes and CUTLASS workspace; a swap-AB
+    const bool sw = reg.geom[kind][c].swap;  // config also in A <-> B and its strides
     r[c] = RunArgs{};
     r[c].G = G;
-    r[c].ptr_A = p.ptr[o][0];
-    r[c].ptr_B = p.ptr[o][1];
-    r[c].ptr_C = p.ptr[o][2];
-    r[c].ptr_D = const_cast<void**>(p.ptr[o][3]);
-    r[c].stride_A = p.stride[o][0];
-    r[c].stride_B = p.stride[o][1];
-    r[c].stride_C = p.stride[o][2];
-    r[c].stride_D = p.stride[o][3];
+    r[c].ptr_A = p.ptr[sw ? 1 : 0];
+    r[c].ptr_B = p.ptr[sw ? 0 : 1];
+    r[c].ptr_C = p.ptr[2];
+    r[c].ptr_D = const_cast<void**>(p.ptr[3]);
+    long long* const* st = sw ? p.stride_sw : p.stride;
+    r[c].stride_A = st[0];
+    r[c].stride_B = st[1];
+    r[c].stride_C = st[2];
+    r[c].stride_D = st[3];
     r[c].sm_count = sm_count;
     r[c].raster = raster;
     r[c].stream = stream;
