@@ -480,12 +480,13 @@ def main(argv=None):
         print(report(old["rows"], old["stream"], old["selector"],
                      env=f"torch {old['torch']}, {old['device']}, tuning: {old['tuning']}"))
         return
+    kinds = tuple(args.kinds.split(","))
+    if not set(kinds) <= set(KINDS):
+        ap.error(f"--kinds: unknown kind in {args.kinds!r} (kinds: {', '.join(KINDS)})")
     assert torch.cuda.is_available(), "needs a GPU"
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
     parts = set(args.only.split(","))
-    kinds = tuple(args.kinds.split(","))
-    assert set(kinds) <= set(KINDS), f"--kinds: unknown kind in {kinds}"
     rows = run_sweep(args.iters, args.quick, kinds) if "sweep" in parts else []
     stream = run_streaming(args.iters) if "stream" in parts else []
     sel = run_selector_cost(args.iters) if "selector" in parts else {}

@@ -586,3 +586,18 @@ def test_calibration_refits_only_the_kinds_asked(tmp_path, monkeypatch):
         k: gemm_tuning.CALIBRATION_SOURCES[k] for k in ("fwd", "dgrad", "wgrad")}
     with pytest.raises(SystemExit, match="unknown kind"):
         cal.main(["--from-json", str(src), "--kinds", "wgrad,bogus", "--write", str(out)])
+
+
+def test_bench_report_and_kinds_option(monkeypatch, capsys):
+    """bench_grouped_gemm.py: an unknown --kinds is refused before anything runs, and the report
+    prints the streaming roofline columns (older JSON without a bound prints nan)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_grouped_gemm as bench
+    with pytest.raises(SystemExit):
+        bench.main(["--kinds", "fwd,bogus"])
+    assert "unknown kind" in capsys.readouterr().err
+    s = dict(G=96, rows_per_group=160, ours_tbps=3.4, best_tbps=3.41, torch_tbps=2.55,
+             bound_tbps=3.86, device_choice="s256x80")
+    md = bench.report([], [s, {k: v for k, v in s.items() if k != "bound_tbps"}], {}, env="x")
+    assert "| 96 | 160 | 3.40 | 3.41 | 2.55 | 3.86 | 0.88 | s256x80 |" in md
+    assert "| nan | nan | s256x80 |" in md
