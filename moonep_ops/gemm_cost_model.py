@@ -228,8 +228,8 @@ def pick(pred: dict[str, float], volume: dict[str, float], kind: str) -> str:
     within SELECT_TIE_TOL of the fastest, the one with the least MMA work (padding), then the
     first listed.  Why: a memory-bound round costs the same bytes whatever its tiles, so the
     model ties configs whose padded MMA differs by 2x (G = 96 groups of 64 rows: c128x256 and
-    p64x256 both 691 us; measured 3.74 against 3.92 TB/s, session 8) and the extra MMA does
-    not overlap the stream as max(compute, memory) assumes."""
+    p64x256 both 691 us; measured 3.74 against 3.92 TB/s, session 8; p64x256 was retired in
+    session 12) and the extra MMA does not overlap the stream as max(compute, memory) assumes."""
     best = min(pred.values())
     near = [n for n in pred if pred[n] <= best * (1.0 + gemm_tuning.SELECT_TIE_TOL)]
     return min(near, key=lambda n: (volume[n], config_index(kind, n)))
