@@ -18,10 +18,11 @@
 //   dgrad A = W_g^T (K x N) ColumnMajor   B = dy rows ColumnMajor   D = dx^T ColumnMajor
 #pragma once
 
-// CuTe's GMMA selector offers N = 80 (and the other "extended" shapes) only
-// with this macro; without it the swap configs' 80-column tile compiled to five 64x16x16
-// HGMMA per k-step instead of one 64x80x16 (session 11: a third of the expected rate).  The
-// tiles of N = 128 and 256 select the same instructions either way.
+// CuTe's GMMA selector offers N = 80 (an "extended" shape; 96, 128 and 256 are standard) only
+// with this macro; without it the 80-column swap tile compiled to five 64x16x16 HGMMA per
+// k-step instead of one 64x80x16 (session 11: a third of the expected rate).  The tiles of
+// N = 96, 128 and 256 select the same instructions either way (no extended N divides them
+// before their own in CuTe's descending search).
 #ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #endif
