@@ -56,7 +56,8 @@ struct Registry {
   const char* name[kNumKinds][kMaxConfigs] = {};
   ConfigGeom geom[kNumKinds][kMaxConfigs] = {};
   int n[kNumKinds] = {};
-  bool has_swap[kNumKinds] = {};  // the kind has a swap-AB config (a second set of strides)
+  unsigned swapmask[kNumKinds] = {};  // bit c: config c is swap-AB (nonzero: a second set of
+                                      // strides)
   char mismatch[200] = "";
   Registry() {
 #define MOONEP_REGISTER(KIND, NAME, ...) add(#KIND, #NAME, ConfigGeom{__VA_ARGS__});
@@ -75,9 +76,9 @@ struct Registry {
             : strcmp(kind_name, "dgrad") == 0 ? 1
             : strcmp(kind_name, "wgrad") == 0 ? 2
                                               : 3;
+    if (g.swap) swapmask[k] |= 1u << n[k];
     name[k][n[k]] = config;
     geom[k][n[k]++] = g;
-    has_swap[k] = has_swap[k] || g.swap;
   }
 };
 
@@ -108,7 +109,7 @@ Layout layout(int kind, int G, int sm_count) {
     L.stride[i] = off;
     off = align_up(off + (size_t)G * 32);
   }
-  for (int i = 0; reg.has_swap[kind] && i < 4; ++i) {
+  for (int i = 0; reg.swapmask[kind] && i < 4; ++i) {
     L.stride_sw[i] = off;
     off = align_up(off + (size_t)G * 32);
   }
@@ -263,6 +264,17 @@ struct Smem {
   int wnz[kWarps], wtile[kMaxConfigs][kWarps], nempty, ttot[kMaxConfigs];
 };
 
+// Group g's copy of one set of strides (the same for every group): sbw[a] 8-byte words of sb[a]
+// for A, B, C, D.
+__device__ __forceinline__ void write_strides(long long* const (&dst)[4], const long long (&sb)[4][4],
+                                              const int (&sbw)[4], int g) {
+#pragma unroll
+  for (int a = 0; a < 4; ++a)
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+      if (w < sbw[a]) dst[a][(long long)g * sbw[a] + w] = sb[a][w];
+}
+
 // The problem arrays of group g at position i of the order the GEMM runs (i == g for fwd/dgrad;
 // LPT position for wgrad).  Strides are written separately (the same for every group).
 __device__ __forceinline__ void write_group(const PrepParams& p, int i, int g, long long start,
@@ -382,21 +394,9 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
       for (int l = warp; l < p.nprefetch; l += NT / 32)
         sink ^= reinterpret_cast<const int*>(&p)[l * 16];
   } else {  // block 1: the problem arrays
-    if (tid < G) {
-#pragma unroll
-      for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-          if (w < p.sbw[a]) p.stride[a][(long long)tid * p.sbw[a] + w] = p.sb[a][w];
-    }
+    if (tid < G) write_strides(p.stride, p.sb, p.sbw, tid);
     if constexpr (rows_kind) {
-      if (tid < G && p.stride_sw[0]) {
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-          for (int w = 0; w < 4; ++w)
-            if (w < p.sbw_sw[a]) p.stride_sw[a][(long long)tid * p.sbw_sw[a] + w] = p.sb_sw[a][w];
-      }
+      if (tid < G && p.stride_sw[0]) write_strides(p.stride_sw, p.sb_sw, p.sbw_sw, tid);
       if (tid < G) write_group(p, tid, tid, start, cnt);
       return;
     }
@@ -698,20 +698,17 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   p.D = static_cast<char*>(D);
   p.D_slot = static_cast<char*>(D_slot);
   p.chosen_out = reinterpret_cast<int*>(ws + L.chosen);
-  p.swapmask = 0;
-  for (int c = 0; c < nconf; ++c) {
-    p.shapes[c] = reinterpret_cast<int*>(ws + L.shapes[c]);
-    if (reg.geom[kind][c].swap) p.swapmask |= 1u << c;
-  }
+  p.swapmask = reg.swapmask[kind];
+  for (int c = 0; c < nconf; ++c) p.shapes[c] = reinterpret_cast<int*>(ws + L.shapes[c]);
   for (int i = 0; i < 4; ++i) {
     p.ptr[i] = reinterpret_cast<const void**>(ws + L.ptr[i]);
     p.stride[i] = reinterpret_cast<long long*>(ws + L.stride[i]);
-    p.stride_sw[i] = reg.has_swap[kind] ? reinterpret_cast<long long*>(ws + L.stride_sw[i]) : nullptr;
+    p.stride_sw[i] = reg.swapmask[kind] ? reinterpret_cast<long long*>(ws + L.stride_sw[i]) : nullptr;
   }
   // Strides depend on N and K only (leading dimensions), never on the group's rows: one set for
   // the kind's plain configs and one for its swap-AB configs, from the first config of each.
   const int pm = kind >= 2 ? N : 1, pn = kind == 0 ? N : K, pk = kind == 0 ? K : (kind == 1 ? N : 1);
-  for (int o = 0; o < (reg.has_swap[kind] ? 2 : 1); ++o) {
+  for (int o = 0; o < (reg.swapmask[kind] ? 2 : 1); ++o) {
     int c0 = 0;
     while (c0 < nconf && reg.geom[kind][c0].swap != o) ++c0;
     if (c0 == nconf) continue;  // a kind of swap configs only: no plain strides to write
