@@ -87,8 +87,8 @@ const Registry& registry() {
   return r;
 }
 
-struct Layout {  // byte offsets inside the call's workspace (stride_sw: swap-AB configs' strides)
-  size_t chosen, shapes[kMaxConfigs], ptr[4], stride[4], stride_sw[4], cutlass[kMaxConfigs], total;
+struct Layout {  // byte offsets inside the call's workspace (stride[1]: swap-AB configs' strides)
+  size_t chosen, shapes[kMaxConfigs], ptr[4], stride[2][4], cutlass[kMaxConfigs], total;
 };
 
 Layout layout(int kind, int G, int sm_count) {
@@ -105,14 +105,11 @@ Layout layout(int kind, int G, int sm_count) {
     L.ptr[i] = off;
     off = align_up(off + (size_t)G * sizeof(void*));
   }
-  for (int i = 0; i < 4; ++i) {
-    L.stride[i] = off;
-    off = align_up(off + (size_t)G * 32);
-  }
-  for (int i = 0; reg.swapmask[kind] && i < 4; ++i) {
-    L.stride_sw[i] = off;
-    off = align_up(off + (size_t)G * 32);
-  }
+  for (int o = 0; o < (reg.swapmask[kind] ? 2 : 1); ++o)
+    for (int i = 0; i < 4; ++i) {
+      L.stride[o][i] = off;
+      off = align_up(off + (size_t)G * 32);
+    }
   for (int c = 0; c < reg.n[kind]; ++c) {
     L.cutlass[c] = off;
     off = align_up(off + reg.kind[kind]->workspace_bytes(c, G, sm_count));
@@ -156,14 +153,12 @@ struct PrepParams {  // the fields block 0 reads first come first (one or two co
   char *D, *D_slot;
   int* shapes[kMaxConfigs];
   const void** ptr[4];  // A, B, C, D (a swap config takes A and B exchanged)
-  long long* stride[4];
-  long long sb[4][4];   // the stride of A, B, C, D (8-byte words; the same for every group)
-  int sbw[4];           // words per stride
-  // swap-AB configs (fwd/dgrad): their shapes are written transposed and their strides apart
-  unsigned swapmask;    // bit c: config c is swap-AB
-  long long* stride_sw[4];  // null when the kind has no swap config
-  long long sb_sw[4][4];
-  int sbw_sw[4];
+  // [0]: the kind's plain configs, [1]: its swap-AB configs (fwd/dgrad: their shapes are
+  // written transposed and their strides apart; stride[1] is null when the kind has none)
+  long long* stride[2][4];
+  long long sb[2][4][4];  // the stride of A, B, C, D (8-byte words; the same for every group)
+  int sbw[2][4];          // words per stride
+  unsigned swapmask;      // bit c: config c is swap-AB
 };
 
 __device__ __forceinline__ int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
@@ -394,9 +389,9 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
       for (int l = warp; l < p.nprefetch; l += NT / 32)
         sink ^= reinterpret_cast<const int*>(&p)[l * 16];
   } else {  // block 1: the problem arrays
-    if (tid < G) write_strides(p.stride, p.sb, p.sbw, tid);
+    if (tid < G) write_strides(p.stride[0], p.sb[0], p.sbw[0], tid);
     if constexpr (rows_kind) {
-      if (tid < G && p.stride_sw[0]) write_strides(p.stride_sw, p.sb_sw, p.sbw_sw, tid);
+      if (tid < G && p.stride[1][0]) write_strides(p.stride[1], p.sb[1], p.sbw[1], tid);
       if (tid < G) write_group(p, tid, tid, start, cnt);
       return;
     }
@@ -702,8 +697,8 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   for (int c = 0; c < nconf; ++c) p.shapes[c] = reinterpret_cast<int*>(ws + L.shapes[c]);
   for (int i = 0; i < 4; ++i) {
     p.ptr[i] = reinterpret_cast<const void**>(ws + L.ptr[i]);
-    p.stride[i] = reinterpret_cast<long long*>(ws + L.stride[i]);
-    p.stride_sw[i] = reg.swapmask[kind] ? reinterpret_cast<long long*>(ws + L.stride_sw[i]) : nullptr;
+    p.stride[0][i] = reinterpret_cast<long long*>(ws + L.stride[0][i]);
+    p.stride[1][i] = reg.swapmask[kind] ? reinterpret_cast<long long*>(ws + L.stride[1][i]) : nullptr;
   }
   // Strides depend on N and K only (leading dimensions), never on the group's rows: one set for
   // the kind's plain configs and one for its swap-AB configs, from the first config of each.
@@ -718,8 +713,8 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     const int sbsize[4] = {sb.size_a, sb.size_b, sb.size_c, sb.size_d};
     for (int a = 0; a < 4; ++a) {
       if (sbsize[a] % 8 != 0 || sbsize[a] > 32) return fail("internal: stride size not a multiple of 8 bytes");
-      (o ? p.sbw_sw : p.sbw)[a] = sbsize[a] / 8;
-      memcpy(o ? p.sb_sw[a] : p.sb[a], sbsrc[a], sbsize[a]);
+      p.sbw[o][a] = sbsize[a] / 8;
+      memcpy(p.sb[o][a], sbsrc[a], sbsize[a]);
     }
   }
 
@@ -829,7 +824,7 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     r[c].ptr_B = p.ptr[sw ? 0 : 1];
     r[c].ptr_C = p.ptr[2];
     r[c].ptr_D = const_cast<void**>(p.ptr[3]);
-    long long* const* st = sw ? p.stride_sw : p.stride;
+    long long* const* st = p.stride[sw];
     r[c].stride_A = st[0];
     r[c].stride_B = st[1];
     r[c].stride_C = st[2];
