@@ -345,6 +345,7 @@ def run_selector_cost(iters: int):
     for label, (kind, G, m, N, K) in {"tiny_fwd": ("fwd", 64, 1, 512, 512),
                                       "tiny_fwd_2cand": ("fwd", 64, 300, 512, 512),
                                       "moe_fwd": ("fwd", 64, 512, 4096, 7168),
+                                      "g96x64_fwd": ("fwd", 96, 64, 2048, 7168),
                                       "moe_wgrad_lp": ("wgrad_lp", 64, 512, 4096, 7168),
                                       "g256_fwd": ("fwd", 256, 128, 2048, 2048),
                                       "g256_wgrad_lp": ("wgrad_lp", 256, 128, 2048, 2048)}.items():
@@ -362,7 +363,7 @@ def run_selector_cost(iters: int):
                           overhead_us=auto - forced, prep_auto_us=prep_auto,
                           prep_forced_us=prep_forced, model_us=prep_auto - prep_forced,
                           model_cycles=model_cycles, model_us_at_1980mhz=model_cycles / 1980.0,
-                          candidates=bin(gg.candidate_mask(kind)).count("1"))
+                          candidates=bin(gg.candidate_mask(kind, G * m, G)).count("1"))
     counts = histogram("zipf1.5", 64, 32768)
     t0 = time.perf_counter()
     for _ in range(100):

@@ -3,4 +3,5 @@
 MOONEP_DEFINE_KIND(dgrad, GroupedGemm<1, 128, 256, 64, 1, 2, false>,
                           GroupedGemm<1, 128, 128, 64, 1, 2, true>,
                           GroupedGemm<5, 256, 80, 64, 1, 2, false>,
-                          GroupedGemm<5, 256, 96, 64, 1, 2, false>)
+                          GroupedGemm<5, 256, 96, 64, 1, 2, false>,
+                          GroupedGemm<1, 64, 256, 64, 1, 2, true>)

@@ -3,4 +3,5 @@
 MOONEP_DEFINE_KIND(fwd, GroupedGemm<0, 128, 256, 64, 1, 2, false, 64>,
                         GroupedGemm<0, 128, 128, 64, 1, 2, true>,
                         GroupedGemm<4, 256, 80, 64, 1, 2, false>,
-                        GroupedGemm<4, 256, 96, 64, 1, 2, false>)
+                        GroupedGemm<4, 256, 96, 64, 1, 2, false>,
+                        GroupedGemm<0, 64, 256, 64, 1, 2, true>)

@@ -225,8 +225,10 @@ __device__ __forceinline__ float wgrad_tile(const Cand& C, int m) {
   return fmaxf(fmaf(f, C.ca, C.cb), fmaf(f, C.ma, C.mb));
 }
 
-// fwd/dgrad: the candidates whose tile scans run side by side (the launcher refuses more)
-constexpr int kScanCand = 4;
+// fwd/dgrad: the candidates whose tile scans run side by side (the launcher refuses more).  The
+// rows kernel is compiled for 4 and for 5 chains and launched with the fewest that hold the
+// candidates: a fifth chain on zeros cost the 4-candidate calls ~200 SM cycles (session 14).
+constexpr int kScanCand = 5;
 
 constexpr int kChunkPad = 33;  // sorted chunks of 32 groups, one word apart: no bank conflicts
 
@@ -354,10 +356,11 @@ __device__ __noinline__ void zero_tails(const PrepParams& p, Smem& sm) {
 //     ~28 us at G = 256 once).  Entries sit at multiples of d = gcd(rem, P), and a CTA's window
 //     sum is constant between them while its tile count only falls, so the max over CTAs is a
 //     max over the Q points.
+// NScan: the tile-scan chains of the rows kernel (>= ncand).
 // RowsKind: fwd/dgrad (true) or wgrad (false), a kernel each: one function holding both models
 // let the compiler trade one's unrolling against the other's (session 11: interleaving the
 // fwd scans cut their cycles by 22 % and cost wgrad's window loops 25 %).
-template <int NT, bool RowsKind>
+template <int NT, bool RowsKind, int NScan = kScanCand>
 __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ PrepParams p) {
   __shared__ Smem sm;
   if (blockIdx.x >= 2) {
@@ -406,17 +409,17 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
 
   if constexpr (rows_kind) {
     // tiles of group tid under every candidate; scans within the warp, the candidates' side by
-    // side (kScanCand chains, unused ones on zeros; one after the other they were most of the
+    // side (NScan chains, unused ones on zeros; one after the other they were most of the
     // choice's cycles)
-    int part[kScanCand], incl[kScanCand];
+    int part[NScan], incl[NScan];
 #pragma unroll
-    for (int c = 0; c < kScanCand; ++c) {
+    for (int c = 0; c < NScan; ++c) {
       part[c] = c < ncand && cnt > 0 ? rows_tiles(p.cand[c], cnt) : 0;
       incl[c] = part[c];
     }
     warp_scans(incl, lane);
 #pragma unroll
-    for (int c = 0; c < kScanCand; ++c) {
+    for (int c = 0; c < NScan; ++c) {
       part[c] = incl[c] - part[c];
       if (lane == 31 && c < ncand) sm.wtile[c][warp] = incl[c];
     }
@@ -432,13 +435,13 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
       if (tid < G) sm.u.rows.cb[tid] = (float)before * p.wbytes + (float)start * p.rbytes;
     }
     {  // lane w of every warp scans warp w's tile totals, all candidates side by side
-      int sc[kScanCand];
+      int sc[NScan];
 #pragma unroll
-      for (int c = 0; c < kScanCand; ++c)
+      for (int c = 0; c < NScan; ++c)
         sc[c] = c < ncand && lane < NT / 32 ? sm.wtile[c][lane] : 0;
       warp_scans(sc, lane);
 #pragma unroll
-      for (int c = 0; c < kScanCand; ++c) {
+      for (int c = 0; c < NScan; ++c) {
         const int before_w = __shfl_sync(0xffffffffu, sc[c], max(warp - 1, 0));
         const int tot = __shfl_sync(0xffffffffu, sc[c], 31);
         if (c < ncand && tid < G) sm.u.rows.ts[c][tid] = (warp ? before_w : 0) + part[c];
@@ -804,10 +807,14 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   }
   if (kind != 2 && tail_blocks < 1) tail_blocks = 1;
   const bool rows = kind < 2;
-  if (nt == kPrepThreads && rows) prep_kernel<kPrepThreads, true><<<2 + tail_blocks, nt, 0, s>>>(p);
-  else if (nt == kPrepThreads) prep_kernel<kPrepThreads, false><<<2 + tail_blocks, nt, 0, s>>>(p);
-  else if (rows) prep_kernel<kSmallPrepThreads, true><<<2 + tail_blocks, nt, 0, s>>>(p);
-  else prep_kernel<kSmallPrepThreads, false><<<2 + tail_blocks, nt, 0, s>>>(p);
+  const bool scan4 = ncand <= 4;
+  const dim3 grid(2 + tail_blocks);
+  if (nt == kPrepThreads && rows && scan4) prep_kernel<kPrepThreads, true, 4><<<grid, nt, 0, s>>>(p);
+  else if (nt == kPrepThreads && rows) prep_kernel<kPrepThreads, true><<<grid, nt, 0, s>>>(p);
+  else if (nt == kPrepThreads) prep_kernel<kPrepThreads, false><<<grid, nt, 0, s>>>(p);
+  else if (rows && scan4) prep_kernel<kSmallPrepThreads, true, 4><<<grid, nt, 0, s>>>(p);
+  else if (rows) prep_kernel<kSmallPrepThreads, true><<<grid, nt, 0, s>>>(p);
+  else prep_kernel<kSmallPrepThreads, false><<<grid, nt, 0, s>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     snprintf(g_err, sizeof(g_err), "prep kernel launch failed: %s", cudaGetErrorString(e));

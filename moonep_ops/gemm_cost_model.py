@@ -58,6 +58,9 @@ class GemmConfig:
     pingpong: bool
     EN: int = 0          # epilogue subtile width (0: CUTLASS's 32); no term of the model
     swap: bool = False   # swap-AB (fwd/dgrad): weight rows in BM-row M tiles, tokens in BN tiles
+    # A candidate of the device selector only while the call's buffer holds at most this many
+    # rows per group (M <= max_mean_rows * G; static shapes, so no sync); 0: always.
+    max_mean_rows: int = 0
 
 
 # Must match cutlass_kernels/configs.h (checked by tests/test_grouped_gemm_cuda.py against the
@@ -69,12 +72,17 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
         GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
         GemmConfig("s256x80", 256, 80, 64, 1, 2, False, swap=True),
         GemmConfig("s256x96", 256, 96, 64, 1, 2, False, swap=True),
+        # 64-row tiles: the best config only for groups of <= ~64 rows (decode-like; 2-5 % over
+        # c128x256 there, eta 0.51-0.61 elsewhere), so a candidate only there: a fifth candidate
+        # costs the prep kernel 0.2-0.7 us (session 14), past the 5 us budget at MoE sizes.
+        GemmConfig("p64x256", 64, 256, 64, 1, 2, True, max_mean_rows=64),
     ),
     "dgrad": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
         GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
         GemmConfig("s256x80", 256, 80, 64, 1, 2, False, swap=True),
         GemmConfig("s256x96", 256, 96, 64, 1, 2, False, swap=True),
+        GemmConfig("p64x256", 64, 256, 64, 1, 2, True, max_mean_rows=64),
     ),
     "wgrad": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
@@ -228,18 +236,28 @@ def pick(pred: dict[str, float], volume: dict[str, float], kind: str) -> str:
     within SELECT_TIE_TOL of the fastest, the one with the least MMA work (padding), then the
     first listed.  Why: a memory-bound round costs the same bytes whatever its tiles, so the
     model ties configs whose padded MMA differs by 2x (G = 96 groups of 64 rows: c128x256 and
-    p64x256 both 691 us; measured 3.74 against 3.92 TB/s, session 8; p64x256 was retired in
-    session 12) and the extra MMA does not overlap the stream as max(compute, memory) assumes."""
+    p64x256 both 691 us; measured 3.74 against 3.92 TB/s, session 8) and the extra MMA does not
+    overlap the stream as max(compute, memory) assumes."""
     best = min(pred.values())
     near = [n for n in pred if pred[n] <= best * (1.0 + gemm_tuning.SELECT_TIE_TOL)]
     return min(near, key=lambda n: (volume[n], config_index(kind, n)))
 
 
+def candidates(kind: str, rows: int, groups: int) -> list[str]:
+    """The configs the device selector chooses among for a call whose buffer holds ``rows`` rows
+    in ``groups`` groups (shapes only: known on the host without a sync)."""
+    _check_kind(kind)
+    return [c.name for c in CONFIGS[kind] if not c.max_mean_rows or rows <= c.max_mean_rows * groups]
+
+
 def select(counts: Sequence[int], N: int, K: int, kind: str = "fwd", *,
-           sm_count: int | None = None) -> str:
-    """Name of the configuration the prep kernel picks (`pick`: the fastest predicted, near-ties
-    to the least MMA work, then the first listed)."""
-    pred = predict(counts, N, K, kind, sm_count=sm_count)
+           sm_count: int | None = None, rows: int | None = None) -> str:
+    """Name of the configuration the prep kernel picks among `candidates` (`pick`: the fastest
+    predicted, near-ties to the least MMA work, then the first listed).  ``rows``: the buffer's
+    rows (default: the sum of ``counts``)."""
+    c = _as_counts(counts)
+    cands = candidates(kind, int(c.sum()) if rows is None else int(rows), len(c))
+    pred = predict(c, N, K, kind, sm_count=sm_count, configs=cands)
     return pick(pred, {n: mma_volume(counts, N, K, kind, n) for n in pred}, kind)
 
 

@@ -14,8 +14,8 @@ EFFICIENCY[kind][config] = (eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us):
 CALIBRATED = True
 # Where each kind's constants come from (a partial refit, --kinds, keeps the others').
 CALIBRATION_SOURCES = {
-    'fwd': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s12.json, 2026-11-30',
-    'dgrad': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s12.json, 2026-11-30',
+    'fwd': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s14.json, 2026-11-30',
+    'dgrad': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s14.json, 2026-11-30',
     'wgrad': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s11.json, 2026-11-30',
     'wgrad_lp': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s11.json, 2026-11-30',
 }
@@ -32,16 +32,18 @@ SELECT_TIE_TOL = 0.005
 
 EFFICIENCY = {
     "fwd": {
-        "c128x256": (0.9751, 1.0, 0.0, 39.633, 5.384),
-        "p128x128": (0.861, 1.0, 1.6739, 66.1606, 0.0),
-        "s256x80": (0.9619, 1.0, 0.0, 48.1744, 5.1049),
-        "s256x96": (0.9575, 1.0, 0.0, 51.7609, 4.9299),
+        "c128x256": (0.9264, 1.0, 0.0, 35.0474, 6.9378),
+        "p128x128": (0.7822, 1.0, 1.6942, 66.098, 0.0),
+        "s256x80": (0.9301, 1.0, 0.2819, 16.4698, 6.6833),
+        "s256x96": (0.9404, 1.0, 0.0, 6.1916, 7.0788),
+        "p64x256": (0.5107, 1.0, 0.0, 49.269, 0.0),
     },
     "dgrad": {
-        "c128x256": (0.9493, 0.946, 0.0, 0.0, 7.6109),
-        "p128x128": (0.853, 0.8925, 3.4771, 0.0, 0.0),
-        "s256x80": (0.9471, 1.0, 0.0034, 20.0301, 6.1892),
-        "s256x96": (0.97, 1.0, 0.1155, 10.3658, 6.9317),
+        "c128x256": (0.932, 0.9474, 0.0011, 1.8406, 7.8657),
+        "p128x128": (0.8301, 0.903, 3.8483, 10.1247, 0.0),
+        "s256x80": (0.9159, 1.0, 0.8238, 16.1365, 5.4332),
+        "s256x96": (0.9483, 1.0, 0.0, 0.0, 7.1777),
+        "p64x256": (0.6092, 1.0, 3.0123, 14.659, 3.4602),
     },
     "wgrad": {
         "c128x256": (0.8394, 0.8219, 0.2747, 10.6539, 8.1877),

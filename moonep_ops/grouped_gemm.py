@@ -324,17 +324,18 @@ def _tuning_table(kind: str):
     return _tables[kind]
 
 
-def candidate_mask(kind: str) -> int:
-    """Configs the device selector chooses among (bit i = CONFIGS[kind][i]).
+def candidate_mask(kind: str, rows: int, groups: int) -> int:
+    """Configs the device selector chooses among (bit i = CONFIGS[kind][i]) for a buffer of
+    ``rows`` rows in ``groups`` groups.
 
     All configs of a kind are branches of one fused kernel, launched once; a candidate costs only
-    its evaluation in the prep kernel (~1 µs), so every config is a candidate.  Env
-    MOONEP_GEMM_CANDIDATES (comma-separated names) narrows the set."""
-    names = os.environ.get("MOONEP_GEMM_CANDIDATES", "")
+    its evaluation in the prep kernel (0.2-0.7 µs), so every config is a candidate except those
+    that can only win on small groups (gemm_cost_model.candidates).  Env MOONEP_GEMM_CANDIDATES
+    (comma-separated names) narrows the set."""
     cfgs = gemm_cost_model.CONFIGS[kind]
-    if not names:
-        return (1 << len(cfgs)) - 1
-    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    names = os.environ.get("MOONEP_GEMM_CANDIDATES", "")
+    wanted = ({n.strip() for n in names.split(",") if n.strip()} if names
+              else set(gemm_cost_model.candidates(kind, rows, groups)))
     mask = sum(1 << i for i, c in enumerate(cfgs) if c.name in wanted)
     return mask or (1 << len(cfgs)) - 1
 
@@ -361,7 +362,7 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
             a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
             d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
             cu.data_ptr(), G, epn, M, N, K,
-            _tuning_table(kind), candidate_mask(kind), flags,
+            _tuning_table(kind), candidate_mask(kind, M, G), flags,
             workspace.data_ptr(), nbytes, sm, stream)
     if rc != 0:
         raise RuntimeError(f"moonep grouped GEMM ({kind}) failed: {_native.gemm_last_error()}")

@@ -368,20 +368,40 @@ def test_native_loader_missing(tmp_path, monkeypatch):
         importlib.reload(_native)
 
 
-def test_candidate_mask_is_every_config(monkeypatch):
+def test_candidate_mask_is_every_config_but_small_tiles_on_large_groups(monkeypatch):
     # The configs of a kind are fused into one kernel, so a candidate costs no launch: the
-    # device model chooses among all of them (no pruning by rows per group any more).
+    # device model chooses among all of them, except that a config for small groups
+    # (max_mean_rows, p64x256) is left out when the buffer holds more rows per group.
     monkeypatch.delenv("MOONEP_GEMM_CANDIDATES", raising=False)
     for kind in gemm_cost_model.KINDS:
-        full = (1 << len(gemm_cost_model.CONFIGS[kind])) - 1
-        assert gg.candidate_mask(kind) == full
+        cfgs = gemm_cost_model.CONFIGS[kind]
+        full = (1 << len(cfgs)) - 1
+        assert gg.candidate_mask(kind, 64 * 96, 96) == full
+        big = gg.candidate_mask(kind, 65 * 96, 96)
+        for i, c in enumerate(cfgs):
+            assert bool((big >> i) & 1) == (c.max_mean_rows == 0), (kind, c.name)
+    assert any(c.max_mean_rows for c in gemm_cost_model.CONFIGS["fwd"] if c.BM == 64)
+    assert "p64x256" not in gemm_cost_model.candidates("fwd", 32768, 64)
+    assert "p64x256" in gemm_cost_model.candidates("dgrad", 4096, 64)
+
+
+def test_select_skips_non_candidates():
+    # 96 groups of 40 rows: every config is a candidate; the same histogram in a buffer of 65
+    # rows per group leaves p64x256 out, and select() applies the same rule to the others.
+    counts, N, K = np.full(96, 40), 2048, 7168
+    pred = gemm_cost_model.predict(counts, N, K, "dgrad")
+    vol = {n: gemm_cost_model.mma_volume(counts, N, K, "dgrad", n) for n in pred}
+    others = {n: t for n, t in pred.items() if n != "p64x256"}
+    assert gemm_cost_model.select(counts, N, K, "dgrad") == gemm_cost_model.pick(pred, vol, "dgrad")
+    big = gemm_cost_model.select(counts, N, K, "dgrad", rows=65 * 96)
+    assert big == gemm_cost_model.pick(others, vol, "dgrad") and big != "p64x256"
 
 
 def test_candidate_mask_env(monkeypatch):
     monkeypatch.setenv("MOONEP_GEMM_CANDIDATES", "p128x128, c128x256")
-    assert gg.candidate_mask("fwd") == 0b011
+    assert gg.candidate_mask("fwd", 1024, 8) == 0b011
     monkeypatch.setenv("MOONEP_GEMM_CANDIDATES", "")
-    assert gg.candidate_mask("wgrad") == 0b111
+    assert gg.candidate_mask("wgrad", 1024, 8) == 0b111
 
 
 def test_cxx_config_table_matches_python():

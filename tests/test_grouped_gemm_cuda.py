@@ -268,7 +268,7 @@ def test_device_selector_agrees_with_python_model(kind):
             dx = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
             wsp = gg._launch(kind, -1, dy, wl, ws, dx, None, cu, epn, M, N, K)
         chosen = int(wsp[:4].view(torch.int32).item())
-        mask = gg.candidate_mask(kind)
+        mask = gg.candidate_mask(kind, M, len(counts))
         pred = gemm_cost_model.predict(counts, N, K, kind, configs=[
             c.name for i, c in enumerate(gemm_cost_model.CONFIGS[kind]) if (mask >> i) & 1])
         name = gemm_cost_model.CONFIGS[kind][chosen].name
