@@ -632,6 +632,15 @@ int fail(const char* msg) {
   return -1;
 }
 
+// The prep kernel for a block of NT threads: fwd/dgrad (rows) with the fewest tile-scan chains
+// that hold the candidates, or wgrad.
+template <int NT>
+void launch_prep(bool rows, int ncand, int blocks, cudaStream_t s, const PrepParams& p) {
+  if (rows && ncand <= 4) prep_kernel<NT, true, 4><<<blocks, NT, 0, s>>>(p);
+  else if (rows) prep_kernel<NT, true><<<blocks, NT, 0, s>>>(p);
+  else prep_kernel<NT, false><<<blocks, NT, 0, s>>>(p);
+}
+
 }  // namespace
 }  // namespace moonep
 
@@ -806,15 +815,8 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     if (tail_blocks > max_tail) tail_blocks = max_tail;
   }
   if (kind != 2 && tail_blocks < 1) tail_blocks = 1;
-  const bool rows = kind < 2;
-  const bool scan4 = ncand <= 4;
-  const dim3 grid(2 + tail_blocks);
-  if (nt == kPrepThreads && rows && scan4) prep_kernel<kPrepThreads, true, 4><<<grid, nt, 0, s>>>(p);
-  else if (nt == kPrepThreads && rows) prep_kernel<kPrepThreads, true><<<grid, nt, 0, s>>>(p);
-  else if (nt == kPrepThreads) prep_kernel<kPrepThreads, false><<<grid, nt, 0, s>>>(p);
-  else if (rows && scan4) prep_kernel<kSmallPrepThreads, true, 4><<<grid, nt, 0, s>>>(p);
-  else if (rows) prep_kernel<kSmallPrepThreads, true><<<grid, nt, 0, s>>>(p);
-  else prep_kernel<kSmallPrepThreads, false><<<grid, nt, 0, s>>>(p);
+  if (nt == kPrepThreads) launch_prep<kPrepThreads>(kind < 2, ncand, 2 + tail_blocks, s, p);
+  else launch_prep<kSmallPrepThreads>(kind < 2, ncand, 2 + tail_blocks, s, p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     snprintf(g_err, sizeof(g_err), "prep kernel launch failed: %s", cudaGetErrorString(e));
