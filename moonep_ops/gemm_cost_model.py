@@ -231,16 +231,36 @@ def mma_volume(counts: Sequence[int], N: int, K: int, kind: str, name: str) -> f
     return float(_wgrad_tiles(N, K, cfg) * cfg.BM * cfg.BN)
 
 
-def pick(pred: dict[str, float], volume: dict[str, float], kind: str) -> str:
+def pick(pred: dict[str, float], volume: dict[str, float], kind: str,
+         tol: float | None = None) -> str:
     """The selection rule, shared by `select` and the prep kernel: among the configs predicted
-    within SELECT_TIE_TOL of the fastest, the one with the least MMA work (padding), then the
-    first listed.  Why: a memory-bound round costs the same bytes whatever its tiles, so the
-    model ties configs whose padded MMA differs by 2x (G = 96 groups of 64 rows: c128x256 and
-    p64x256 both 691 us; measured 3.74 against 3.92 TB/s, session 8) and the extra MMA does not
-    overlap the stream as max(compute, memory) assumes."""
+    within ``tol`` (default SELECT_TIE_TOL; see `tie_tolerance`) of the fastest, the one with the
+    least MMA work (padding), then the first listed.  Why: a memory-bound round costs the same
+    bytes whatever its tiles, so the model ties configs whose padded MMA differs by 2x (G = 96
+    groups of 64 rows: c128x256 and p64x256 both 691 us; measured 3.74 against 3.92 TB/s,
+    session 8) and the extra MMA does not overlap the stream as max(compute, memory) assumes."""
+    tol = gemm_tuning.SELECT_TIE_TOL if tol is None else tol
     best = min(pred.values())
-    near = [n for n in pred if pred[n] <= best * (1.0 + gemm_tuning.SELECT_TIE_TOL)]
+    near = [n for n in pred if pred[n] <= best * (1.0 + tol)]
     return min(near, key=lambda n: (volume[n], config_index(kind, n)))
+
+
+def small_groups(kind: str, rows: int, groups: int) -> bool:
+    """True when the buffer holds so few rows per group that a small-group config (one with
+    ``max_mean_rows``) is a candidate: every round of every config then streams weights."""
+    _check_kind(kind)
+    return any(c.max_mean_rows and rows <= c.max_mean_rows * groups for c in CONFIGS[kind])
+
+
+def tie_tolerance(kind: str, rows: int, groups: int) -> float:
+    """Near-tie window of `pick` for a call's buffer (shapes only, no sync): SELECT_TIE_TOL, or
+    SELECT_TIE_TOL_SMALL on small groups (`small_groups`).  Why wider there: every round is
+    bound by the weight stream, where max(compute, memory) cannot tell the configs apart (their
+    predictions differ only by fitted per-call constants, 0.7-1.7 %), while measured the least
+    padded MMA streams 2-5 % faster (p64x256 against c128x256; calibration set and streaming
+    benchmark, session 15)."""
+    return (gemm_tuning.SELECT_TIE_TOL_SMALL if small_groups(kind, rows, groups)
+            else gemm_tuning.SELECT_TIE_TOL)
 
 
 def candidates(kind: str, rows: int, groups: int) -> list[str]:
@@ -253,12 +273,13 @@ def candidates(kind: str, rows: int, groups: int) -> list[str]:
 def select(counts: Sequence[int], N: int, K: int, kind: str = "fwd", *,
            sm_count: int | None = None, rows: int | None = None) -> str:
     """Name of the configuration the prep kernel picks among `candidates` (`pick`: the fastest
-    predicted, near-ties to the least MMA work, then the first listed).  ``rows``: the buffer's
+    predicted, near-ties within `tie_tolerance` to the least MMA work, then the first listed).  ``rows``: the buffer's
     rows (default: the sum of ``counts``)."""
     c = _as_counts(counts)
-    cands = candidates(kind, int(c.sum()) if rows is None else int(rows), len(c))
-    pred = predict(c, N, K, kind, sm_count=sm_count, configs=cands)
-    return pick(pred, {n: mma_volume(counts, N, K, kind, n) for n in pred}, kind)
+    rows = int(c.sum()) if rows is None else int(rows)
+    pred = predict(c, N, K, kind, sm_count=sm_count, configs=candidates(kind, rows, len(c)))
+    return pick(pred, {n: mma_volume(counts, N, K, kind, n) for n in pred}, kind,
+                tie_tolerance(kind, rows, len(c)))
 
 
 def flops(counts: Sequence[int], N: int, K: int) -> float:
@@ -266,13 +287,14 @@ def flops(counts: Sequence[int], N: int, K: int) -> float:
     return 2.0 * float(_as_counts(counts).sum()) * N * K
 
 
-def tuning_table(kind: str) -> list[float]:
+def tuning_table(kind: str, tie_tol: float | None = None) -> list[float]:
     """Constants flattened for the device selector: [peak TF/s, HBM TB/s, then per config
     eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us in CONFIGS[kind] order, then the tie
-    tolerance] (read by moonep_grouped_gemm in cutlass_kernels/prep.cu)."""
+    tolerance (default SELECT_TIE_TOL; the op passes `tie_tolerance` of the call)] (read by
+    moonep_grouped_gemm in cutlass_kernels/prep.cu)."""
     _check_kind(kind)
     out = [float(gemm_tuning.PEAK_TFLOPS), float(gemm_tuning.HBM_TBPS)]
     for cfg in CONFIGS[kind]:
         out.extend(_constants(kind, cfg.name))
-    out.append(float(gemm_tuning.SELECT_TIE_TOL))
+    out.append(float(gemm_tuning.SELECT_TIE_TOL if tie_tol is None else tie_tol))
     return out

@@ -29,6 +29,10 @@ NUM_SMS = 132
 # count as a tie, broken towards less MMA work (gemm_cost_model.pick).  0.5 %: no pick on the
 # calibration set changes up to 2 %, and the 64-row streaming case is an exact tie.
 SELECT_TIE_TOL = 0.005
+# On small groups (gemm_cost_model.tie_tolerance: a config with max_mean_rows is a candidate)
+# every round streams weights and the predictions differ only by fitted per-call constants;
+# 2 %: the fwd picks on the calibration set's five such cases rise from 0.947-1.0 to 1.0.
+SELECT_TIE_TOL_SMALL = 0.02
 
 EFFICIENCY = {
     "fwd": {

@@ -306,7 +306,7 @@ def _torch_wgrad_acc(dy, x, cu, grad_local, grad_slot):
 # CUTLASS (libmoonep_gemm.so)
 # --------------------------------------------------------------------------------------------
 
-_tables: dict[str, ctypes.Array] = {}
+_tables: dict[tuple[str, float], ctypes.Array] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -316,12 +316,13 @@ def _workspace_bytes(kind_id: int, G: int, sm_count: int) -> int:
     return _native.require_gemm_lib().moonep_gemm_workspace_bytes(kind_id, G, sm_count)
 
 
-def _tuning_table(kind: str):
-    # Built once per process from gemm_tuning (the file the calibration rewrites).
-    if kind not in _tables:
-        vals = gemm_cost_model.tuning_table(kind)
-        _tables[kind] = (ctypes.c_float * len(vals))(*vals)
-    return _tables[kind]
+def _tuning_table(kind: str, tie_tol: float):
+    # Built once per process and tie window from gemm_tuning (the file the calibration rewrites).
+    key = (kind, tie_tol)
+    if key not in _tables:
+        vals = gemm_cost_model.tuning_table(kind, tie_tol)
+        _tables[key] = (ctypes.c_float * len(vals))(*vals)
+    return _tables[key]
 
 
 def candidate_mask(kind: str, rows: int, groups: int) -> int:
@@ -362,7 +363,8 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
             a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
             d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
             cu.data_ptr(), G, epn, M, N, K,
-            _tuning_table(kind), candidate_mask(kind, M, G), flags,
+            _tuning_table(kind, gemm_cost_model.tie_tolerance(kind, M, G)),
+            candidate_mask(kind, M, G), flags,
             workspace.data_ptr(), nbytes, sm, stream)
     if rc != 0:
         raise RuntimeError(f"moonep grouped GEMM ({kind}) failed: {_native.gemm_last_error()}")

@@ -397,6 +397,21 @@ def test_select_skips_non_candidates():
     assert big == gemm_cost_model.pick(others, vol, "dgrad") and big != "p64x256"
 
 
+def test_tie_tolerance_is_wider_only_on_small_groups():
+    # The regime is the buffer's rows per group (shapes only): the wide window exactly where a
+    # small-group config is a candidate, i.e. never for the wgrad kinds, which have none.
+    for kind in gemm_cost_model.KINDS:
+        has_small = any(c.max_mean_rows for c in gemm_cost_model.CONFIGS[kind])
+        for rows, G in ((64 * 96, 96), (65 * 96, 96), (1, 64), (32768, 64), (0, 8)):
+            small = has_small and rows <= 64 * G
+            assert gemm_cost_model.small_groups(kind, rows, G) == small, (kind, rows, G)
+            assert gemm_cost_model.tie_tolerance(kind, rows, G) == (
+                gemm_tuning.SELECT_TIE_TOL_SMALL if small else gemm_tuning.SELECT_TIE_TOL)
+        assert gemm_cost_model.tuning_table(kind, 0.125)[-1] == 0.125
+    assert gemm_cost_model.small_groups("fwd", 64 * 96, 96)
+    assert not gemm_cost_model.small_groups("wgrad_lp", 1, 64)
+
+
 def test_candidate_mask_env(monkeypatch):
     monkeypatch.setenv("MOONEP_GEMM_CANDIDATES", "p128x128, c128x256")
     assert gg.candidate_mask("fwd", 1024, 8) == 0b011
@@ -508,8 +523,14 @@ def test_select_breaks_near_ties_towards_less_mma(monkeypatch):
     counts, N, K = [64] * 96, 2048, 7168
     vol = {n: gemm_cost_model.mma_volume(counts, N, K, "fwd", n) for n in ("c128x256", "s256x96")}
     assert vol["s256x96"] > vol["c128x256"]
-    tol = gemm_tuning.SELECT_TIE_TOL
-    for faster_by, winner in ((tol / 4, "c128x256"), (4 * tol, "s256x96")):
+    small, big = gemm_tuning.SELECT_TIE_TOL_SMALL, gemm_tuning.SELECT_TIE_TOL
+    assert gemm_cost_model.tie_tolerance("fwd", 64 * 96, 96) == small > big
+    # (faster by, buffer rows, winner): 64 rows per group is the small-group regime, where the
+    # window is SELECT_TIE_TOL_SMALL; the same counts in a buffer of 65 rows per group are not
+    between = (small + big) / 2
+    for faster_by, rows, winner in ((small / 4, None, "c128x256"), (4 * small, None, "s256x96"),
+                                    (between, None, "c128x256"), (between, 65 * 96, "s256x96"),
+                                    (big / 4, 65 * 96, "c128x256")):
         eff = {k: dict(v) for k, v in gemm_tuning.EFFICIENCY.items()}
         for n in eff["fwd"]:
             if n not in vol:   # the other configs out of the way
@@ -521,7 +542,7 @@ def test_select_breaks_near_ties_towards_less_mma(monkeypatch):
         eff["fwd"]["s256x96"] = c[:3] + (c[3] + target - pred["s256x96"],) + c[4:]
         pred = gemm_cost_model.predict(counts, N, K, "fwd")
         assert pred["s256x96"] == pytest.approx(target)
-        assert gemm_cost_model.select(counts, N, K, "fwd") == winner
+        assert gemm_cost_model.select(counts, N, K, "fwd", rows=rows) == winner, (faster_by, rows)
     # the rule itself: within the tolerance the least volume, outside it the fastest, equal
     # volumes to the first listed
     tol = gemm_tuning.SELECT_TIE_TOL
