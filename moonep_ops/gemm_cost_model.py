@@ -273,8 +273,8 @@ def candidates(kind: str, rows: int, groups: int) -> list[str]:
 def select(counts: Sequence[int], N: int, K: int, kind: str = "fwd", *,
            sm_count: int | None = None, rows: int | None = None) -> str:
     """Name of the configuration the prep kernel picks among `candidates` (`pick`: the fastest
-    predicted, near-ties within `tie_tolerance` to the least MMA work, then the first listed).  ``rows``: the buffer's
-    rows (default: the sum of ``counts``)."""
+    predicted, near-ties within `tie_tolerance` to the least MMA work, then the first listed).
+    ``rows``: the buffer's rows (default: the sum of ``counts``)."""
     c = _as_counts(counts)
     rows = int(c.sum()) if rows is None else int(rows)
     pred = predict(c, N, K, kind, sm_count=sm_count, configs=candidates(kind, rows, len(c)))
