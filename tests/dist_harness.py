@@ -140,7 +140,7 @@ def run_cases(R: int, module: str, cases: Sequence[str], *, timeout_s: float = 3
 DIST_BACKEND = os.environ.get("MOONEP_TEST_DIST", "gloo")
 
 
-def multi_rank_cases(namespace: dict, only_at: dict | None = None, ranks=(1, 2, 4)):
+def multi_rank_cases(namespace: dict, only_at: dict | None = None, ranks=(1, 2, 4, 8)):
     """[(R, case name)] for every ``case_*`` function in a test module's namespace; a case
     named in ``only_at`` runs only at the R listed there."""
     only_at = only_at or {}

@@ -219,7 +219,10 @@ def _scatter_and_combine(ctx, **cfg):
 
 def _make_scatter_case(name, cfg):
     def case(ctx):
-        _scatter_and_combine(ctx, **cfg)
+        c = dict(cfg)
+        if c.get("E", 8) % ctx.R:      # e.g. k1's 4 experts at R = 8: same routing kind, epn 4
+            c["E"] = 4 * ctx.R
+        _scatter_and_combine(ctx, **c)
     case.__name__ = f"case_scatter_{name}"
     return case
 
