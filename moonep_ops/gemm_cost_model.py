@@ -62,6 +62,11 @@ class GemmConfig:
     # rows per group (M <= max_mean_rows * G; static shapes, so no sync); 0: always.
     max_mean_rows: int = 0
 
+    def candidate_for(self, rows: int, groups: int) -> bool:
+        """Whether the selector considers this config for a buffer of ``rows`` rows in
+        ``groups`` groups (the max_mean_rows rule)."""
+        return not self.max_mean_rows or rows <= self.max_mean_rows * groups
+
 
 # Must match cutlass_kernels/configs.h (checked by tests/test_grouped_gemm_cuda.py against the
 # library's moonep_gemm_config_info).  Clusters are along N only: an M-cluster rounds every
@@ -249,7 +254,7 @@ def small_groups(kind: str, rows: int, groups: int) -> bool:
     """True when the buffer holds so few rows per group that a small-group config (one with
     ``max_mean_rows``) is a candidate: every round of every config then streams weights."""
     _check_kind(kind)
-    return any(c.max_mean_rows and rows <= c.max_mean_rows * groups for c in CONFIGS[kind])
+    return any(c.max_mean_rows and c.candidate_for(rows, groups) for c in CONFIGS[kind])
 
 
 def tie_tolerance(kind: str, rows: int, groups: int) -> float:
@@ -267,7 +272,7 @@ def candidates(kind: str, rows: int, groups: int) -> list[str]:
     """The configs the device selector chooses among for a call whose buffer holds ``rows`` rows
     in ``groups`` groups (shapes only: known on the host without a sync)."""
     _check_kind(kind)
-    return [c.name for c in CONFIGS[kind] if not c.max_mean_rows or rows <= c.max_mean_rows * groups]
+    return [c.name for c in CONFIGS[kind] if c.candidate_for(rows, groups)]
 
 
 def select(counts: Sequence[int], N: int, K: int, kind: str = "fwd", *,
