@@ -6,11 +6,11 @@ install:
 	bash scripts/install.sh
 
 demo: install
-	$(PY) -m moonep_ops
+	$(PY) -m apps.job
 
 test: install
 	$(PY) -m pytest -q tests
 
 # the web demo (not a set-up command): http://127.0.0.1:8765/
 web: install
-	$(PY) demo/app.py
+	$(PY) apps/web/app.py

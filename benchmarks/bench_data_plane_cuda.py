@@ -26,7 +26,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from moonep_ops import Buffer, MoonEPMoE  # noqa: E402
-from moonep_ops.symm_backend import VirtualGroup  # noqa: E402
+from moonep_ops.backends import VirtualGroup  # noqa: E402
 from virtual_ranks import run_threads  # noqa: E402
 
 

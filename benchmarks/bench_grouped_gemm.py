@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from moonep_ops import gemm_cost_model, gemm_tuning  # noqa: E402
-from moonep_ops import grouped_gemm as gg  # noqa: E402
+from moonep_ops.gemm import cost_model as gemm_cost_model, tuning as gemm_tuning  # noqa: E402
+from moonep_ops.ops import grouped_mm as gg  # noqa: E402
 
 KINDS = ("fwd", "dgrad", "wgrad_lp", "wgrad")
 SKEWS = ("balanced", "zipf0.8", "zipf1.5", "hot20x", "tiny")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from moonep_ops import Buffer
 from moonep_ops.planner import plan_all_ranks
-from moonep_ops.routing import maxvio, histogram, routing_for_maxvio
+from moonep_ops.testing import maxvio, histogram, routing_for_maxvio
 
 
 def _time(fn, iters):

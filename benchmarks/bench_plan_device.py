@@ -32,9 +32,9 @@ import time
 import torch
 
 import moonep_ops  # noqa: F401
-from moonep_ops import plan_device as pdv
+from moonep_ops import planner as pdv
 from moonep_ops.geometry import Geometry
-from moonep_ops.routing import histogram, make_routing, maxvio
+from moonep_ops.testing import histogram, make_routing, maxvio
 
 CONFIGS = [(8, 64, 512, 8, "hot"),
            (8, 384, 8192, 8, "zipf"), (8, 384, 8192, 8, "hot"), (8, 384, 8192, 8, "one_group"),
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
                     help="leave out the last table (the torch planner captured as a CUDA graph)")
     ap.add_argument("--max-r", type=int, default=1 << 30, help="only configurations with R <= this")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available() or not pdv.available():
+    if not torch.cuda.is_available() or not pdv.device_planner_available():
         print("needs a CUDA device and libmoonep_ep.so (python -m moonep_ops.build --lib ep)")
         return 1
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "

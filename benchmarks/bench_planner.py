@@ -15,7 +15,7 @@ import time
 import torch
 
 import moonep_ops as m
-from moonep_ops.routing import histogram, make_routing
+from moonep_ops.testing import histogram, make_routing
 
 CONFIGS = [(8, 384, 8192, 8), (64, 1024, 4096, 8)]
 

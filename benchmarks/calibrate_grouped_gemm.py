@@ -1,4 +1,4 @@
-"""Fit the grouped-GEMM cost model's constants on the GPU and rewrite moonep_ops/gemm_tuning.py.
+"""Fit the grouped-GEMM cost model's constants on the GPU and rewrite moonep_ops/gemm/tuning.py.
 
     python benchmarks/calibrate_grouped_gemm.py [--write PATH] [--out DIR]
 
@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_grouped_gemm import Case, histogram, time_interleaved, time_us  # noqa: E402
-from moonep_ops import gemm_cost_model, gemm_tuning  # noqa: E402
+from moonep_ops.gemm import cost_model as gemm_cost_model, tuning as gemm_tuning  # noqa: E402
 
-TUNING_PATH = Path(__file__).resolve().parent.parent / "moonep_ops" / "gemm_tuning.py"
+TUNING_PATH = Path(__file__).resolve().parent.parent / "moonep_ops" / "gemm" / "tuning.py"
 
 
 def calibration_set():

@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_plan_device import routing  # noqa: E402
-from moonep_ops import plan_device as pdv  # noqa: E402
+from moonep_ops import planner as pdv  # noqa: E402
 from moonep_ops.geometry import Geometry  # noqa: E402
-from moonep_ops.routing import histogram  # noqa: E402
+from moonep_ops.testing import histogram  # noqa: E402
 
 CASES = ((8, 384, "one_group"), (8, 384, "hot"), (8, 384, "zipf"),
          (64, 1024, "hot"), (64, 1024, "one_group"), (64, 1024, "zipf"))
@@ -33,7 +33,7 @@ STAGES = ["load", "quotas", "split", "layout", "pieces"]
 
 
 def main() -> int:
-    if not torch.cuda.is_available() or not pdv.available():
+    if not torch.cuda.is_available() or not pdv.device_planner_available():
         print("needs a CUDA device and libmoonep_ep.so (python -m moonep_ops.build --lib ep)")
         return 1
     st = torch.zeros(8, dtype=torch.int64, device="cuda")

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from moonep_ops.planner import plan_group, replication_cost
-from moonep_ops.router import load_per_expert, maxvio_of, skewed_router
+from moonep_ops.testing import load_per_expert, maxvio_of, skewed_router
 
 
 def run(rate: float, steps: int, D: int, E: int, K: int, R: int, s: int, seed: int):

@@ -1,23 +1,30 @@
 """moonep_ops: Mixture-of-Experts expert parallelism with perfect load balance.
 
-Importing the package registers every ``torch.ops.moonep.*`` custom op (schemas and fake
-kernels are pure Python, so they exist without any compiled library).
+Importing the package registers every ``torch.ops.moonep.*`` custom op (schemas and fake kernels
+are pure Python, so they exist without any compiled library).  Architecture: docs/architecture.md.
+
+  Buffer                   one EP group: dispatch / combine / prefetch_weight / reduce_grad
+  MoonEPMoE, Router        the MoE layer (moonep_ops.nn)
+  plan, plan_all_ranks     the planner (moonep_ops.planner)
+  grouped_mm*              the grouped GEMMs (moonep_ops.ops.grouped_mm)
+  backends, gemm, testing  backend contract and implementations, GEMM tuning, test helpers
 """
-from .geometry import Geometry, align_up
-from .planner import Plan, GroupResult, plan, plan_all_ranks, POLICIES
+from . import backends, gemm, ops  # noqa: F401  (ops: registers torch.ops.moonep.*)
+from .backends import (Backend, CollectiveBackend, SingleRankBackend, SymmBackend,
+                       TorchDistBackend, VirtualGroup)
 from .buffer import Buffer
 from .comm_stream import EventHandle
-from .backends import Backend, CollectiveBackend, TorchDistBackend, SingleRankBackend
-from .grouped_gemm import (grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad,
-                           grouped_mm_wgrad_accumulate, grouped_mm_wgrad_into)
-from . import swiglu  # registers moonep::swiglu (module: swiglu.swiglu, swiglu.swiglu_backward)
-from . import gemm_cost_model
-from .router import Router
-from .moe import MoonEPMoE, ExpertPool
+from .geometry import Geometry, GroupSpec, align_up
+from .nn import AllToAllEPMoE, MoonEPMoE, Router
+from .ops.grouped_mm import (grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad,
+                             grouped_mm_wgrad_accumulate, grouped_mm_wgrad_into)
+from .ops.moe_experts import ExpertPool
+from .ops.swiglu import swiglu
+from .planner import POLICIES, GroupResult, Plan, plan, plan_all_ranks
 
-__all__ = ["Geometry", "align_up", "Plan", "GroupResult", "plan", "plan_all_ranks", "POLICIES",
-           "Buffer", "EventHandle", "Backend", "CollectiveBackend", "TorchDistBackend", "SingleRankBackend",
-           "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate",
-           "grouped_mm_wgrad_into", "gemm_cost_model", "Router", "MoonEPMoE",
-           "ExpertPool"]
-__version__ = "0.1.0"
+__all__ = ["Buffer", "EventHandle", "Geometry", "GroupSpec", "align_up", "Plan", "GroupResult",
+           "plan", "plan_all_ranks", "POLICIES", "grouped_mm", "grouped_mm_dgrad",
+           "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate", "grouped_mm_wgrad_into", "swiglu",
+           "MoonEPMoE", "Router", "AllToAllEPMoE", "ExpertPool", "Backend", "CollectiveBackend",
+           "TorchDistBackend", "SingleRankBackend", "SymmBackend", "VirtualGroup"]
+__version__ = "0.2.0"

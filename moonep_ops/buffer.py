@@ -1,31 +1,33 @@
-"""``Buffer``: one EP group's persistent state and the Python API of the data plane.
+"""``Buffer``: one EP group's state and the Python API of its data plane.
 
-A Buffer is created once per EP group (collectively: every rank builds one with the same
-arguments, in the same order).  It owns every persistent tensor the data plane needs, so a
-compiled function never receives them as inputs:
+A Buffer is created once per EP group, collectively: every rank builds one with the same
+arguments, in the same order.  Construction compares the ranks' settings (R, E, S, K, D,
+token_padding, dtype, policy, backend) and raises the same ValueError on every rank, naming the
+field, when they differ.  The Buffer owns
 
-  recv_rows     [NvS, H]  dtype  landing rows of the all-to-all (dispatch rows, combine replies)
-  recv_meta     [NvS, 3]  int64  landing of the per-entry slot metadata of dispatch
-  recv_weights  [NvS]     fp32   landing of the gathered route weights of combine
+  its backend (moonep_ops/backends/): the landing areas or symmetric regions of the data plane,
+      sized for a rank's cap NvS = align_up(S*K + (tp-1)*2*epn, tp) rows, never R*S*K;
+  its ExpertPools (``expert_pool``): the redundant slots' weights and grads, one per
+      (D, F, dtype), shared by every MoE layer of that shape;
 
-NvS = align_up(S*K + (tp-1)*2*epn, tp): a rank receives at most its cap of S*K token copies,
-never R*S*K (docs/planner.md).  The Buffer registers itself under a unique name string; the
-``torch.ops.moonep.*`` ops take that name plus plain ints and look the Buffer up, so they trace
-under ``torch.compile(fullgraph=True)``.
+and ``destroy()`` frees them all (dropping the last reference to the Buffer does too).  The
+custom ops never see the Buffer: they take the registered name of its backend (``Buffer.name``)
+and plain ints, so they trace under ``torch.compile(fullgraph=True)``.
 
 Usage (every rank)::
 
-    buf = Buffer(S, H, K, E, group=pg, token_padding=8)
-    h, w, cu_seqlens, plan = buf.dispatch(x, topk_ids, route_weights)   # [nvs_s,H] [nvs_s] [G]
+    buf = Buffer(S, D, K, E, group=pg, token_padding=8)
+    h, w, cu_seqlens, plan = buf.dispatch(x, topk_ids, route_weights)   # [nvs_s,D] [nvs_s] [G]
     buf.prefetch_weight(plan, local_weights=[w1], slot_weights=[w1_slots])
     z = expert_ffn(h, cu_seqlens) * w[:, None]                            # caller applies weights
-    y, _ = buf.combine(plan, z)                                           # [s, H]
+    y, _ = buf.combine(plan, z)                                           # [s, D]
     ...backward...
     buf.reduce_grad(plan, local_grads=[g1], slot_grads=[g1_slots])
 
-Async mode (CUDA symmetric-memory backend, eager only; moonep_ops/comm_stream.py, docs/api.md):
-every method above takes ``async_op=True`` (and optionally ``previous_event=``) to run its
-kernels on the Buffer's comm stream and return an extra trailing ``EventHandle``::
+Async mode (backends with ``supports_async``, the CUDA symmetric-memory one; eager only;
+moonep_ops/comm_stream.py): every method above takes ``async_op=True`` (and optionally
+``previous_event=``) to run its kernels on the Buffer's comm stream and return an extra
+trailing ``EventHandle``::
 
     h, w, cu_seqlens, plan, ev = buf.dispatch(x, topk_ids, route_weights, async_op=True)
     other = overlapped_compute()            # current stream, runs while the data moves
@@ -33,104 +35,100 @@ kernels on the Buffer's comm stream and return an extra trailing ``EventHandle``
 """
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .backends import Backend, make_backend, resolve_device
+from . import native, registry
+from .backends import Backend, make_backend
 from .comm_stream import EventHandle, StreamOrder, check_async_args, check_comm_stream
-from .geometry import Geometry
+from .geometry import GroupSpec
+from .ops import dispatch as _dispatch_ops  # noqa: F401  (registers moonep::dispatch, combine)
+from .ops.moe_experts import ExpertPool
 from .planner import POLICIES, Plan
-
-_REGISTRY: "weakref.WeakValueDictionary[str, Buffer]" = weakref.WeakValueDictionary()
-_IDS = itertools.count()
-
-
-def lookup(name: str) -> "Buffer":
-    """The live Buffer registered under ``name`` (what the custom ops receive)."""
-    buf = _REGISTRY.get(name)
-    if buf is None:
-        raise ValueError(f"no live moonep Buffer named {name!r} (destroyed or never created)")
-    return buf
 
 
 class Buffer:
-    """Persistent state of one EP group.  See the module docstring."""
+    """One EP group's state (see the module docstring).
 
-    def __init__(self, S: int, H: int, K: int, E: int, *, group: Optional[dist.ProcessGroup] = None,
-                 token_padding: int = 1, dtype: torch.dtype = torch.bfloat16,
-                 device=None, policy: str = "moonep", backend: str | Backend = "auto",
-                 comm_stream=None):
+    Args:
+      S: capacity, the most tokens any rank passes to one ``dispatch`` (int >= 1).
+      D: model dim of the token rows (int >= 1).
+      K: top-k: expert ids per token (1 <= K <= 127).
+      E: routed experts of the group, a multiple of the group size R.
+      group: the torch.distributed process group of the EP ranks (None: the default group when
+        torch.distributed is initialised, else one rank).
+      token_padding: every expert segment of the receive buffer is padded to a multiple of it
+        (GEMM tile alignment; 128 for the CUDA grouped GEMM's tiles).
+      dtype: token-row dtype (bfloat16, float16, float32, float64).
+      device: where the Buffer's tensors live (default: the current GPU for an NCCL group, else
+        the CPU).
+      policy: planner policy, one of ``POLICIES`` (``"moonep"``: exact MoonEP).
+      backend: ``"auto"``, ``"symm"``, ``"torch"``, ``"single"`` or a ``Backend`` instance not
+        yet bound (moonep_ops/backends/).
+      comm_stream: async mode: None (a stream is created at the first ``async_op=True`` call),
+        True (created now) or a CUDA stream of the Buffer's device.
+    """
+
+    def __init__(self, S: int, D: int, K: int, E: int, *,
+                 group: Optional[dist.ProcessGroup] = None, token_padding: int = 1,
+                 dtype: torch.dtype = torch.bfloat16, device=None, policy: str = "moonep",
+                 backend: str | Backend = "auto", comm_stream=None):
         if not (comm_stream is None or isinstance(comm_stream, bool)
-                or hasattr(comm_stream, "wait_event")):
+                or isinstance(comm_stream, (torch.Stream, torch.cuda.Stream))):
             raise TypeError("comm_stream must be None, True or a torch.cuda.Stream on the Buffer's "
                             f"device, got {type(comm_stream).__name__}")
-        if isinstance(backend, Backend):
-            self.backend = backend
-        elif isinstance(backend, str):
-            self.backend = make_backend(backend, group, device)
-        else:
-            raise TypeError(f"backend must be a str or a Backend, got {type(backend).__name__}")
-        R = self.backend.world_size
-        self.geo = Geometry(R=R, E=E, S=S, K=K, token_padding=token_padding)
-        if not isinstance(H, int) or isinstance(H, bool) or H < 1:
-            raise ValueError(f"H must be a positive int, got {H!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        be_dev = getattr(self.backend, "device", None)
-        if device is None and be_dev is not None:
-            device = be_dev
-        self.device = resolve_device(device, getattr(self.backend, "group", None))
-        if be_dev is not None and torch.device(be_dev) != self.device:
-            raise ValueError(f"the backend lives on {be_dev} but device={self.device} was given")
-        self.H, self.dtype, self.policy = H, dtype, policy
+        if isinstance(backend, Backend):
+            be = backend
+            if device is not None and torch.device(device) != be.device:
+                raise ValueError(f"the backend lives on {be.device} but device={device} was given")
+        elif isinstance(backend, str):
+            be = make_backend(backend, group, device)
+        else:
+            raise TypeError(f"backend must be a str or a Backend, got {type(backend).__name__}")
+        self.spec = GroupSpec(R=be.world_size, E=E, S=S, K=K, token_padding=token_padding, D=D,
+                              dtype=dtype, policy=policy, backend=be.kind)
+        self.backend = be
+        self.device = be.device
         # async mode: the comm stream (created now for True, at the first async op for None)
-        self._order = StreamOrder(self.device, check_comm_stream(comm_stream, self.device,
-                                                                 self.backend))
-        NvS = self.geo.NvS
-        # Landing areas of the collective backends (device backends own symmetric regions).
-        self.recv_rows = self.recv_meta = self.recv_weights = None
-        if not getattr(self.backend, "device_side", False):
-            self.recv_rows = torch.zeros((NvS, H), dtype=dtype, device=self.device)
-            self.recv_meta = torch.zeros((NvS, 3), dtype=torch.long, device=self.device)
-            self.recv_weights = torch.zeros((NvS,), dtype=torch.float32, device=self.device)
-        self.name = f"moonep_buffer_{next(_IDS)}"
-        _REGISTRY[self.name] = self
-        if hasattr(self.backend, "attach"):
-            self.backend.attach(self)          # device backends allocate their regions here
+        self._order = StreamOrder(self.device, check_comm_stream(comm_stream, self.device, be))
+        be.bind(self.spec)                  # collective: fingerprints compared, state allocated
+        self.name = registry.register(be, "backend")
+        self._pools: dict[tuple, ExpertPool] = {}
         if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            # The zero fills above ran on the current stream; the ops may later run on other
-            # streams (a comm stream, a virtual rank's stream), which never wait for this one.
-            # A recycled block still holding an old Buffer's barrier counter (backend.epoch)
-            # then let a barrier pass early: a flaky async test that failed only after other
-            # tests had run.  Set-up only, once per Buffer.
+            # The zero fills of the set-up ran on the current stream; the ops may later run on
+            # other streams (a comm stream, a virtual rank's stream), which never wait for this
+            # one.  A recycled block still holding an old Buffer's barrier counter then let a
+            # barrier pass early.  Set-up only, once per Buffer.
             torch.cuda.current_stream(self.device).synchronize()
 
     # -- geometry (Python ints) ---------------------------------------------------------------
-    R = property(lambda self: self.geo.R)
-    E = property(lambda self: self.geo.E)
-    S = property(lambda self: self.geo.S)
-    K = property(lambda self: self.geo.K)
-    epn = property(lambda self: self.geo.epn)
-    G = property(lambda self: self.geo.G)
-    NvS = property(lambda self: self.geo.NvS)
-    token_padding = property(lambda self: self.geo.token_padding)
+    R = property(lambda self: self.spec.R)
+    E = property(lambda self: self.spec.E)
+    S = property(lambda self: self.spec.S)
+    K = property(lambda self: self.spec.K)
+    D = property(lambda self: self.spec.D)
+    epn = property(lambda self: self.spec.epn)
+    G = property(lambda self: self.spec.G)
+    NvS = property(lambda self: self.spec.NvS)
+    token_padding = property(lambda self: self.spec.token_padding)
+    dtype = property(lambda self: self.spec.dtype)
+    policy = property(lambda self: self.spec.policy)
     rank = property(lambda self: self.backend.rank)
+    group = property(lambda self: self.backend.group)
 
     def nvs_s(self, s, total_num_tokens: Optional[int] = -1):
-        """Receive rows this call (works on SymInts: fake kernels call it)."""
-        K, R, tp = self.K, self.R, self.token_padding
-        if total_num_tokens is None or total_num_tokens == -1:
-            cap = s * K                           # ceil(R*s*K / R)
-        else:
-            cap = (total_num_tokens * K + R - 1) // R
-        return (cap + (tp - 1) * self.G + tp - 1) // tp * tp
+        """Receive rows this call (works on SymInts)."""
+        return self.spec.nvs_s(s, total_num_tokens)
+
+    @property
+    def capturable(self) -> bool:
+        """True when the data plane never reads device memory on the host (CUDA graphs)."""
+        return self.backend.capturable
 
     @property
     def comm_stream(self):
@@ -146,46 +144,62 @@ class Buffer:
         ev.record(cur)
         return EventHandle(ev, cur)
 
-    @property
-    def capturable(self) -> bool:
-        """True when the data plane never reads device memory on the host (CUDA graphs)."""
-        return bool(getattr(self.backend, "device_side", False))
-
     def symmetric_zeros(self, shape, dtype: torch.dtype) -> Tensor:
         """Collective: a zeroed tensor the peers can address (slot weights / slot grads for
         prefetch_weight / reduce_grad).  A plain tensor on backends that need none."""
-        if hasattr(self.backend, "symmetric_zeros"):
-            return self.backend.symmetric_zeros(shape, dtype)
-        return torch.zeros(shape, dtype=dtype, device=self.device)
+        return self.backend.symmetric_zeros(shape, dtype)
+
+    def expert_pool(self, D: int, F: int, dtype: torch.dtype) -> ExpertPool:
+        """Collective on first use: this Buffer's redundant-slot pool for experts of model dim D
+        and FFN dim F (built once per shape, shared by every layer of that shape, freed by
+        ``destroy``)."""
+        self._check_live()
+        key = (D, F, dtype)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = ExpertPool(self.backend, self.name, D, F, dtype)
+        return pool
 
     def check_errors(self) -> None:
         """Raise if a device kernel flagged an error (bad ids, histograms that disagree, a
         barrier timeout).  Reads one int from the device: a host sync, so call it at logging
-        points, not inside captured code.  No-op for host backends (they raise eagerly)."""
-        if hasattr(self.backend, "error_word"):
-            self._order.drain()               # async ops in flight write the error word too
-            word = self.backend.error_word()
-            if word:
-                from .symm_backend import describe_errors
-                raise RuntimeError(f"moonep data plane error on rank {self.rank}: "
-                                   f"{describe_errors(word)} (error word {word:#x})")
+        points, not inside captured code.  Host backends raise eagerly and have no error word."""
+        self._order.drain()                   # async ops in flight write the error word too
+        word = self.backend.error_word()
+        if word:
+            raise RuntimeError(f"moonep data plane error on rank {self.rank}: "
+                               f"{native.describe_errors(word)} (error word {word:#x})")
+
+    @property
+    def alive(self) -> bool:
+        return self.name is not None
+
+    def _check_live(self) -> None:
+        if self.name is None:
+            raise RuntimeError("this moonep Buffer was destroyed")
 
     def destroy(self) -> None:
-        """Unregister and drop the persistent tensors (idempotent)."""
+        """Free the Buffer's pools and backend state and unregister it (idempotent).  Every rank,
+        after its last op: until then a peer may still read them."""
+        if self.name is None:
+            return
         if self._order.active and torch.cuda.is_available():
             self._order.drain()               # later frees on this stream follow async ops
-        _REGISTRY.pop(self.name, None)
-        self.recv_rows = self.recv_meta = self.recv_weights = None
-        if hasattr(self.backend, "release"):
-            self.backend.release()             # device backends drop their symmetric regions
+        for pool in self._pools.values():
+            pool.release()
+        self._pools.clear()
+        registry.unregister(self.name)
+        self.backend.release()
+        self.name = None
 
     def __repr__(self):
-        return (f"Buffer(R={self.R}, E={self.E}, S={self.S}, K={self.K}, H={self.H}, "
+        return (f"Buffer(R={self.R}, E={self.E}, S={self.S}, K={self.K}, D={self.D}, "
                 f"tp={self.token_padding}, NvS={self.NvS}, dtype={self.dtype}, "
                 f"backend={type(self.backend).__name__}, name={self.name!r})")
 
     # -- plan checks ---------------------------------------------------------------------------
     def _check_plan(self, plan) -> None:
+        self._check_live()
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a moonep_ops.Plan, got {type(plan).__name__}")
         mine = (self.rank, self.R, self.E, self.S, self.K, self.token_padding, self.NvS)
@@ -212,7 +226,7 @@ class Buffer:
             return result, None
         return launch(), None
 
-    def dispatch(self, x_sH: Tensor, topk_ids_sK: Optional[Tensor] = None,
+    def dispatch(self, x_sD: Tensor, topk_ids_sK: Optional[Tensor] = None,
                  route_weights_sK: Optional[Tensor] = None, *,
                  total_num_tokens: Optional[int] = None, plan: Optional[Plan] = None,
                  async_op: bool = False, previous_event=None):
@@ -221,7 +235,7 @@ class Buffer:
         Fresh form: ``dispatch(x, topk_ids, route_weights=None, total_num_tokens=None)``
         all-gathers the [E] histograms, plans, and scatters.  Reuse form:
         ``dispatch(x, route_weights_sK=None, plan=plan)`` scatters with a saved plan (x must
-        have the plan's s rows).  Returns ``(h [nvs_s, H], w [nvs_s] fp32 or None,
+        have the plan's s rows).  Returns ``(h [nvs_s, D], w [nvs_s] fp32 or None,
         cu_seqlens [2*epn] int32, plan)``; padding rows/weights and rows past cu_seqlens[-1]
         are zero.  Differentiable in x and route_weights.
 
@@ -229,21 +243,22 @@ class Buffer:
         Buffer's comm stream after ``previous_event`` (default: after the current stream), and
         an ``EventHandle`` is appended to the result; wait on it before using the outputs.
         """
+        self._check_live()
         if async_op is not False or previous_event is not None:
             check_async_args(self, async_op, previous_event)
         if plan is not None:
             if topk_ids_sK is not None or total_num_tokens is not None:
                 raise ValueError("dispatch with plan= takes neither topk_ids nor total_num_tokens")
             self._check_plan(plan)
-            if isinstance(x_sH, Tensor) and x_sH.dim() >= 1 and x_sH.shape[0] != plan.s:
+            if isinstance(x_sD, Tensor) and x_sD.dim() >= 1 and x_sD.shape[0] != plan.s:
                 raise ValueError(f"the plan was made for s={plan.s} tokens but x has "
-                                 f"{x_sH.shape[0]}: a plan can only be reused with the same s")
+                                 f"{x_sD.shape[0]}: a plan can only be reused with the same s")
 
             def reuse():
-                return torch.ops.moonep.dispatch_with_plan(x_sH, route_weights_sK, plan.dst,
+                return torch.ops.moonep.dispatch_with_plan(x_sD, route_weights_sK, plan.dst,
                                                            self.name, plan.total_num_tokens)
 
-            (h, w), ev = self._run(reuse, (x_sH, route_weights_sK, plan.dst), async_op,
+            (h, w), ev = self._run(reuse, (x_sD, route_weights_sK, plan.dst), async_op,
                                    previous_event)
             out = (h, (w if route_weights_sK is not None else None), plan.cu_seqlens, plan)
             return out + (ev,) if async_op else out
@@ -254,23 +269,23 @@ class Buffer:
             raise TypeError(f"total_num_tokens must be an int or None, got {type(tot).__name__}")
 
         def fresh():
-            return torch.ops.moonep.dispatch(x_sH, topk_ids_sK, route_weights_sK, self.name, tot)
+            return torch.ops.moonep.dispatch(x_sD, topk_ids_sK, route_weights_sK, self.name, tot)
 
         (h, w, cu, dst, etc, zf, stats), ev = self._run(
-            fresh, (x_sH, topk_ids_sK, route_weights_sK), async_op, previous_event)
-        s = x_sH.shape[0]
+            fresh, (x_sD, topk_ids_sK, route_weights_sK), async_op, previous_event)
+        s = x_sD.shape[0]
         p = Plan(dst, cu, etc, zf, stats, rank=self.rank, R=self.R, E=self.E, S=self.S, K=self.K,
                  s=s, token_padding=self.token_padding, total_num_tokens=tot, NvS=self.NvS,
                  nvs_s=self.nvs_s(s, tot))
         out = (h, (w if route_weights_sK is not None else None), cu, p)
         return out + (ev,) if async_op else out
 
-    def combine(self, plan: Plan, h_nvsH: Tensor, w_nvs: Optional[Tensor] = None, *,
+    def combine(self, plan: Plan, h_MD: Tensor, w_M: Optional[Tensor] = None, *,
                 async_op: bool = False, previous_event=None):
         """Sum every token's K expert outputs back on its source rank (collective).
 
         ``h`` has the rows dispatch returned for ``plan`` (nvs_s, or NvS).  Returns
-        ``(y [s, H] in h's dtype, w [s, K] fp32 or None)``; the K rows are added in fp32 in the
+        ``(y [s, D] in h's dtype, w [s, K] fp32 or None)``; the K rows are added in fp32 in the
         order k = 0..K-1 and rounded once.  Route weights are not applied.  Differentiable.
         ``async_op=True``: as in ``dispatch``, ``(y, w, EventHandle)``.
         """
@@ -279,11 +294,11 @@ class Buffer:
         self._check_plan(plan)
 
         def launch():
-            return torch.ops.moonep.combine(h_nvsH, w_nvs, plan.dst, self.name,
+            return torch.ops.moonep.combine(h_MD, w_M, plan.dst, self.name,
                                             plan.total_num_tokens)
 
-        (y, w), ev = self._run(launch, (h_nvsH, w_nvs, plan.dst), async_op, previous_event)
-        out = (y, (w if w_nvs is not None else None))
+        (y, w), ev = self._run(launch, (h_MD, w_M, plan.dst), async_op, previous_event)
+        out = (y, (w if w_M is not None else None))
         return out + (ev,) if async_op else out
 
     def prefetch_weight(self, plan: Plan, *, local_weights: Sequence[Tensor],
@@ -333,7 +348,3 @@ class Buffer:
         _, ev = self._run(launch, (plan.experts_to_copy, local, slots), async_op, previous_event,
                           mutated=local + slots)
         return ev
-
-
-from . import dispatch_combine as _dispatch_combine  # noqa: E402,F401  (registers the ops)
-from . import expert_weights as _expert_weights  # noqa: E402,F401

@@ -111,7 +111,7 @@ def _is_event(e) -> bool:
 
 def backend_error(backend) -> Optional[str]:
     """Why ``backend`` has no async mode (None when it has one)."""
-    if getattr(backend, "device_side", False):
+    if backend.supports_async:
         return None
     return (f"the async mode (async_op=True / comm_stream) needs the CUDA symmetric-memory "
             f"backend (SymmBackend); this Buffer uses {type(backend).__name__}, which reads split "

@@ -1,19 +1,31 @@
-"""Buffer geometry: every static size in moonep_ops is a function of Python ints only.
+"""Shapes: the one legend of the package, and the static sizes of an EP group.
 
-Legend (used as shape suffixes across the package, torchtitan style):
-  R   EP ranks              E    routed experts           B = epn = E // R  home experts per rank
-  G   2*epn segments        S    token capacity per rank   s    tokens this call (1 <= s <= S)
-  K   top-k                 N    s*K entries of one rank   H    hidden size
-  tp  token_padding         NvS  receive rows of a rank at capacity
-  nvs_s  receive rows this call (depends on the *total* token count, not on this rank's s)
+Every tensor name ends in its shape, one letter per dimension (torchtitan style), and each letter
+means one thing everywhere:
 
-Why NvS = align_up(S*K + (tp-1)*2*epn, tp): every rank receives exactly its cap (<= S*K) token
-copies, spread over at most 2*epn non-empty segments (epn local + at most epn redundant experts,
-the theorem of docs/planner.md), and each segment wastes at most tp-1 padding rows.
+  R    EP ranks                                 E    routed experts
+  B    epn = E / R: home experts per rank (= redundant slots per rank)
+  G    2*B expert groups of a rank's receive buffer (B home experts, then B slots)
+  S    capacity: max tokens per rank per call   s    tokens of this rank in this call (1 <= s <= S)
+  T    tokens of a whole batch in a dense (non-EP) reference: T = sum of every rank's s
+  K    top-k (only top-k)                       N    s*K entries (token copies) of one rank
+  D    model dim (hidden size)                  F    expert FFN dim
+  M    rows of a rank's expert-grouped receive buffer (nvs_s this call, NvS at capacity)
+  O, I a grouped-GEMM weight's output and input features: W_g is [O, I] (nn.Linear layout)
+  tp   token_padding
+  NvS  receive rows at capacity;  nvs_s  receive rows this call (depends on the total token
+       count over the group, not on this rank's s)
+Inside cutlass_kernels/ the tile extents keep CUTLASS's names (BM, BN, BK; m, n, k of a CUTLASS
+problem shape).
+
+Why NvS = align_up(S*K + (tp-1)*G, tp): every rank receives exactly its cap (<= S*K) token copies,
+spread over at most G non-empty segments (B home + at most B redundant experts, the theorem of
+docs/planner.md), and each segment wastes at most tp-1 padding rows.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
@@ -73,11 +85,14 @@ class Geometry:
         return align_up(self.S * self.K + (tp - 1) * self.G, tp)
 
     def total_tokens(self, s: int, total_num_tokens: int | None) -> int:
-        """Total tokens over the group this call (uniform s unless total_num_tokens is given)."""
-        return self.R * s if total_num_tokens is None else total_num_tokens
+        """Total tokens over the group this call (uniform s unless total_num_tokens is given;
+        None or -1, the ops' spelling of None, mean uniform)."""
+        uniform = total_num_tokens is None or total_num_tokens == -1
+        return self.R * s if uniform else total_num_tokens
 
     def nvs_s(self, s: int, total_num_tokens: int | None = None) -> int:
-        """Receive rows this call: align_up(ceil(T/R) + (tp-1)*2*epn, tp), T = total*K."""
+        """Receive rows this call: align_up(ceil(T/R) + (tp-1)*2*epn, tp), T = total*K.  Works on
+        SymInts (the fake kernels call it)."""
         T = self.total_tokens(s, total_num_tokens) * self.K
         tp = self.token_padding
         return align_up(ceil_div(T, self.R) + (tp - 1) * self.G, tp)
@@ -93,3 +108,47 @@ class Geometry:
             if not s <= total_num_tokens <= self.R * self.S:
                 raise ValueError(
                     f"total_num_tokens={total_num_tokens} must lie in [s={s}, R*S={self.R * self.S}]")
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class GroupSpec(Geometry):
+    """Everything about one EP group that must be the same on every rank: the geometry plus the
+    model dim, the token dtype, the planner policy and the backend kind.  A Buffer's backend is
+    bound to one; its :meth:`fingerprint` is compared across ranks when the Buffer is built."""
+
+    D: int = 1
+    dtype: torch.dtype = torch.bfloat16
+    policy: str = "moonep"
+    backend: str = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.D, int) or isinstance(self.D, bool) or self.D < 1:
+            raise ValueError(f"the model dim D must be a positive int, got {self.D!r}")
+        if self.dtype not in _DTYPES:
+            raise TypeError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+
+    FINGERPRINT_FIELDS = ("R", "E", "S", "K", "D", "token_padding", "dtype", "policy", "backend")
+
+    def fingerprint(self) -> tuple:
+        """The settings every rank must share, as plain Python values (exchanged with
+        all_gather_object when a Buffer is built)."""
+        return tuple(str(v) if isinstance(v, torch.dtype) else v
+                     for v in (getattr(self, n) for n in self.FINGERPRINT_FIELDS))
+
+
+def check_fingerprints(fingerprints: Sequence[Sequence]) -> None:
+    """Raise the same ValueError on every rank when the ranks' fingerprints differ
+    (``fingerprints``: every rank's :meth:`GroupSpec.fingerprint` in rank order, as every rank
+    receives them), naming the first field that differs and every rank's value."""
+    for i, name in enumerate(GroupSpec.FINGERPRINT_FIELDS):
+        vals = [f[i] for f in fingerprints]
+        if any(v != vals[0] for v in vals):
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
+            raise ValueError(
+                f"moonep Buffer: the ranks disagree on {name} ({shown}); every rank of an EP group "
+                "must build its Buffer with the same R, E, S, K, D, token_padding, dtype, policy and "
+                "backend")

@@ -28,7 +28,7 @@ def _single(S=6, H=8, K=3, E=4, tp=2, s=5):
 
 
 def _snapshot(buf):
-    return buf.recv_rows.clone(), buf.recv_meta.clone(), buf.recv_weights.clone()
+    return buf.backend.recv_rows.clone(), buf.backend.recv_meta.clone(), buf.backend.recv_weights.clone()
 
 
 def _unchanged(buf, snap):
@@ -117,7 +117,7 @@ def test_comm_stream_argument_checks():
     # the validator itself, as a device-side backend would see it (no GPU needed for the error)
 
     class DeviceSide:
-        device_side = True
+        supports_async = True
 
     with pytest.raises(ValueError, match="lives on cuda:1 but the Buffer on cuda:0"):
         check_comm_stream(fake_gpu1, torch.device("cuda", 0), DeviceSide())

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from moonep_ops import _native
+from moonep_ops import native
 from moonep_ops.buffer import Buffer
 from moonep_ops.comm_stream import EventHandle
 from moonep_ops.planner import Plan, plan_all_ranks
@@ -23,7 +23,7 @@ from moonep_ops.planner import Plan, plan_all_ranks
 from test_data_plane import fixed_order_sum, routing, token_inputs, _random_table
 from test_symm_cuda import CONFIGS, _setup, _step_inputs, rank_ops, verify_rank
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or _native.ep_lib() is None,
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or native.ep() is None,
                                 reason="needs a CUDA device and libmoonep_ep.so")
 
 BF16 = torch.bfloat16
@@ -32,7 +32,7 @@ BF16 = torch.bfloat16
 def _virtual_buffers(R, S, H, K, E, tp=1, dtype=BF16, comm_stream=None):
     """comm_stream: None (lazy), True, or "explicit" (a torch.cuda.Stream per virtual rank: the
     ranks must not share one, a rank's barrier would block its peers' ops queued behind it)."""
-    from moonep_ops.symm_backend import VirtualGroup
+    from moonep_ops.backends import VirtualGroup
     vg = VirtualGroup(R)
     return [Buffer(S, H, K, E, token_padding=tp, dtype=dtype, device=vg.device,
                    backend=vg.backend(r),
@@ -117,7 +117,7 @@ def test_async_dispatch_combine_virtual(R, name):
 
 def test_async_torch_symmetric_memory_r1(nccl_world):
     """R = 1 on torch symmetric memory (the multi-GPU heap): async == CPU single-rank path."""
-    from moonep_ops.symm_backend import SymmBackend, TorchSymmetricHeap
+    from moonep_ops.backends import SymmBackend, TorchSymmetricHeap
     S, H, K, E, tp = 64, 256, 4, 8, 8
     gpu = Buffer(S, H, K, E, group=nccl_world, token_padding=tp, dtype=BF16, device="cuda",
                  comm_stream=True)

@@ -164,7 +164,7 @@ def _scatter_and_combine(ctx, **cfg):
     st = Setup(ctx, **cfg)
     x, w_in, t = st.me
     dev = st.dev
-    st.buf.recv_rows.fill_(7)                                 # garbage must not leak out
+    st.buf.backend.recv_rows.fill_(7)                                 # garbage must not leak out
     h, w, cu, plan = st.dispatch()
     ref = st.group.plans[ctx.rank]
     assert torch.equal(plan.dst.cpu(), ref.dst) and torch.equal(cu.cpu(), ref.cu_seqlens)
@@ -180,7 +180,7 @@ def _scatter_and_combine(ctx, **cfg):
     assert cu.dtype == torch.int32 and cu.shape == (st.buf.G,)
     assert h.device == w.device == cu.device == torch.device(dev)
     # receive buffer holds NvS rows (S*K plus padding slack), never R*S*K
-    assert st.buf.recv_rows.shape[0] == st.buf.NvS
+    assert st.buf.backend.recv_rows.shape[0] == st.buf.NvS
     if st.tp == 1:
         assert st.buf.NvS == st.S * st.K                      # < R*S*K for R > 1
     assert st.buf.NvS == math.ceil((st.S * st.K + (st.tp - 1) * st.buf.G) / st.tp) * st.tp
@@ -424,8 +424,8 @@ def case_bad_expert_id_one_rank(ctx):
     t = t.clone()
     if ctx.rank == ctx.R - 1:
         t[0, 0] = st.E
-    st.buf.recv_rows.fill_(3)
-    st.buf.recv_meta.fill_(3)
+    st.buf.backend.recv_rows.fill_(3)
+    st.buf.backend.recv_meta.fill_(3)
     old = os.environ.get("MOONEP_VALIDATE")
     os.environ["MOONEP_VALIDATE"] = "1"               # value checks are CPU-only by default
     try:
@@ -436,7 +436,7 @@ def case_bad_expert_id_one_rank(ctx):
             os.environ.pop("MOONEP_VALIDATE")
         else:
             os.environ["MOONEP_VALIDATE"] = old
-    assert bool((st.buf.recv_rows == 3).all()) and bool((st.buf.recv_meta == 3).all())
+    assert bool((st.buf.backend.recv_rows == 3).all()) and bool((st.buf.backend.recv_meta == 3).all())
     # the group is still usable afterwards
     _, _, _, plan = st.dispatch()
     assert torch.equal(plan.dst.cpu(), st.group.plans[ctx.rank].dst)
@@ -614,7 +614,7 @@ def test_gradcheck_fp64():
 
 
 def _snapshot(buf):
-    return buf.recv_rows.clone(), buf.recv_meta.clone(), buf.recv_weights.clone()
+    return buf.backend.recv_rows.clone(), buf.backend.recv_meta.clone(), buf.backend.recv_weights.clone()
 
 
 def _unchanged(buf, snap):
@@ -691,7 +691,7 @@ def test_bad_plan_reuse_and_combine():
     with pytest.raises(ValueError, match="plan"):   # dst naming rows past nvs_s (corrupt plan)
         torch.ops.moonep.combine(h, None, plan.dst.clone().fill_(buf.NvS - 1), buf.name, -1)
     assert _unchanged(buf, snap)
-    with pytest.raises(ValueError, match="no live moonep Buffer"):
+    with pytest.raises(ValueError, match="no live moonep"):
         torch.ops.moonep.combine(h, None, plan.dst, "nope", -1)
 
 
@@ -732,13 +732,15 @@ def test_bad_prefetch_reduce_nothing_written():
 
 def test_buffer_geometry_and_registry():
     buf = Buffer(64, 32, 4, 8, token_padding=8, dtype=torch.bfloat16)
-    assert buf.recv_rows.shape == (buf.NvS, 32) and buf.NvS == 64 * 4 + 7 * 16
+    assert buf.backend.recv_rows.shape == (buf.NvS, 32) and buf.NvS == 64 * 4 + 7 * 16
     assert buf.nvs_s(64) == buf.NvS and buf.nvs_s(1) == 8 + 7 * 16
-    from moonep_ops.buffer import lookup
-    assert lookup(buf.name) is buf
+    from moonep_ops import registry
+    from moonep_ops.backends import Backend
+    assert registry.lookup(buf.name, Backend) is buf.backend
+    name = buf.name
     buf.destroy()
-    with pytest.raises(ValueError):
-        lookup(buf.name)
+    with pytest.raises(ValueError, match="no live moonep Backend"):
+        registry.lookup(name, Backend)
     with pytest.raises(ValueError):
         Buffer(4, 8, 2, 4, policy="nope")
     with pytest.raises(ValueError):

@@ -57,7 +57,7 @@ def test_cuda_matches_cpu(nccl_world, dtype):
 def test_torch_backend_plans_on_device(nccl_world, monkeypatch):
     """On CUDA the torch.distributed backend plans with the device planner (not the torch
     planner's hundreds of small kernels), and gets the torch planner's plan."""
-    from moonep_ops import plan_device
+    from moonep_ops import planner as plan_device
     if not plan_device.available():
         pytest.skip("libmoonep_ep.so not built")
     calls = []

@@ -1,4 +1,4 @@
-"""The web demo (demo/app.py) end to end in a real headless browser (Debian's Chromium through
+"""The web demo (apps/web/app.py) end to end in a real headless browser (Debian's Chromium through
 Selenium and chromedriver): the page loads, controls change, the plots and numbers update and
 agree with the planner run in this process.
 
@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-APP = os.path.join(HERE, "..", "demo", "app.py")
+APP = os.path.join(HERE, "..", "apps", "web", "app.py")
 
 
 def _load_app():

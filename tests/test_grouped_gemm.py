@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from moonep_ops import _native, gemm_cost_model, gemm_tuning
-from moonep_ops import grouped_gemm as gg
+from moonep_ops import native
+from moonep_ops.gemm import cost_model as gemm_cost_model, tuning as gemm_tuning
+from moonep_ops.ops import grouped_mm as gg
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -357,15 +358,13 @@ def test_backend_choice_on_cpu():
 def test_native_loader_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("MOONEP_LIB_DIR", str(tmp_path))
     monkeypatch.delenv("MOONEP_DISABLE_NATIVE", raising=False)
-    mod = importlib.reload(_native)
-    try:
-        assert mod.gemm_lib() is None
-        assert "not found" in mod.gemm_load_error()
-        with pytest.raises(mod.NativeLibraryMissing, match="build"):
-            mod.require_gemm_lib()
-    finally:
-        monkeypatch.undo()
-        importlib.reload(_native)
+    lib = native._Lib("libmoonep_gemm.so", "moonep_gemm_abi_version", native.GEMM_ABI_VERSION,
+                      native.GEMM_PROTOTYPES, {})
+    assert lib.load() is None and "not found" in lib.error
+    monkeypatch.setattr(native, "_GEMM", lib)
+    assert native.gemm() is None and "not found" in native.gemm_load_error()
+    with pytest.raises(native.NativeLibraryMissing, match="build"):
+        native.require_gemm()
 
 
 def test_candidate_mask_is_every_config_but_small_tiles_on_large_groups(monkeypatch):

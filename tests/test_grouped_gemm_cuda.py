@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from moonep_ops import _native, gemm_cost_model
-from moonep_ops import grouped_gemm as gg
+from moonep_ops import native
+from moonep_ops.gemm import cost_model as gemm_cost_model
+from moonep_ops.ops import grouped_mm as gg
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-needs_lib = pytest.mark.skipif(_native.gemm_lib() is None,
-                               reason=f"CUTLASS library not loaded: {_native.gemm_load_error()}")
+needs_lib = pytest.mark.skipif(native.gemm() is None,
+                               reason=f"CUTLASS library not loaded: {native.gemm_load_error()}")
 
 TOL = 1e-2
 KINDS = {"fwd": 0, "dgrad": 1, "wgrad": 2, "wgrad_lp": 3}
@@ -161,7 +162,7 @@ def test_cutlass_wgrad_lp_bf16_out(case, config):
 def test_wgrad_into_keeps_empty_slots(case, backend, monkeypatch):
     """grouped_mm_wgrad_into: local groups written (empty -> 0), non-empty slots written, empty
     slots keep their bytes (the CUTLASS path's MOONEP_GEMM_KEEP_EMPTY_SLOTS)."""
-    if backend == "auto" and _native.gemm_lib() is None:
+    if backend == "auto" and native.gemm() is None:
         pytest.skip("CUTLASS library not loaded")
     if backend == "torch":
         monkeypatch.setenv("MOONEP_GEMM_BACKEND", "torch")
@@ -221,14 +222,14 @@ def test_cutlass_large_shapes(skew):
 
 @needs_lib
 def test_library_config_table_matches_python():
-    lib = _native.gemm_lib()
+    lib = native.gemm()
     import ctypes
     for kind, kid in KINDS.items():
         cfgs = gemm_cost_model.CONFIGS[kind]
-        assert lib.moonep_gemm_num_configs(kid) == len(cfgs)
+        assert lib.gemm_num_configs(kid) == len(cfgs)
         for i, c in enumerate(cfgs):
             info = (ctypes.c_int * 8)()
-            assert lib.moonep_gemm_config_info(kid, i, info) == 0
+            assert lib.gemm_config_info(kid, i, info) == 0
             assert list(info) == [c.BM, c.BN, c.BK, c.CM, c.CN, int(c.pingpong), c.EN,
                                   int(c.swap)]
 

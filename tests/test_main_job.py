@@ -1,4 +1,4 @@
-"""The main job ``python -m moonep_ops``: CLI errors, and a short real run end to end (spawned
+"""The main job ``python -m apps.job``: CLI errors, and a short real run end to end (spawned
 gloo ranks, torch.compile, sweep table, results.json, PNG plots)."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(args, timeout=600, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep +
                os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "moonep_ops", *args], cwd=kw.get("cwd", ROOT),
+    return subprocess.run([sys.executable, "-m", "apps.job", *args], cwd=kw.get("cwd", ROOT),
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -42,7 +42,7 @@ def test_cli_errors_are_one_line(args, msg):
 
 
 def test_planner_only(capsys):
-    from moonep_ops.job.cli import main
+    from apps.job.cli import main
     assert main(["--planner-only", "-R", "4", "-E", "16", "-K", "2", "-s", "64",
                  "--maxvio", "0", "5"]) == 0
     out = capsys.readouterr().out
@@ -74,8 +74,8 @@ def test_end_to_end(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
     assert "| maxvio | model |" in (out / "sweep.md").read_text()
 
-    # the results re-render on their own (python -m moonep_ops.job.report)
-    again = subprocess.run([sys.executable, "-m", "moonep_ops.job.report",
+    # the results re-render on their own (python -m apps.job.report)
+    again = subprocess.run([sys.executable, "-m", "apps.job.report",
                             str(out / "results.json"), "--out", str(tmp_path / "again")],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
@@ -132,14 +132,14 @@ def test_profile_writes_top_ops(tmp_path):
 def test_git_commit_marks_a_dirty_tree(tmp_path, monkeypatch):
     import re
     import subprocess
-    from moonep_ops.job import report
+    from apps.job import report
     got = report.git_commit()
     assert got is None or re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", got), got
     calls = []
 
     def fake_run(args, **kw):
         calls.append(args)
-        out = "abc1234" if "rev-parse" in args else " M moonep_ops/moe.py"
+        out = "abc1234" if "rev-parse" in args else " M moonep_ops/nn/moe.py"
         return subprocess.CompletedProcess(args, 0, stdout=out + "\n", stderr="")
     monkeypatch.setattr(report.subprocess, "run", fake_run)
     assert report.git_commit() == "abc1234+dirty"

@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep_ops import _native
+from moonep_ops import native
 from moonep_ops.buffer import Buffer
-from moonep_ops.moe import MoonEPMoE, reference_moe
-from moonep_ops.train_step import enable_backward_tracing, sgd_step
+from moonep_ops.nn.moe import MoonEPMoE
+from moonep_ops.testing import reference_moe
+from moonep_ops.nn.train_step import enable_backward_tracing, sgd_step
 
 from virtual_ranks import run_threads
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or _native.ep_lib() is None,
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or native.ep() is None,
                                 reason="needs a CUDA device and libmoonep_ep.so")
 
 D, F, E, K = 128, 64, 16, 4
@@ -51,7 +52,7 @@ def _run(layer, x, gy):
 
 
 def test_symm_layer_equals_host_backend_bitwise():
-    from moonep_ops.symm_backend import SymmBackend
+    from moonep_ops.backends import SymmBackend
     W = _weights()
     sy = Buffer(64, D, K, E, token_padding=8, device="cuda", backend="symm")
     ho = Buffer(64, D, K, E, token_padding=8, device="cuda", backend="single")
@@ -71,7 +72,7 @@ def test_symm_layer_equals_host_backend_bitwise():
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_virtual_ranks_match_dense_reference(R):
-    from moonep_ops.symm_backend import VirtualGroup
+    from moonep_ops.backends import VirtualGroup
     vg = VirtualGroup(R)
     rank_fn, check = moe_reference_case(
         R, lambda r, *a, **k: Buffer(*a, device=vg.device, backend=vg.backend(r), **k))

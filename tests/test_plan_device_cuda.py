@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import moonep_ops  # noqa: F401  (registers moonep::plan)
-from moonep_ops import plan_device as pdv
+from moonep_ops import planner as pdv
 from moonep_ops.geometry import Geometry
 from moonep_ops.planner import plan_group
-from moonep_ops.routing import histogram, make_routing
+from moonep_ops.testing import histogram, make_routing
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(not pdv.available(), reason="libmoonep_ep.so with moonep_plan not built"),
+    pytest.mark.skipif(not pdv.device_planner_available(), reason="libmoonep_ep.so with moonep_plan not built"),
 ]
 
 NAMES = ("dst", "cu_seqlens", "experts_to_copy", "zero_fill", "remote_stats")
@@ -273,36 +273,36 @@ def _corrupt(which, R, E, s, K):
     rng = torch.Generator().manual_seed(7)
     if which == "s_mismatch":          # rank 1 passes s+1 tokens without total_num_tokens
         tk = make_routing("zipf", R, E, [s, s + 1] + [s] * (R - 2), K, seed=1)
-        return tk, _hist_rx(tk, E, None), pdv.ERR_HIST
+        return tk, _hist_rx(tk, E, None), native.ERR_HIST
     tk = make_routing("zipf", R, E, s, K, seed=1)
     hist = _hist_rx(tk, E, None)
     if which == "row_sum":
         hist[2, 0] += 1
-        want = pdv.ERR_HIST
+        want = native.ERR_HIST
     elif which == "bad_flag":
         hist[3, E] = 1
-        want = pdv.ERR_BAD_IDS
+        want = native.ERR_BAD_IDS
     elif which == "garbage":
         hist = torch.randint(-2**31, 2**31 - 1, hist.shape, generator=rng, dtype=torch.int64).to(torch.int32)
-        want = pdv.ERR_HIST
+        want = native.ERR_HIST
     elif which == "negative":          # right row sum, one negative count
         hist[1, 0] -= 1000
         hist[1, 1] += 1000
-        want = pdv.ERR_HIST
+        want = native.ERR_HIST
     elif which == "total_mismatch":
         hist[:, E + 2] = R * s + 1
-        want = pdv.ERR_HIST
+        want = native.ERR_HIST
     elif which == "own_row":           # this rank's row is not bincount(topk), sum still right
         row = hist[0, :E]
         j = int(row.argmax())
         hist[0, j] -= 1
         hist[0, (j + 1) % E] += 1
-        want = pdv.ERR_HIST
+        want = native.ERR_HIST
     elif which == "bad_ids":           # an id outside [0, E) in this rank's topk
         tk[0] = tk[0].clone()
         tk[0][0, 0] = E + 5
         tk[0][1, 0] = -3
-        want = pdv.ERR_BAD_IDS
+        want = native.ERR_BAD_IDS
     else:
         raise AssertionError(which)
     return tk, hist, want

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 import moonep_ops as m
 from moonep_ops.geometry import Geometry
 from moonep_ops.planner import plan_group, replication_cost
-from moonep_ops.routing import KINDS, histogram, make_routing
+from moonep_ops.testing import KINDS, histogram, make_routing
 from planner_checks import plan_violations
 from planner_reference import encode_dst, reference_plan
 
@@ -332,7 +332,7 @@ def test_plan_from_rows_off_cuda_is_the_torch_planner(policy):
     histogram kernel flagged as bad (here: one id past E, counted as E-1 in the rows)."""
     import types
 
-    from moonep_ops import plan_device as pdv
+    from moonep_ops import planner as pdv
     R, E, s, K, tp = 4, 16, 9, 2, 8
     tk = make_routing("zipf", R, E, s, K, seed=3)
     buf = types.SimpleNamespace(R=R, E=E, S=s, token_padding=tp, policy=policy,

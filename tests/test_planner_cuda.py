@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import moonep_ops as m
-from moonep_ops.routing import histogram, make_routing
+from moonep_ops.testing import histogram, make_routing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

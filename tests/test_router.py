@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from moonep_ops.planner import plan_group, replication_cost
-from moonep_ops.router import Router, load_per_expert, maxvio_of, skewed_router
+from moonep_ops.nn.router import Router
+from moonep_ops.testing import load_per_expert, maxvio_of, skewed_router
 
 
 def _run(rate, steps=16, D=32, E=64, K=8, T=2048, R=8):

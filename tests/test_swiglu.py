@@ -7,7 +7,7 @@ import torch
 from torch.library import opcheck
 
 import moonep_ops  # noqa: F401  (registers the ops)
-from moonep_ops import swiglu as sw
+from moonep_ops.ops import swiglu as sw
 
 
 def _inputs(dtype, requires_grad=False, seed=0):

@@ -1,4 +1,4 @@
-"""The fused SwiGLU kernels (csrc/swiglu.cu) against the torch reference (moonep_ops/swiglu.py).
+"""The fused SwiGLU kernels (csrc/swiglu.cu) against the torch reference (moonep_ops/ops/swiglu.py).
 
 Every output element is compared with the reference (fresh random inputs, two scales, odd sizes
 for the scalar tail, extreme values).  Tolerance: one bf16 ulp (the kernel's fp32 exp may round
@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep_ops import _native
-from moonep_ops import swiglu as sw
+from moonep_ops import native
+from moonep_ops.ops import swiglu as sw
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(_native.ep_lib() is None, reason="libmoonep_ep.so not loaded"),
+    pytest.mark.skipif(native.ep() is None, reason="libmoonep_ep.so not loaded"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The CUDA symmetric-memory data plane (moonep_ops/symm_backend.py, csrc/ep_kernels.cu).
+"""The CUDA symmetric-memory data plane (moonep_ops/backends/symm.py, csrc/ep_kernels.cu).
 
 R > 1 runs as virtual ranks on the one GPU (tests/virtual_ranks.py); R = 1 also through
 torch.distributed._symmetric_memory with a one-rank NCCL group.  References are the CPU planner
@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moonep_ops import _native
+from moonep_ops import native
 from moonep_ops.buffer import Buffer
 from moonep_ops.planner import plan_all_ranks
 
 from test_data_plane import SCATTER_CONFIGS, fixed_order_sum, routing, token_inputs, _random_table
 from virtual_ranks import run_threads
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or _native.ep_lib() is None,
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or native.ep() is None,
                                 reason="needs a CUDA device and libmoonep_ep.so")
 
 
@@ -122,7 +122,7 @@ def check_rank_buffer(c, buf, r):
 
 def _check_virtual(R, c, combine="auto"):
     """All virtual ranks queued from this thread, each on its own stream, then verified."""
-    from moonep_ops.symm_backend import VirtualGroup
+    from moonep_ops.backends import VirtualGroup
     vg = VirtualGroup(R)
     bufs = [Buffer(c["S"], c["H"], c["K"], c["E"], token_padding=c["tp"], dtype=c["dtype"],
                    device=vg.device, backend=vg.backend(r, combine=combine)) for r in range(R)]
@@ -161,7 +161,7 @@ def test_virtual_dispatch_combine_staged(R, name):
 
 @pytest.mark.parametrize("R", [1, 2, 4])
 def test_prefetch_reduce_virtual(R):
-    from moonep_ops.symm_backend import VirtualGroup
+    from moonep_ops.backends import VirtualGroup
     vg = VirtualGroup(R)
     fn = prefetch_reduce_case(R, lambda r, *a, **k: Buffer(*a, device=vg.device,
                                                            backend=vg.backend(r), **k))
@@ -233,7 +233,7 @@ def test_no_host_sync_and_cuda_graph_replay(R):
     """A whole dispatch -> combine forward + backward of every virtual rank is queued from ONE
     thread under sync_debug_mode("error"); then captured in CUDA graphs and replayed with new
     routing copied into the static inputs, with correct results each time."""
-    from moonep_ops.symm_backend import VirtualGroup
+    from moonep_ops.backends import VirtualGroup
     S, H, K, E, tp = 32, 64, 4, 8 * R, 4
     vg = VirtualGroup(R)
     bufs = [Buffer(S, H, K, E, token_padding=tp, dtype=torch.bfloat16, device=vg.device,
@@ -311,7 +311,7 @@ def test_no_host_sync_and_cuda_graph_replay(R):
 
 
 def test_barrier_timeout_sets_flag_without_hanging():
-    from moonep_ops.symm_backend import VirtualGroup
+    from moonep_ops.backends import VirtualGroup
     vg = VirtualGroup(2)
     b0 = Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=vg.backend(0, timeout_s=0.2))
     Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=vg.backend(1))  # never calls
@@ -329,7 +329,7 @@ def test_barrier_timeout_sets_flag_without_hanging():
 
 
 def test_bad_ids_flag_on_device(monkeypatch):
-    from moonep_ops.symm_backend import VirtualGroup
+    from moonep_ops.backends import VirtualGroup
     vg = VirtualGroup(1)
     buf = Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=vg.backend(0))
     x = torch.randn(4, 8, device=vg.device)
@@ -349,7 +349,7 @@ def test_bad_ids_flag_on_device(monkeypatch):
 def test_device_planner_refuses_other_policies_before_any_kernel():
     """planner='device' plans policy 'moonep' only: another policy is a ValueError raised before
     the histogram kernel runs (the error word and the peers' histogram rows stay untouched)."""
-    from moonep_ops.symm_backend import VirtualGroup
+    from moonep_ops.backends import VirtualGroup
     vg = VirtualGroup(1)
     be = vg.backend(0, planner="device")
     buf = Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=be, policy="lean")
@@ -369,7 +369,7 @@ def test_device_planner_refuses_other_policies_before_any_kernel():
 def test_torch_symmetric_memory_r1_matches_cpu(nccl_world):
     """R = 1 through torch.distributed._symmetric_memory (the multi-GPU heap), chosen by
     backend="auto" on a CUDA device, bitwise equal to the CPU single-rank path."""
-    from moonep_ops.symm_backend import SymmBackend, TorchSymmetricHeap
+    from moonep_ops.backends import SymmBackend, TorchSymmetricHeap
     S, H, K, E, tp = 64, 256, 4, 8, 8
     gpu = Buffer(S, H, K, E, group=nccl_world, token_padding=tp, dtype=torch.bfloat16, device="cuda")
     assert isinstance(gpu.backend, SymmBackend) and isinstance(gpu.backend.heap, TorchSymmetricHeap)

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from moonep_ops import _native
+from moonep_ops import native
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or _native.ep_lib() is None,
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or native.ep() is None,
     reason="needs >= 2 GPUs and libmoonep_ep.so")
 
 NAMES = ["dup", "per_rank_s", "larger_zipf_tp8", "uniform_fp32_tp4", "one_expert", "all_remote"]
@@ -30,7 +30,7 @@ def _worker(rank, R, init_file, q):
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     import torch.distributed as dist
     from moonep_ops.buffer import Buffer
-    from moonep_ops.symm_backend import SymmBackend, TorchSymmetricHeap
+    from moonep_ops.backends import SymmBackend, TorchSymmetricHeap
     import test_symm_cuda as tsc
     import test_moe_symm_cuda as tmc
     try:

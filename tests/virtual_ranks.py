@@ -1,4 +1,4 @@
-"""Virtual EP ranks on one GPU for tests and benchmarks (moonep_ops.symm_backend.VirtualGroup).
+"""Virtual EP ranks on one GPU for tests and benchmarks (moonep_ops.backends.VirtualGroup).
 
 ``run_threads(R, fn)`` runs ``fn(rank)`` for every rank in its own thread and CUDA stream, so a
 rank's host reads (result checks) never stop the other ranks from queueing the work its device

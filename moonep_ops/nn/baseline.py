@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import grouped_gemm as _gg  # noqa: F401  (registers moonep::grouped_mm)
-from . import swiglu as _sw  # noqa: F401  (registers moonep::swiglu)
+from ..ops import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm)
+from ..ops import swiglu as _sw  # noqa: F401  (registers moonep::swiglu)
 from .moe import SwiGLU, check_backend_dims
 from .router import Router
 

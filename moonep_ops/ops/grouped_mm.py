@@ -47,8 +47,9 @@ from typing import Optional
 
 import torch
 
-from . import _native, gemm_cost_model
-from .config import should_validate, sm_count
+from .. import native
+from ..gemm import cost_model as gemm_cost_model
+from ..runtime import should_validate, sm_count
 
 __all__ = [
     "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate",
@@ -196,7 +197,7 @@ def backend_for(t: torch.Tensor, *dims: int) -> str:
         return "reference"
     if forced in ("torch", "reference"):
         return forced
-    if forced == "cutlass" or _native.gemm_lib() is not None:
+    if forced == "cutlass" or native.gemm() is not None:
         return "cutlass"
     return "torch"
 
@@ -313,7 +314,7 @@ _tables: dict[tuple[str, float], ctypes.Array] = {}
 def _workspace_bytes(kind_id: int, G: int, sm_count: int) -> int:
     # Depends on (kind, G, SM count) only; the C side derives it from every config's CUTLASS
     # arguments, so it is asked once per shape, not on every call.
-    return _native.require_gemm_lib().moonep_gemm_workspace_bytes(kind_id, G, sm_count)
+    return native.require_gemm().gemm_workspace_bytes(kind_id, G, sm_count)
 
 
 def _tuning_table(kind: str, tie_tol: float):
@@ -348,7 +349,7 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
             raster: int = 0, workspace: Optional[torch.Tensor] = None,
             flags: int = 0) -> torch.Tensor:
     """Run one CUTLASS grouped GEMM on the current stream; returns the workspace it used."""
-    lib = _native.require_gemm_lib()
+    lib = native.require_gemm()
     dev = a.device
     G = 2 * epn
     sm = sm_count(dev)
@@ -358,7 +359,7 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
-        rc = lib.moonep_grouped_gemm(
+        rc = lib.grouped_gemm(
             kid, config, raster,
             a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
             d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
@@ -366,8 +367,7 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
             _tuning_table(kind, gemm_cost_model.tie_tolerance(kind, M, G)),
             candidate_mask(kind, M, G), flags,
             workspace.data_ptr(), nbytes, sm, stream)
-    if rc != 0:
-        raise RuntimeError(f"moonep grouped GEMM ({kind}) failed: {_native.gemm_last_error()}")
+    native.gemm_check(rc, f"moonep grouped GEMM ({kind})")
     return workspace
 
 

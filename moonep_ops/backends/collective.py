@@ -1,24 +1,18 @@
-"""Data-plane backends: how one EP group moves token rows, expert weights and weight grads.
+"""Backends built on two message primitives: ``all_gather`` and ``all_to_all_v``.
 
-The custom ops (dispatch_combine.py, expert_weights.py) validate their arguments, resolve the
-``Buffer`` by name and call one of the five methods of :class:`Backend` below.  A backend sees
-only tensors and Python ints; every layout decision has already been made by the planner.
+``CollectiveBackend`` implements the whole contract (moonep_ops/backends/base.py) from them; its
+subclasses supply the primitives:
 
-  Backend (abstract seam)
-    CollectiveBackend  implements all five with two primitives, all_gather and all_to_all_v
-      TorchDistBackend   torch.distributed process group (gloo on CPU, NCCL on GPU)
-      SingleRankBackend  R = 1: the primitives are local copies, nothing is communicated
-    SymmBackend        (symm_backend.py) CUDA kernels over symmetric memory, no host reads;
-                       the default on CUDA devices when libmoonep_ep.so is built
+  TorchDistBackend   a torch.distributed process group: gloo (CPU tensors) or NCCL (CUDA tensors)
+  SingleRankBackend  R = 1: the primitives are local copies, nothing is communicated
 
-CollectiveBackend reads split sizes on the host (``tolist``): fine on CPU and in eager CUDA
-code, but it cannot run inside CUDA-graph capture and says so (``_no_capture``).  The ops carry
-no ``cudagraph_unsafe`` tag, because with SymmBackend they are capturable.  Every collective it
-issues is issued by every rank in the same order with the same count, whatever the routing
-(split sizes may be zero).
+Split sizes are read on the host (``tolist``): fine on CPU and in eager CUDA code, but these
+backends cannot run inside CUDA-graph capture and say so (``_no_capture``; ``capturable`` is
+False).  Every collective is issued by every rank in the same order with the same count, whatever
+the routing (split sizes may be zero), so a rank's bad input makes every rank raise instead of
+leaving its peers inside a collective.
 
-Shape legend as in geometry.py: R ranks, B = epn, s tokens, K top-k, N = s*K entries,
-H hidden, NvS receive rows at capacity, nvs_s receive rows this call.
+Shape legend: moonep_ops/geometry.py.
 """
 from __future__ import annotations
 
@@ -29,6 +23,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ..geometry import GroupSpec
+from .. import planner as _plan
+from .base import Backend, DispatchResult
 
 
 def decode_dst(dst_N: Tensor, NvS: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -48,45 +46,6 @@ def _as_bytes(t: Tensor) -> Tensor:
     if t.numel() == 0:
         return t.new_empty((t.shape[0], _row_bytes(t)), dtype=torch.uint8)
     return t.reshape(t.shape[0], -1).view(torch.uint8)
-
-
-class Backend(abc.ABC):
-    """The data-plane method set.  ``buf`` is the owning ``Buffer`` (geometry + persistent
-    buffers).  Inputs are already validated; implementations may assume the documented shapes.
-    """
-
-    rank: int
-    world_size: int
-
-    @abc.abstractmethod
-    def gather_rows(self, row: Tensor) -> Tensor:
-        """All-gather one int64 row per rank -> [R, n] (same n on every rank)."""
-
-    @abc.abstractmethod
-    def scatter(self, buf, x_sH: Tensor, w_sK: Optional[Tensor], dst_N: Tensor, nvs_s: int
-                ) -> tuple[Tensor, Tensor]:
-        """Dispatch: every entry's token row (x[n // K]) and route weight (w[n]) to its slot.
-        Returns fresh (h [nvs_s, H], w [nvs_s] fp32) of this rank; rows and weights of slots no
-        entry names (padding, tail) are zero.  Duplicate entries reuse their primary's row."""
-
-    @abc.abstractmethod
-    def gather(self, buf, h_rH: Tensor, w_r: Optional[Tensor], dst_N: Tensor
-               ) -> tuple[Tensor, Optional[Tensor]]:
-        """Combine: y[t] = sum_k h[slot(t, k)] accumulated in fp32 (fp64 for fp64 h) in the
-        order k = 0..K-1, rounded once to h's dtype ([s, H]); and w_sK[t, k] = w[slot(t, k)]
-        when w is given.  ``h_rH`` has nvs_s or NvS rows."""
-
-    @abc.abstractmethod
-    def push_weights(self, buf, etc_RB: Tensor, local: Sequence[Tensor],
-                     slots: Sequence[Tensor]) -> None:
-        """prefetch_weight: slots[i][b] = owner's local[i][e % epn] for e = etc[rank, b] >= 0."""
-
-    @abc.abstractmethod
-    def reduce_grads(self, buf, etc_RB: Tensor, local: Sequence[Tensor],
-                     slots: Sequence[Tensor]) -> None:
-        """reduce_grad: local[i][le] += slots of every rank holding expert rank*epn + le, added
-        one by one in ascending (src*epn + b) in fp32 (bf16 grads: one rounding at the end);
-        then zero this rank's consumed slots."""
 
 
 class CollectiveBackend(Backend):
@@ -120,15 +79,59 @@ class CollectiveBackend(Backend):
     def _a2a_bytes(self, out_rows: Tensor, inp: Tensor, out_splits, in_splits) -> None:
         self.all_to_all_v(_as_bytes(out_rows), _as_bytes(inp), out_splits, in_splits)
 
-    # -- the data plane ----------------------------------------------------------------------
-    def gather_rows(self, row: Tensor) -> Tensor:
-        self._no_capture(row)
-        return self.all_gather(row.contiguous())
+    @abc.abstractmethod
+    def all_gather_object(self, obj) -> list:
+        """Every rank's picklable ``obj``, in rank order (host, set-up only)."""
 
-    def scatter(self, buf, x_sH, w_sK, dst_N, nvs_s):
-        self._no_capture(x_sH)
-        R, K, NvS = self.world_size, buf.K, buf.NvS
-        s, H = x_sH.shape
+    # -- lifecycle ----------------------------------------------------------------------------
+    def exchange_fingerprints(self, fingerprint):
+        return self.all_gather_object(fingerprint)
+
+    def _allocate(self, spec: GroupSpec) -> None:
+        # Landing areas of the all-to-alls, sized for a rank's cap: never R*S*K rows.
+        NvS, dev = spec.NvS, self.device
+        self.recv_rows = torch.zeros((NvS, spec.D), dtype=spec.dtype, device=dev)
+        self.recv_meta = torch.zeros((NvS, 3), dtype=torch.long, device=dev)
+        self.recv_weights = torch.zeros((NvS,), dtype=torch.float32, device=dev)
+
+    def release(self) -> None:
+        self.recv_rows = self.recv_meta = self.recv_weights = None
+
+    def symmetric_zeros(self, shape, dtype):
+        return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
+
+    # -- the data plane ----------------------------------------------------------------------
+    def dispatch(self, x_sD, topk_sK, w_sK, total, reject):
+        self._no_capture(x_sD)
+        spec = self.spec
+        E, s = spec.E, x_sD.shape[0]
+        # One all-gather carries the histogram plus (bad-input flag, s, total) of every rank, so
+        # a rank with bad input makes every rank raise instead of leaving its peers in a
+        # collective.
+        hist = torch.bincount(topk_sK.reshape(-1).long().clamp(0, E - 1), minlength=E)
+        extra = torch.tensor([int(bool(reject)), s, total], dtype=torch.long, device=x_sD.device)
+        rows = self.all_gather(torch.cat([hist, extra]).contiguous())
+        flags, s_R, tot_R = rows[:, E].tolist(), rows[:, E + 1].tolist(), rows[:, E + 2].tolist()
+        if reject:
+            raise ValueError(f"moonep dispatch: {reject}")
+        if any(flags):
+            raise ValueError(f"moonep dispatch: rank {flags.index(1)} rejected its input (see that "
+                             "rank's error); no rank wrote anything")
+        if len(set(tot_R)) != 1:
+            raise ValueError(f"total_num_tokens differs across ranks: {tot_R}")
+        if total == -1 and len(set(s_R)) != 1:
+            raise ValueError(f"ranks pass different s {s_R}; pass total_num_tokens for per-rank s")
+        if total != -1 and sum(s_R) != total:
+            raise ValueError(f"total_num_tokens={total} but the ranks pass s={s_R} "
+                             f"(sum {sum(s_R)})")
+        dst, cu, etc, zf, stats = _plan.plan_from_host_rows(rows, topk_sK, self.rank, spec, total)
+        h, w = self.dispatch_with_plan(x_sD, w_sK, dst, spec.nvs_s(s, total))
+        return DispatchResult(h, w, cu, dst, etc, zf, stats)
+
+    def dispatch_with_plan(self, x_sD, w_sK, dst_N, nvs_s):
+        self._no_capture(x_sD)
+        R, K, NvS = self.world_size, self.spec.K, self.spec.NvS
+        s, D = x_sD.shape
         N = s * K
         dest, loff, primary = decode_dst(dst_N, NvS)
         # The primary of an entry: the first k' of the same token bound for the same rank.
@@ -136,30 +139,30 @@ class CollectiveBackend(Backend):
         first_k = (d_sK[:, :, None] == d_sK[:, None, :]).to(torch.int8).argmax(-1)
         ploff = loff.view(s, K).gather(1, first_k).view(-1)
         if w_sK is None:
-            wbits = torch.zeros(N, dtype=torch.long, device=x_sH.device)
+            wbits = torch.zeros(N, dtype=torch.long, device=x_sD.device)
         else:
             wbits = w_sK.reshape(-1).view(torch.int32).long()
         order = torch.sort(dest, stable=True).indices           # by destination, then entry
         meta = torch.stack([loff, ploff, wbits], 1).index_select(0, order)   # [N, 3] int64
         p_order = order[primary.index_select(0, order)]          # primaries only, same order
-        rows = x_sH.index_select(0, p_order // K)                 # each row once per (t, d)
+        rows = x_sD.index_select(0, p_order // K)                 # each row once per (t, d)
         send = torch.stack([torch.bincount(dest, minlength=R),
                             torch.bincount(dest[primary], minlength=R)], 1)
         recv = self._exchange_counts(send)
         send_l, recv_l = send.tolist(), recv.tolist()
         n_meta = sum(r[0] for r in recv_l)
         n_rows = sum(r[1] for r in recv_l)
-        if n_meta > nvs_s or n_rows > buf.recv_rows.shape[0]:
+        if n_meta > nvs_s or n_rows > self.recv_rows.shape[0]:
             raise RuntimeError(f"moonep dispatch: rank {self.rank} would receive {n_meta} entries "
                                f"> nvs_s={nvs_s}: plans of the ranks disagree")
-        meta_in = buf.recv_meta[:n_meta]
+        meta_in = self.recv_meta[:n_meta]
         self.all_to_all_v(meta_in, meta, [r[0] for r in recv_l], [c[0] for c in send_l])
-        rows_in = buf.recv_rows[:n_rows]
+        rows_in = self.recv_rows[:n_rows]
         self._a2a_bytes(rows_in, rows, [r[1] for r in recv_l], [c[1] for c in send_l])
         # Land in a fresh, zeroed [nvs_s] layout: padding and tail rows are exactly zero.
         r_loff, r_ploff, r_w = meta_in.unbind(1)
-        h = x_sH.new_zeros((nvs_s, H))
-        w = torch.zeros(nvs_s, dtype=torch.int32, device=x_sH.device)
+        h = x_sD.new_zeros((nvs_s, D))
+        w = torch.zeros(nvs_s, dtype=torch.int32, device=x_sD.device)
         w[r_loff] = r_w.to(torch.int32)
         is_p = r_loff == r_ploff
         h[r_loff[is_p]] = rows_in
@@ -167,11 +170,11 @@ class CollectiveBackend(Backend):
         h[r_loff[dup]] = h[r_ploff[dup]]                          # epilogue: local duplication
         return h, w.view(torch.float32)
 
-    def gather(self, buf, h_rH, w_r, dst_N):
-        self._no_capture(h_rH)
-        R, K, NvS = self.world_size, buf.K, buf.NvS
+    def combine(self, h_MD, w_M, dst_N):
+        self._no_capture(h_MD)
+        R, K, NvS = self.world_size, self.spec.K, self.spec.NvS
         N = dst_N.numel()
-        s, H = N // K, h_rH.shape[1]
+        s, D = N // K, h_MD.shape[1]
         dest, loff, _ = decode_dst(dst_N, NvS)
         order = torch.sort(dest, stable=True).indices
         send = torch.bincount(dest, minlength=R)[:, None]
@@ -179,27 +182,27 @@ class CollectiveBackend(Backend):
         send_l = send[:, 0].tolist()
         recv_l = recv[:, 0].tolist()
         n_req = sum(recv_l)
-        req = torch.empty(n_req, dtype=torch.long, device=h_rH.device)
+        req = torch.empty(n_req, dtype=torch.long, device=h_MD.device)
         self.all_to_all_v(req, loff.index_select(0, order), recv_l, send_l)
-        if n_req and int(req.max()) >= h_rH.shape[0]:
+        if n_req and int(req.max()) >= h_MD.shape[0]:
             raise RuntimeError(f"moonep combine: a peer requested row {int(req.max())} of "
-                               f"rank {self.rank}'s {h_rH.shape[0]} rows: plans disagree")
+                               f"rank {self.rank}'s {h_MD.shape[0]} rows: plans disagree")
         # Reply: the requested rows (plus their fp32 weight bits) back to each requester.
-        reply = h_rH.index_select(0, req)
-        landing = buf.recv_rows[:N]
+        reply = h_MD.index_select(0, req)
+        landing = self.recv_rows[:N]
         self._a2a_bytes(landing, reply, send_l, recv_l)
         rows_N = torch.empty_like(landing)
         rows_N[order] = landing
-        rows = rows_N.view(s, K, H)
-        acc_t = torch.promote_types(h_rH.dtype, torch.float32)    # fp32 (fp64 stays fp64)
+        rows = rows_N.view(s, K, D)
+        acc_t = torch.promote_types(h_MD.dtype, torch.float32)    # fp32 (fp64 stays fp64)
         acc = rows[:, 0].to(acc_t)
         for k in range(1, K):                                     # fixed order k = 0..K-1
             acc = acc + rows[:, k].to(acc_t)
-        y = acc.to(h_rH.dtype)
+        y = acc.to(h_MD.dtype)
         w_sK = None
-        if w_r is not None:
-            w_land = buf.recv_weights[:N]
-            self.all_to_all_v(w_land, w_r.index_select(0, req), send_l, recv_l)
+        if w_M is not None:
+            w_land = self.recv_weights[:N]
+            self.all_to_all_v(w_land, w_M.index_select(0, req), send_l, recv_l)
             w_N = torch.empty_like(w_land)
             w_N[order] = w_land
             w_sK = w_N.view(s, K)
@@ -219,24 +222,23 @@ class CollectiveBackend(Backend):
             yield block[:, col:col + nb].contiguous().view(t.dtype).view(-1, *t.shape[1:])
             col += nb
 
-    def _slot_routes(self, etc_RB: Tensor, epn: int):
+    def _slot_routes(self, etc_RB: Tensor):
         """Host-side tables (etc is tiny): per destination rank, the slots this rank owns."""
-        etc = etc_RB.tolist()
-        me = self.rank
+        etc, B, me = etc_RB.tolist(), self.spec.epn, self.rank
         # Outgoing (I own): for each d in rank order, (b, local expert) of slots on d I feed.
-        out = [[(b, e % epn) for b, e in enumerate(etc[d]) if e >= 0 and e // epn == me]
+        out = [[(b, e % B) for b, e in enumerate(etc[d]) if e >= 0 and e // B == me]
                for d in range(self.world_size)]
         # Incoming (my slots): for each owner o in rank order, my slot ids b fed by o.
-        inc = [[b for b, e in enumerate(etc[me]) if e >= 0 and e // epn == o]
+        inc = [[b for b, e in enumerate(etc[me]) if e >= 0 and e // B == o]
                for o in range(self.world_size)]
         return etc, out, inc
 
-    def push_weights(self, buf, etc_RB, local, slots):
+    def prefetch_weight(self, etc_RB, local, slots):
         if not local:
             return
         self._no_capture(local[0])
         dev = local[0].device
-        etc, out, inc = self._slot_routes(etc_RB, buf.epn)
+        etc, out, inc = self._slot_routes(etc_RB)
         src_rows = torch.tensor([le for lst in out for _, le in lst], dtype=torch.long, device=dev)
         dst_rows = torch.tensor([b for lst in inc for b in lst], dtype=torch.long, device=dev)
         block = self._pack(local, src_rows)
@@ -245,19 +247,19 @@ class CollectiveBackend(Backend):
         for t, part in zip(slots, self._unpack(landing, slots)):
             t[dst_rows] = part
 
-    def reduce_grads(self, buf, etc_RB, local, slots):
+    def reduce_grad(self, etc_RB, local, slots):
         if not local:
             return
         self._no_capture(local[0])
         dev = local[0].device
-        epn, me = buf.epn, self.rank
-        etc, _, _ = self._slot_routes(etc_RB, epn)
+        B, me = self.spec.epn, self.rank
+        etc, _, _ = self._slot_routes(etc_RB)
         # Outgoing: my consumed slots, grouped by owner in rank order, ascending b inside.
-        outgoing = [[b for b, e in enumerate(etc[me]) if e >= 0 and e // epn == o]
+        outgoing = [[b for b, e in enumerate(etc[me]) if e >= 0 and e // B == o]
                     for o in range(self.world_size)]
         # Incoming: (src, b, local expert) of every slot holding one of my experts, ascending
-        # (src, b) == ascending src*epn + b: the fixed accumulation order.
-        incoming = [[(b, e % epn) for b, e in enumerate(etc[src]) if e >= 0 and e // epn == me]
+        # (src, b) == ascending src*B + b: the fixed accumulation order.
+        incoming = [[(b, e % B) for b, e in enumerate(etc[src]) if e >= 0 and e // B == me]
                     for src in range(self.world_size)]
         send_idx = torch.tensor([b for lst in outgoing for b in lst], dtype=torch.long, device=dev)
         block = self._pack(slots, send_idx)
@@ -280,12 +282,15 @@ class CollectiveBackend(Backend):
 class TorchDistBackend(CollectiveBackend):
     """A torch.distributed process group: gloo (CPU tensors) or NCCL (CUDA tensors)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None):
+    kind = "torch"
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, device=None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistBackend needs an initialised torch.distributed group")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
 
     def all_gather(self, t):
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
@@ -296,13 +301,21 @@ class TorchDistBackend(CollectiveBackend):
         dist.all_to_all_single(out, inp, output_split_sizes=list(out_splits),
                                input_split_sizes=list(in_splits), group=self.group)
 
+    def all_gather_object(self, obj):
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
 
 class SingleRankBackend(CollectiveBackend):
     """R = 1: the whole group is this process; the primitives are copies."""
 
-    def __init__(self):
+    kind = "single"
+
+    def __init__(self, device=None):
         self.rank = 0
         self.world_size = 1
+        self.device = torch.device("cpu") if device is None else torch.device(device)
 
     def all_gather(self, t):
         return t.reshape(1, -1).clone()
@@ -310,45 +323,5 @@ class SingleRankBackend(CollectiveBackend):
     def all_to_all_v(self, out, inp, out_splits, in_splits):
         out.copy_(inp)
 
-
-def make_backend(kind: str, group: Optional[dist.ProcessGroup], device=None) -> Backend:
-    """kind: "auto", "symm", "torch" or "single".
-
-    "auto": on a CUDA device (``device``, or the current GPU when the group is NCCL) with
-    libmoonep_ep.so built -> "symm" (CUDA kernels over symmetric memory); otherwise a single
-    rank when there is no group or it has one rank, else "torch"."""
-    if kind not in ("auto", "symm", "torch", "single"):
-        raise ValueError(f"backend must be 'auto', 'symm', 'torch' or 'single', got {kind!r}")
-    if kind == "single":
-        return SingleRankBackend()
-    if kind == "torch":
-        return TorchDistBackend(group)
-    dev = resolve_device(device, group)
-    if kind == "symm" or dev.type == "cuda":
-        from . import _native
-        if kind == "symm" or _native.ep_lib() is not None:
-            if dev.type != "cuda":
-                raise ValueError(f"backend='symm' needs a CUDA device, got {dev}")
-            from .symm_backend import SymmBackend, default_heap
-            with torch.cuda.device(dev):
-                return SymmBackend(default_heap(group, dev))
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError("a process group was given but torch.distributed is not initialised")
-        return SingleRankBackend()
-    if dist.get_world_size(group if group is not None else dist.group.WORLD) == 1:
-        return SingleRankBackend()
-    return TorchDistBackend(group)
-
-
-def resolve_device(device, group: Optional[dist.ProcessGroup]) -> torch.device:
-    """The Buffer's device: ``device`` if given, else the current GPU for an NCCL group, else CPU."""
-    if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        return dev
-    if (dist.is_available() and dist.is_initialized() and torch.cuda.is_available()
-            and "nccl" in str(dist.get_backend(group if group is not None else dist.group.WORLD))):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    def all_gather_object(self, obj):
+        return [obj]

@@ -1,4 +1,4 @@
-"""``python -m moonep_ops``: the main job (the README's first command, ``make demo``).
+"""``python -m apps.job``: the main job (the README's first command, ``make demo``).
 
 Trains a small Kimi-K3-like MoE layer stack with expert parallelism on R ranks -- R gloo
 processes spawned on this machine, or the ranks of a ``torchrun`` launch (NCCL on GPUs) --
@@ -49,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     d = JobConfig()
-    ap = _Parser(prog="python -m moonep_ops",
+    ap = _Parser(prog="python -m apps.job",
                                  description=__doc__.split("\n\n")[1].replace("\n", " "))
     ap.add_argument("--ranks", "-R", type=_int("R"), default=None,
                     help=f"EP ranks (default {d.R}; under torchrun: WORLD_SIZE)")
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    command = "python -m moonep_ops" + ("" if argv is None and len(sys.argv) <= 1 else
+    command = "python -m apps.job" + ("" if argv is None and len(sys.argv) <= 1 else
                                         " " + shlex.join(sys.argv[1:] if argv is None else argv))
     print(report.header(res))
     print(report.table(res))

@@ -23,20 +23,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import config
-from .buffer import lookup
+from .. import registry, runtime
+from ..backends.base import Backend
 
-_TAGS = ()   # capturable on the CUDA backend (see dispatch_combine.py)
+_TAGS = ()   # capturable on the CUDA backend (see dispatch.py)
 
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def check_pool_args(etc, local, slots, buf, op: str, grads: bool) -> None:
+def check_pool_args(etc, local, slots, be, op: str, grads: bool) -> None:
     if not isinstance(etc, Tensor) or etc.dtype != torch.int32:
         raise TypeError(f"{op}: experts_to_copy must be an int32 tensor")
-    if tuple(etc.shape) != (buf.R, buf.epn):
-        raise ValueError(f"{op}: experts_to_copy must be [R={buf.R}, epn={buf.epn}], got "
+    if tuple(etc.shape) != (be.spec.R, be.spec.epn):
+        raise ValueError(f"{op}: experts_to_copy must be [R={be.spec.R}, epn={be.spec.epn}], got "
                          f"{tuple(etc.shape)}")
     if len(local) != len(slots):
         raise ValueError(f"{op}: {len(local)} local tensors but {len(slots)} slot tensors")
@@ -48,12 +48,12 @@ def check_pool_args(etc, local, slots, buf, op: str, grads: bool) -> None:
                 raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
             if grads and t.dtype not in _GRAD_DTYPES:
                 raise TypeError(f"{op}: {name} must be float32 or bfloat16, got {t.dtype}")
-            if t.dim() < 1 or t.shape[0] != buf.epn:
-                raise ValueError(f"{op}: {name} must be [epn={buf.epn}, ...], got {tuple(t.shape)}")
+            if t.dim() < 1 or t.shape[0] != be.spec.epn:
+                raise ValueError(f"{op}: {name} must be [epn={be.spec.epn}, ...], got {tuple(t.shape)}")
             if not t.is_contiguous():
                 raise ValueError(f"{op}: {name} must be contiguous")
-            if t.device.type not in (buf.device.type, "meta"):
-                raise ValueError(f"{op}: {name} is on {t.device}, the Buffer on {buf.device}")
+            if t.device.type not in (be.device.type, "meta"):
+                raise ValueError(f"{op}: {name} is on {t.device}, the Buffer on {be.device}")
         if lt.dtype != st.dtype or lt.shape != st.shape:
             raise ValueError(f"{op}: local[{i}] {tuple(lt.shape)} {lt.dtype} and slots[{i}] "
                              f"{tuple(st.shape)} {st.dtype} must match")
@@ -70,27 +70,27 @@ def check_no_alias(local, slots, op: str) -> None:
             raise ValueError(f"{op}: slots[{i}] shares memory with a local tensor")
 
 
-def check_etc_values(etc: Tensor, buf) -> None:
-    if not config.should_validate(etc) or etc.numel() == 0:
+def check_etc_values(etc: Tensor, be) -> None:
+    if not runtime.should_validate(etc) or etc.numel() == 0:
         return
-    if int(etc.min()) < -1 or int(etc.max()) >= buf.E:
-        raise ValueError(f"experts_to_copy values must lie in [-1, E={buf.E}), got "
+    if int(etc.min()) < -1 or int(etc.max()) >= be.spec.E:
+        raise ValueError(f"experts_to_copy values must lie in [-1, E={be.spec.E}), got "
                          f"[{int(etc.min())}, {int(etc.max())}]")
 
 
 @torch.library.custom_op("moonep::prefetch_weight", mutates_args=("slot_weights",), tags=_TAGS)
 def _prefetch_weight(experts_to_copy: Tensor, local_weights: list[Tensor],
                      slot_weights: list[Tensor], buffer: str) -> None:
-    buf = lookup(buffer)
-    check_pool_args(experts_to_copy, local_weights, slot_weights, buf, "prefetch_weight", False)
+    be = registry.lookup(buffer, Backend)
+    check_pool_args(experts_to_copy, local_weights, slot_weights, be, "prefetch_weight", False)
     check_no_alias(local_weights, slot_weights, "prefetch_weight")
-    check_etc_values(experts_to_copy, buf)
-    buf.backend.push_weights(buf, experts_to_copy, local_weights, slot_weights)
+    check_etc_values(experts_to_copy, be)
+    be.prefetch_weight(experts_to_copy, local_weights, slot_weights)
 
 
 @_prefetch_weight.register_fake
 def _prefetch_weight_fake(experts_to_copy, local_weights, slot_weights, buffer):
-    check_pool_args(experts_to_copy, local_weights, slot_weights, lookup(buffer),
+    check_pool_args(experts_to_copy, local_weights, slot_weights, registry.lookup(buffer, Backend),
                     "prefetch_weight", False)
 
 
@@ -98,13 +98,13 @@ def _prefetch_weight_fake(experts_to_copy, local_weights, slot_weights, buffer):
                          tags=_TAGS)
 def _reduce_grad(experts_to_copy: Tensor, local_grads: list[Tensor], slot_grads: list[Tensor],
                  buffer: str) -> None:
-    buf = lookup(buffer)
-    check_pool_args(experts_to_copy, local_grads, slot_grads, buf, "reduce_grad", True)
+    be = registry.lookup(buffer, Backend)
+    check_pool_args(experts_to_copy, local_grads, slot_grads, be, "reduce_grad", True)
     check_no_alias(local_grads, slot_grads, "reduce_grad")
-    check_etc_values(experts_to_copy, buf)
-    buf.backend.reduce_grads(buf, experts_to_copy, local_grads, slot_grads)
+    check_etc_values(experts_to_copy, be)
+    be.reduce_grad(experts_to_copy, local_grads, slot_grads)
 
 
 @_reduce_grad.register_fake
 def _reduce_grad_fake(experts_to_copy, local_grads, slot_grads, buffer):
-    check_pool_args(experts_to_copy, local_grads, slot_grads, lookup(buffer), "reduce_grad", True)
+    check_pool_args(experts_to_copy, local_grads, slot_grads, registry.lookup(buffer, Backend), "reduce_grad", True)

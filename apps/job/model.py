@@ -6,13 +6,13 @@
 
 Each MoE layer: sigmoid router with renormalised top-K weights (Kimi K2/K3 style), routed
 SwiGLU experts and one shared SwiGLU expert.  The MoonEP build uses ``MoonEPMoE`` over one
-``Buffer``, the baseline ``AllToAllEPMoE`` (moonep_ops/a2a_baseline.py); both are loaded from the
+``Buffer``, the baseline ``AllToAllEPMoE`` (moonep_ops/nn/baseline.py); both are loaded from the
 same full weights (``full_weights``), each rank keeping its home experts, so the two builds
 compute the same function.
 
 Routing.  The job sweeps a *controlled* router imbalance: ``ForcedRouter`` keeps the router's
 scores (and so its gradient through the route weights) but takes the expert ids from a
-synthetic routing with a given maxvio (``moonep_ops.routing.routing_for_maxvio``).  A learned
+synthetic routing with a given maxvio (``moonep_ops.testing.routing_for_maxvio``).  A learned
 top-K router cannot reach maxvio > E/K - 1 (each token picks an expert at most once); the
 synthetic "hot" routing lets the hottest expert appear several times in one token, which both
 layers (and the dense reference) handle as independent entries.
@@ -24,11 +24,11 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..a2a_baseline import AllToAllEPMoE
-from ..buffer import Buffer
-from ..moe import MoonEPMoE
-from ..router import Router
-from ..routing import routing_for_maxvio
+from moonep_ops.nn.baseline import AllToAllEPMoE
+from moonep_ops.buffer import Buffer
+from moonep_ops.nn.moe import MoonEPMoE
+from moonep_ops.nn.router import Router
+from moonep_ops.testing import routing_for_maxvio
 
 # Kimi K2's router: sigmoid scores, top-K renormalised, scaled (route_scale 2.827 in K2).
 ROUTER_KW = dict(score_func="sigmoid", route_norm=True, route_scale=2.827)

@@ -117,7 +117,7 @@ def rank_main(cfg: JobConfig, rank: int, R: int, device: torch.device) -> Option
     """Runs on every rank inside an initialised process group; returns the results on rank 0."""
     from torch._dynamo.utils import counters
 
-    from ..buffer import Buffer
+    from moonep_ops.buffer import Buffer
     from .model import batch, build_model, full_weights, load_weights, step_routing
     from .stats import routing_stats
 
@@ -130,7 +130,7 @@ def rank_main(cfg: JobConfig, rank: int, R: int, device: torch.device) -> Option
                  device=device, policy=cfg.policy, backend=cfg.ep_backend)
     # the wire counter sees torch.distributed collectives only; a device backend (symmetric
     # memory) moves MoonEP's rows without them, so its wire bytes are not measured
-    from ..backends import CollectiveBackend
+    from moonep_ops.backends import CollectiveBackend
     wire_measured = {"moonep": isinstance(buf.backend, CollectiveBackend), "baseline": True}
     weights = full_weights(L, E, D, F, cfg.seed)
     models, compiled = {}, {}

@@ -21,33 +21,18 @@ tests/test_swiglu_cuda.py checks it.
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import Tensor
 
-from . import _native
-from .config import sm_count
-
-_fns = None
-
-
-def _kernels():
-    global _fns
-    if _fns is None:
-        vp, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        d = _native.declare_ep
-        _fns = (d("moonep_ep_swiglu_fwd", i, [vp, vp, vp, i64, i, vp]),
-                d("moonep_ep_swiglu_bwd", i, [vp, vp, vp, vp, vp, vp, i64, i, vp]))
-    return _fns
-
+from .. import native
+from ..runtime import sm_count
 
 def _native_ok(*ts: Tensor) -> bool:
     t0 = ts[0]
     # 16-byte loads: base pointers must be 16-byte aligned (a contiguous view may not be).
     return (t0.is_cuda and all(t.dtype == torch.bfloat16 and t.is_contiguous()
                                and t.device == t0.device and t.data_ptr() % 16 == 0 for t in ts)
-            and _native.ep_lib() is not None)
+            and native.ep() is not None)
 
 
 def _launch_args(t: Tensor):
@@ -87,9 +72,9 @@ def swiglu(g_MF: Tensor, u_MF: Tensor) -> Tensor:
     a = torch.empty_like(g_MF)
     sms, stream = _launch_args(g_MF)
     with torch.cuda.device(g_MF.device):
-        rc = _kernels()[0](g_MF.data_ptr(), u_MF.data_ptr(), a.data_ptr(), g_MF.numel(), sms,
+        rc = native.ep().ep_swiglu_fwd(g_MF.data_ptr(), u_MF.data_ptr(), a.data_ptr(), g_MF.numel(), sms,
                            stream)
-    _native.ep_check(rc, "moonep swiglu")
+    native.ep_check(rc, "moonep swiglu")
     return a
 
 
@@ -101,9 +86,9 @@ def swiglu_backward(g_MF: Tensor, u_MF: Tensor, da_MF: Tensor) -> tuple[Tensor, 
     dg, du, a = (torch.empty_like(g_MF) for _ in range(3))
     sms, stream = _launch_args(g_MF)
     with torch.cuda.device(g_MF.device):
-        rc = _kernels()[1](g_MF.data_ptr(), u_MF.data_ptr(), da_MF.data_ptr(), dg.data_ptr(),
+        rc = native.ep().ep_swiglu_bwd(g_MF.data_ptr(), u_MF.data_ptr(), da_MF.data_ptr(), dg.data_ptr(),
                            du.data_ptr(), a.data_ptr(), g_MF.numel(), sms, stream)
-    _native.ep_check(rc, "moonep swiglu backward")
+    native.ep_check(rc, "moonep swiglu backward")
     return dg, du, a
 
 

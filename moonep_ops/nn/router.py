@@ -79,27 +79,4 @@ class Router(nn.Module):
         self.expert_bias -= self.balance_rate * (q_E - q_E.mean())
 
 
-def skewed_router(dim: int, num_experts: int, top_k: int, balance_rate: float, seed: int = 0
-                  ) -> tuple[Router, Tensor]:
-    """A synthetic skewed router (tests, benchmarks): its gate has a rank-one component aligned
-    with the input mean, so later experts win most tokens.  Returns (router, input mean)."""
-    torch.manual_seed(seed)
-    router = Router(dim, num_experts, top_k, balance_rate=balance_rate)
-    mu = torch.randn(dim) * 0.5
-    with torch.no_grad():
-        router.gate.weight.normal_(0, 0.3)
-        router.gate.weight += torch.outer(torch.linspace(-1, 1, num_experts) * 2,
-                                          mu / mu.norm() ** 2)
-    return router, mu
-
-
-def load_per_expert(topk_ids_TK: Tensor, num_experts: int) -> Tensor:
-    return torch.bincount(topk_ids_TK.reshape(-1).long(), minlength=num_experts)
-
-
-def maxvio_of(loads_E: Tensor) -> float:
-    loads = loads_E.double()
-    return float(loads.max() / loads.mean() - 1)
-
-
-__all__ = ["Router", "skewed_router", "load_per_expert", "maxvio_of"]
+__all__ = ["Router"]

@@ -50,20 +50,14 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _native
-from .backends import Backend, _row_bytes
+from .. import native
+from ..geometry import GroupSpec
+from .. import planner as _plan
+from .base import Backend, DispatchResult
+from .collective import _row_bytes
 
-ERR_BAD_IDS, ERR_HIST, ERR_PLAN, ERR_TIMEOUT = 1, 2, 4, 8
-_ERR_TEXT = {ERR_BAD_IDS: "a rank passed expert ids outside [0, E)",
-             ERR_HIST: "a rank's histogram does not sum to s*K, or s/total_num_tokens disagree",
-             ERR_PLAN: "the plan overflowed (more than epn redundant slots or a row out of range)",
-             ERR_TIMEOUT: "a cross-rank barrier timed out: a peer did not call the same op"}
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOONEP_BARRIER_TIMEOUT_S", "60"))
-
-
-def describe_errors(word: int) -> str:
-    return "; ".join(text for bit, text in _ERR_TEXT.items() if word & bit) or "none"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +74,10 @@ class SymmetricHeap(abc.ABC):
     @abc.abstractmethod
     def alloc(self, nbytes: int) -> tuple[Tensor, Tensor]:
         """Collective: a zeroed uint8 [nbytes] region -> (local copy, int64 peer table [R])."""
+
+    @abc.abstractmethod
+    def exchange(self, obj) -> list:
+        """Collective (host, set-up only): every rank's picklable ``obj`` in rank order."""
 
 
 class TorchSymmetricHeap(SymmetricHeap):
@@ -110,6 +108,12 @@ class TorchSymmetricHeap(SymmetricHeap):
         dist.barrier(group=self.group)   # every copy zeroed before any peer writes (setup only)
         return t[:nbytes], peers
 
+    def exchange(self, obj):
+        import torch.distributed as dist
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
 
 class VirtualGroup:
     """R virtual ranks on one GPU in one process (see the module docstring).
@@ -133,6 +137,8 @@ class VirtualGroup:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._allocs: list[tuple[int, list[Tensor], Tensor]] = []
         self._count = [0] * world_size
+        self._posted: list[list] = []            # k-th exchange: what each rank posted
+        self._xcount = [0] * world_size
         self._lock = threading.Lock()       # ranks may be driven from one thread each
 
     def heap(self, rank: int) -> "VirtualHeap":
@@ -161,6 +167,19 @@ class VirtualGroup:
                                "the same Buffers and pools in the same order)")
         return parts[rank][:nbytes], peers
 
+    def _exchange(self, rank: int, obj) -> list:
+        """Ranks are driven one after another from one thread, so no rank can wait for the
+        others: each posts its k-th object, and a rank whose object differs from one posted
+        earlier sees the earlier ones (the later rank raises; ranks not yet built are shown as
+        their own value)."""
+        with self._lock:
+            k = self._xcount[rank]
+            self._xcount[rank] += 1
+            while len(self._posted) <= k:
+                self._posted.append([None] * self.world_size)
+            self._posted[k][rank] = obj
+            return [obj if o is None else o for o in self._posted[k]]
+
 
 class VirtualHeap(SymmetricHeap):
     shared_address_space = True
@@ -174,41 +193,17 @@ class VirtualHeap(SymmetricHeap):
     def alloc(self, nbytes):
         return self.group._alloc(self.rank, nbytes)
 
+    def exchange(self, obj):
+        return self.group._exchange(self.rank, obj)
+
 
 # ---------------------------------------------------------------------------------------------
 # Library bindings
 # ---------------------------------------------------------------------------------------------
 
-_FNS = None
-
-
-def _fns():
-    global _FNS
-    if _FNS is None:
-        i, vp, i64, ll = ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_longlong
-        vpp = ctypes.POINTER(ctypes.c_void_p)
-        d = _native.declare_ep
-        _FNS = dict(
-            barrier=d("moonep_ep_barrier", i, [vp, vp, i, i, vp, ll, vp]),
-            hist=d("moonep_ep_hist_publish", i, [vp, i, i, i, i, i, i, vp, vp, vp]),
-            send=d("moonep_ep_dispatch_send", i, [vp, i64, vp, vp, i, i, i, i, i, i, i, vp, vp, vp,
-                                                  vp, vp, vp]),
-            recv=d("moonep_ep_dispatch_recv", i, [vp, vp, i, i64, vp, vp, vp, i, i, vp, vp, i, vp]),
-            stage=d("moonep_ep_combine_stage", i, [vp, i64, i64, vp, vp, vp, vp]),
-            combine=d("moonep_ep_combine_recv", i, [vp, vp, i, i, i, i, vp, i, i, vp, vp, vp, i,
-                                                    vp, vp]),
-            publish=d("moonep_ep_publish_ptrs", i, [vp, i, i, vp, vp, i64, vp]),
-            push=d("moonep_ep_push_weights", i, [i, vpp, vpp, ctypes.POINTER(i64), vp, i, i, i, vp,
-                                                 i, vp]),
-            reduce=d("moonep_ep_reduce_grads", i, [i, vpp, vpp, ctypes.POINTER(i64), vp, i, i, i,
-                                                   vp, i, i, vp]),
-            zero=d("moonep_ep_zero_slots", i, [i, vpp, ctypes.POINTER(i64), vp, i, i, i, vp]),
-        )
-    return _FNS
-
-
 def _call(name: str, *args) -> None:
-    _native.ep_check(_fns()[name](*args), f"moonep_ep {name}")
+    """One data-plane launcher of libmoonep_ep.so (prototypes: moonep_ops/native.py)."""
+    native.ep_check(getattr(native.require_ep(), "ep_" + name)(*args), f"moonep_ep_{name}")
 
 
 def _ptrs(values: Sequence[int]):
@@ -223,16 +218,17 @@ def _ptrs(values: Sequence[int]):
 class SymmBackend(Backend):
     """Device-side data plane of one rank (see the module docstring).  One per Buffer."""
 
-    device_side = True            # no host reads: the ops are capturable in CUDA graphs
+    kind = "symm"
+    capturable = True             # no host reads: the ops are capturable in CUDA graphs
+    supports_async = True
 
     def __init__(self, heap: SymmetricHeap, *, timeout_s: Optional[float] = None,
                  planner: Optional[str] = None, combine: Optional[str] = None):
-        _native.require_ep_lib()
+        native.require_ep()
         self.heap = heap
         self.rank, self.world_size, self.device = heap.rank, heap.world_size, heap.device
-        self.group = getattr(heap, "group", None)       # a ProcessGroup (router grads, QB)
-        if not hasattr(self.group, "group_name"):
-            self.group = None                           # virtual ranks have no process group
+        # the torch process group (router grads, QB); virtual ranks have none
+        self.group = heap.group if isinstance(heap, TorchSymmetricHeap) else None
         self.timeout_ns = int((DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s) * 1e9)
         # "device": csrc/plan_kernels.cu (policy moonep); "torch": moonep::plan on device tensors
         planner = planner or os.environ.get("MOONEP_PLANNER", "auto")
@@ -252,7 +248,6 @@ class SymmBackend(Backend):
         if combine == "direct" and not one:
             raise ValueError("combine='direct' needs a one-rank group in this process")
         self.direct = one and combine != "stage"
-        self.buf = None
         self._sym_peers: dict[int, Tensor] = {}     # data_ptr of symmetric tensors -> peers
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
@@ -262,12 +257,12 @@ class SymmBackend(Backend):
         local, peers = self.heap.alloc(nbytes)
         return local.view(dtype), peers
 
-    def attach(self, buf) -> None:
-        if self.buf is not None:
-            raise ValueError("a SymmBackend serves one Buffer; create one backend per Buffer")
-        self.buf = buf
-        R, E, S, NvS = buf.R, buf.E, buf.S, buf.NvS
-        rb = buf.H * buf.dtype.itemsize
+    def exchange_fingerprints(self, fingerprint):
+        return self.heap.exchange(fingerprint)
+
+    def _allocate(self, spec: GroupSpec) -> None:
+        R, E, S, NvS = spec.R, spec.E, spec.S, spec.NvS
+        rb = spec.D * spec.dtype.itemsize
         self.row_bytes = rb
         self.sig, self.sig_peers = self._region(R, torch.int64)
         self.hist, self.hist_peers = self._region(R * (E + 3), torch.int32)
@@ -328,75 +323,72 @@ class SymmBackend(Backend):
               self.world_size, self.err.data_ptr(), self.timeout_ns, self._stream())
 
     # -- Backend methods ----------------------------------------------------------------------
-    def gather_rows(self, row: Tensor) -> Tensor:
-        raise NotImplementedError("the CUDA backend plans on the device (dispatch_fresh)")
-
-    def dispatch_fresh(self, buf, x, topk, rw, total: int):
-        self._check_planner(buf)                       # before any kernel runs
-        s = x.shape[0]
-        R, E, K = buf.R, buf.E, buf.K
-        _call("hist", topk.data_ptr(), s * K, E, self.rank, R, s, total, self.hist_peers.data_ptr(),
-              self.err.data_ptr(), self._stream())
+    def dispatch(self, x_sD, topk_sK, w_sK, total, reject):
+        spec = self.spec
+        if reject:
+            raise ValueError(f"moonep dispatch: {reject}")
+        if self.planner == "device" and spec.policy not in _plan.DEVICE_POLICIES:
+            raise ValueError(f"planner='device' plans policies {_plan.DEVICE_POLICIES}, the "
+                             f"Buffer's is {spec.policy!r}")
+        if self.planner == "device" and not _plan.device_planner_available():
+            raise RuntimeError("the device planner is not available in libmoonep_ep.so")
+        # Histogram exchange, planning and the input checks run on the device: bad input sets
+        # the error word (Buffer.check_errors) instead of a host read.
+        s = x_sD.shape[0]
+        R, E, K = spec.R, spec.E, spec.K
+        _call("hist_publish", topk_sK.data_ptr(), s * K, E, self.rank, R, s, total,
+              self.hist_peers.data_ptr(), self.err.data_ptr(), self._stream())
         self.barrier()
         hist_RX = self.hist.view(R, E + 3)
-        dst, cu, etc, zf, stats = self._plan(buf, hist_RX, topk, total)
-        h, w = self.scatter(buf, x, rw, dst, buf.nvs_s(s, total))
-        return h, w, cu, dst, etc, zf, stats
+        # The torch planner (planner="torch", or a policy the device planner lacks) runs on
+        # device tensors: sync-free, many small kernels.  Ids the histogram kernel flagged as
+        # bad are clamped so its indexing stays in bounds.
+        (dst, cu, etc, zf, stats), _ = _plan.plan_from_rows(
+            hist_RX, topk_sK, self.rank, spec, total, self.err,
+            device=self.planner != "torch", clamp_ids=True)
+        h, w = self.dispatch_with_plan(x_sD, w_sK, dst, spec.nvs_s(s, total))
+        return DispatchResult(h, w, cu, dst, etc, zf, stats)
 
-    def _check_planner(self, buf) -> None:
-        from . import plan_device                      # imports this module: not at the top
-        if self.planner == "device":
-            if not plan_device.available():
-                raise RuntimeError("the device planner is not available in libmoonep_ep.so")
-            if buf.policy != "moonep":
-                raise ValueError(f"planner='device' plans policy 'moonep' only, the buffer's is "
-                                 f"{buf.policy!r}")
-
-    def _plan(self, buf, hist_RX, topk, total):
-        from . import plan_device                      # imports this module: not at the top
-        # The torch planner runs on device tensors (sync-free for both policies; many small
-        # kernels).  Bad ids were flagged by the histogram kernel: clamped for its indexing.
-        out, _ = plan_device.plan_from_rows(hist_RX, topk, self.rank, buf, total, self.err,
-                                            device=self.planner != "torch", clamp_ids=True)
-        return out
-
-    def scatter(self, buf, x_sH, w_sK, dst_N, nvs_s):
-        s = x_sH.shape[0]
+    def dispatch_with_plan(self, x_sD, w_sK, dst_N, nvs_s):
+        spec = self.spec
+        s = x_sD.shape[0]
         stream = self._stream()
-        h = torch.empty((nvs_s, buf.H), dtype=x_sH.dtype, device=x_sH.device)
-        w = torch.empty((nvs_s,), dtype=torch.float32, device=x_sH.device)
-        _call("send", x_sH.data_ptr(), self.row_bytes, w_sK.data_ptr() if w_sK is not None else None,
-              dst_N.data_ptr(), s, buf.K, self.rank, buf.R, buf.S, buf.NvS, nvs_s,
-              self.x_stage.data_ptr(), self.desc_peers.data_ptr(), self.wland_peers.data_ptr(),
-              self.epoch.data_ptr(), self.err.data_ptr(), stream)
+        h = torch.empty((nvs_s, spec.D), dtype=x_sD.dtype, device=x_sD.device)
+        w = torch.empty((nvs_s,), dtype=torch.float32, device=x_sD.device)
+        _call("dispatch_send", x_sD.data_ptr(), self.row_bytes,
+              w_sK.data_ptr() if w_sK is not None else None, dst_N.data_ptr(), s, spec.K,
+              self.rank, spec.R, spec.S, spec.NvS, nvs_s, self.x_stage.data_ptr(),
+              self.desc_peers.data_ptr(), self.wland_peers.data_ptr(), self.epoch.data_ptr(),
+              self.err.data_ptr(), stream)
         self.barrier()
-        _call("recv", h.data_ptr(), w.data_ptr(), nvs_s, self.row_bytes, self.desc.data_ptr(),
-              self.wland.data_ptr(), self.x_peers.data_ptr(), buf.R, buf.S, self.epoch.data_ptr(),
-              self.err.data_ptr(), self.num_sms, stream)
+        _call("dispatch_recv", h.data_ptr(), w.data_ptr(), nvs_s, self.row_bytes,
+              self.desc.data_ptr(), self.wland.data_ptr(), self.x_peers.data_ptr(), spec.R, spec.S,
+              self.epoch.data_ptr(), self.err.data_ptr(), self.num_sms, stream)
         self.barrier()
         return h, w
 
-    def gather(self, buf, h_rH, w_r, dst_N):
-        n_rows = h_rH.shape[0]
-        s = dst_N.numel() // buf.K
+    def combine(self, h_MD, w_M, dst_N):
+        spec = self.spec
+        n_rows = h_MD.shape[0]
+        s = dst_N.numel() // spec.K
         stream = self._stream()
-        w_ptr = w_r.data_ptr() if w_r is not None else None
+        w_ptr = w_M.data_ptr() if w_M is not None else None
         if self.direct:
-            _call("publish", self.ptab_peers.data_ptr(), self.rank, buf.R, h_rH.data_ptr(), w_ptr,
-                  n_rows, stream)
+            _call("publish_ptrs", self.ptab_peers.data_ptr(), self.rank, spec.R, h_MD.data_ptr(),
+                  w_ptr, n_rows, stream)
             base = self.ptab.data_ptr()
-            rows_of, y_peers, w_peers = base + 16 * buf.R, base, base + 8 * buf.R
+            rows_of, y_peers, w_peers = base + 16 * spec.R, base, base + 8 * spec.R
         else:
-            _call("stage", h_rH.data_ptr(), n_rows, self.row_bytes, w_ptr,
+            _call("combine_stage", h_MD.data_ptr(), n_rows, self.row_bytes, w_ptr,
                   self.y_stage.data_ptr(), self.w_stage.data_ptr(), stream)
             rows_of, y_peers, w_peers = None, self.y_peers.data_ptr(), self.w_peers.data_ptr()
         self.barrier()
-        y = torch.empty((s, buf.H), dtype=h_rH.dtype, device=h_rH.device)
-        w_sK = (torch.empty((s, buf.K), dtype=torch.float32, device=h_rH.device)
-                if w_r is not None else None)
-        _call("combine", y.data_ptr(), w_sK.data_ptr() if w_sK is not None else None, s, buf.K,
-              buf.H, _DTYPE_CODE[h_rH.dtype], dst_N.data_ptr(), buf.NvS, buf.NvS, rows_of,
-              y_peers, w_peers, buf.R, self.err.data_ptr(), stream)
+        y = torch.empty((s, spec.D), dtype=h_MD.dtype, device=h_MD.device)
+        w_sK = (torch.empty((s, spec.K), dtype=torch.float32, device=h_MD.device)
+                if w_M is not None else None)
+        _call("combine_recv", y.data_ptr(), w_sK.data_ptr() if w_sK is not None else None, s,
+              spec.K, spec.D, _DTYPE_CODE[h_MD.dtype], dst_N.data_ptr(), spec.NvS, spec.NvS,
+              rows_of, y_peers, w_peers, spec.R, self.err.data_ptr(), stream)
         self.barrier()       # peers have read this rank's rows before it may reuse them
         return y, w_sK
 
@@ -407,32 +399,25 @@ class SymmBackend(Backend):
         rb = (ctypes.c_int64 * n)(*[_row_bytes(t) for t in local])
         return n, lp, pp, rb
 
-    def push_weights(self, buf, etc_RB, local, slots):
+    def prefetch_weight(self, etc_RB, local, slots):
         if not local:
             return
+        spec = self.spec
         n, lp, pp, rb = self._table(local, slots, "prefetch_weight")
         self.barrier()        # peers are done with the slots' previous contents
-        _call("push", n, lp, pp, rb, etc_RB.data_ptr(), buf.R, buf.epn, self.rank,
+        _call("push_weights", n, lp, pp, rb, etc_RB.data_ptr(), spec.R, spec.epn, self.rank,
               self.err.data_ptr(), self.num_sms, self._stream())
         self.barrier()        # every slot filled before anyone computes with it
 
-    def reduce_grads(self, buf, etc_RB, local, slots):
+    def reduce_grad(self, etc_RB, local, slots):
         if not local:
             return
+        spec = self.spec
         n, lp, pp, rb = self._table(local, slots, "reduce_grad")
         self.barrier()        # every rank's slot grads are complete
-        _call("reduce", n, lp, pp, rb, etc_RB.data_ptr(), buf.R, buf.epn, self.rank,
+        _call("reduce_grads", n, lp, pp, rb, etc_RB.data_ptr(), spec.R, spec.epn, self.rank,
               self.err.data_ptr(), self.num_sms, _DTYPE_CODE[local[0].dtype], self._stream())
         self.barrier()        # every owner has read the slots
         sp = _ptrs([t.data_ptr() for t in slots])
-        _call("zero", n, sp, rb, etc_RB.data_ptr(), buf.epn, self.rank, self.num_sms,
+        _call("zero_slots", n, sp, rb, etc_RB.data_ptr(), spec.epn, self.rank, self.num_sms,
               self._stream())
-
-
-def default_heap(group, device: torch.device) -> SymmetricHeap:
-    """An initialised process group -> torch symmetric memory (one process per GPU, also for a
-    group of one); no process group -> a one-rank VirtualGroup."""
-    import torch.distributed as dist
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return VirtualGroup(1, device).heap(0)
-    return TorchSymmetricHeap(group)

@@ -1,7 +1,9 @@
-"""Synthetic routings for tests, benchmarks and the demo (seeded, CPU, int32 [s, K] per rank).
+"""Helpers for tests, benchmarks and the apps: synthetic routings, a skewed router, and the
+dense single-process reference MoE.  Nothing in the library imports this module.
 
-Imbalance is reported as maxvio = max_e T_e / mean_e T_e - 1 on the global per-expert counts
-(0: perfectly balanced; k: the hottest expert receives (k+1)x the balanced load).
+Routings are seeded, on the CPU, int32 [s, K] per rank.  Imbalance is reported as
+maxvio = max_e T_e / mean_e T_e - 1 on the global per-expert counts (0: perfectly balanced;
+k: the hottest expert receives (k+1)x the balanced load).
 """
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.nn.functional import silu
+
+from .nn.router import Router
 
 KINDS = ("uniform", "balanced", "zipf", "hot", "one_expert", "all_remote", "all_local",
          "duplicates", "one_group", "random_sparse")
@@ -106,3 +111,40 @@ def routing_for_maxvio(target: float, R: int, E: int, s: int, K: int, *, seed: i
             break
         lo, hi = (mid, hi) if mv < target else (lo, mid)
     return best[1]
+
+
+def skewed_router(dim: int, num_experts: int, top_k: int, balance_rate: float, seed: int = 0
+                  ) -> tuple[Router, Tensor]:
+    """A synthetic skewed router (tests, benchmarks): its gate has a rank-one component aligned
+    with the input mean, so later experts win most tokens.  Returns (router, input mean)."""
+    torch.manual_seed(seed)
+    router = Router(dim, num_experts, top_k, balance_rate=balance_rate)
+    mu = torch.randn(dim) * 0.5
+    with torch.no_grad():
+        router.gate.weight.normal_(0, 0.3)
+        router.gate.weight += torch.outer(torch.linspace(-1, 1, num_experts) * 2,
+                                          mu / mu.norm() ** 2)
+    return router, mu
+
+
+def load_per_expert(topk_ids_TK: Tensor, num_experts: int) -> Tensor:
+    return torch.bincount(topk_ids_TK.reshape(-1).long(), minlength=num_experts)
+
+
+def maxvio_of(loads_E: Tensor) -> float:
+    loads = loads_E.double()
+    return float(loads.max() / loads.mean() - 1)
+
+
+def reference_moe(x_TD: Tensor, ids_TK: Tensor, w_TK: Tensor, w1_EFD: Tensor, w3_EFD: Tensor,
+                  w2_EDF: Tensor) -> Tensor:
+    """Dense single-process reference: y_t = sum_k w_tk * SwiGLU_{e_tk}(x_t) (fp32 math)."""
+    x = x_TD.float()
+    out = torch.zeros_like(x)
+    for k in range(ids_TK.shape[1]):
+        e = ids_TK[:, k].long()
+        g = torch.einsum("td,tfd->tf", x, w1_EFD[e].float())
+        u = torch.einsum("td,tfd->tf", x, w3_EFD[e].float())
+        y = torch.einsum("tf,tdf->td", silu(g) * u, w2_EDF[e].float())
+        out = out + w_TK[:, k:k + 1].float() * y
+    return out

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from torch import Tensor
 
-from ..planner import plan_all_ranks, replication_cost
+from moonep_ops.planner import plan_all_ranks, replication_cost
 
 
 def routing_stats(topk_per_rank: Sequence[Tensor], E: int, D: int, F: int, elem_bytes: int,

@@ -1,7 +1,7 @@
 """MoonEP planner, visually: a small local web app (Python standard library only, CPU).
 
-    python demo/app.py                 # http://127.0.0.1:8765/
-    python demo/app.py --port 0        # any free port (printed)
+    python apps/web/app.py                 # http://127.0.0.1:8765/
+    python apps/web/app.py --port 0        # any free port (printed)
 
 Choose R (EP ranks), E (experts), K (top-k), s (tokens per rank), the router skew (target
 maxvio: the hottest expert receives (maxvio+1)x the mean load) and the planner policy
@@ -31,10 +31,10 @@ import torch
 try:
     import moonep_ops
 except ImportError:                     # run from a checkout without installing it
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     import moonep_ops
 from moonep_ops.planner import POLICIES, replication_cost
-from moonep_ops.routing import histogram, maxvio, routing_for_maxvio
+from moonep_ops.testing import histogram, maxvio, routing_for_maxvio
 
 DEFAULTS = dict(R=8, E=64, K=8, s=1024, skew=10.0, policy="moonep", seed=0)
 LIMITS = dict(R=(1, 64), E=(1, 1024), K=(1, 64), s=(1, 8192), seed=(0, 2**31 - 1))

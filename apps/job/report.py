@@ -204,10 +204,10 @@ def write(res: dict, out: str, command: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    """``python -m moonep_ops.job.report moonep_out/results.json [--out DIR]``: print the table
+    """``python -m apps.job.report moonep_out/results.json [--out DIR]``: print the table
     of a finished run again and redraw its plots."""
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m moonep_ops.job.report", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m apps.job.report", description=main.__doc__)
     ap.add_argument("results")
     ap.add_argument("--out", default=None, help="folder for the plots (default: next to results)")
     a = ap.parse_args(argv)

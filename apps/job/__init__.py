@@ -1,4 +1,4 @@
-"""The main job (``python -m moonep_ops``): MoonEP vs plain all-to-all EP, trained on R ranks.
+"""The main job (``python -m apps.job``): MoonEP vs plain all-to-all EP, trained on R ranks.
 
   cli.py           argument parsing and checks, launch (spawned gloo ranks or torchrun)
   run.py           one rank: build, compile, warm up, sweep maxvio; the launchers

@@ -27,7 +27,7 @@ wgrad (every non-empty group has the same tile count, but a tile costs ~ M_g):
   N*K*8 (fp32 grad read + write; N*K*2 for wgrad_lp); CTA p's time is the sum over its tiles (+tau_sw per group it
   enters), and T(c) = tau0 + max_p.
 
-The constants (eta, bw_frac, tau_sw, tau0, tau_epi per config) live in moonep_ops/gemm_tuning.py and
+The constants (eta, bw_frac, tau_sw, tau0, tau_epi per config) live in moonep_ops/gemm/tuning.py and
 are fitted on the H200 by benchmarks/calibrate_grouped_gemm.py.  The same formulas run on the
 GPU inside the prep kernel (cutlass_kernels/prep.cu, one warp per config), which is how the op
 selects a config from device-resident counts without a host sync; this module is the reference
@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import gemm_tuning
+from . import tuning as gemm_tuning
 
 KINDS = ("fwd", "dgrad", "wgrad", "wgrad_lp")
 

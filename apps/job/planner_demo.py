@@ -1,4 +1,4 @@
-"""``python -m moonep_ops --planner-only``: the planner alone over R simulated ranks.
+"""``python -m apps.job --planner-only``: the planner alone over R simulated ranks.
 
 For each maxvio, plain expert parallelism (every expert at its home rank) against the two
 planning policies: token copies each rank receives, redundant experts, token copies moved away
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from ..planner import POLICIES, plan_all_ranks, replication_cost
-from ..routing import histogram, maxvio, routing_for_maxvio
+from moonep_ops.planner import POLICIES, plan_all_ranks, replication_cost
+from moonep_ops.testing import histogram, maxvio, routing_for_maxvio
 
 
 def planner_table(R: int, E: int, K: int, s: int, tp: int, targets, seed: int = 0) -> None:

@@ -1,0 +1,139 @@
+"""The backend contract: how one rank of an EP group moves token rows, expert weights and grads.
+
+Every data-plane op (moonep_ops/ops/dispatch.py, expert_weights.py) validates its arguments,
+looks up its group's backend by name (moonep_ops/registry.py) and calls ONE method below; the
+backend sees tensors and Python ints only, every layout decision is the planner's.  The ops read
+the same for every backend:
+
+  op                              backend method       what it does
+  moonep::dispatch                dispatch             exchange histograms, plan, scatter rows
+  moonep::dispatch_with_plan      dispatch_with_plan   scatter rows with a saved plan
+  moonep::combine                 combine              gather each token's K rows, sum in fp32
+  moonep::prefetch_weight         prefetch_weight      owners push experts into the slots
+  moonep::reduce_grad             reduce_grad          owners add the slots' grads, zero them
+
+Lifecycle: a Buffer creates its backend, ``bind(spec)`` runs once on every rank (collective: the
+ranks' GroupSpec fingerprints are compared and the same ValueError raised on every rank if they
+differ, then per-group state is allocated), the ops run, ``release()`` ends it (Buffer.destroy).
+
+Capabilities are declared class attributes, never probed:
+  capturable      the methods never read device memory on the host (CUDA-graph capture safe);
+  supports_async  the methods may run on a side stream (Buffer's async mode).
+
+Implementations (moonep_ops/backends/):
+  CollectiveBackend  (collective.py) every method from two primitives, all_gather and
+    TorchDistBackend   all_to_all_v, split sizes read on the host; torch.distributed (gloo/NCCL)
+    SingleRankBackend  R = 1, the primitives are copies
+  SymmBackend        (symm.py) CUDA kernels over symmetric memory, planning on the device
+
+Shapes (moonep_ops/geometry.py legend): s tokens, K top-k, N = s*K entries, D model dim,
+M = nvs_s receive rows, R ranks, B = epn.
+"""
+from __future__ import annotations
+
+import abc
+from typing import ClassVar, NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..geometry import GroupSpec, check_fingerprints
+
+
+class DispatchResult(NamedTuple):
+    """What ``Backend.dispatch`` returns (the outputs of moonep::dispatch, in schema order)."""
+    h_MD: Tensor            # [nvs_s, D] token rows grouped by expert; padding rows zero
+    w_M: Tensor             # [nvs_s] fp32 route weight of every row (zero where none)
+    cu_seqlens_G: Tensor    # [G] int32 inclusive end offsets of the G segments
+    dst_N: Tensor           # [N] int32 slot of every entry (moonep_ops/ops/plan.py encoding)
+    experts_to_copy_RB: Tensor   # [R, B] int32, the global slot table
+    zero_fill_G2: Tensor    # [G, 2] int32 padding ranges
+    remote_stats_2: Tensor  # [2] int32
+
+
+class Backend(abc.ABC):
+    """One rank's data plane of one EP group (see the module docstring)."""
+
+    kind: ClassVar[str]                 # the Buffer(backend=...) name: "torch", "single", "symm"
+    capturable: ClassVar[bool] = False
+    supports_async: ClassVar[bool] = False
+
+    rank: int
+    world_size: int
+    device: torch.device
+    # The torch process group of the EP group (router / shared-expert grads and Quantile
+    # Balancing reduce over it), None when there is none (one process, virtual ranks).
+    group: Optional[object] = None
+    spec: Optional[GroupSpec] = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def bind(self, spec: GroupSpec) -> None:
+        """Collective, once: check that every rank has the same spec, then allocate."""
+        if self.spec is not None:
+            raise ValueError(f"this {type(self).__name__} is already bound to a Buffer; "
+                             "create one backend per Buffer")
+        if spec.R != self.world_size:
+            raise ValueError(f"spec.R={spec.R} but the backend has {self.world_size} ranks")
+        check_fingerprints(self.exchange_fingerprints(spec.fingerprint()))
+        self.spec = spec
+        self._allocate(spec)
+
+    @abc.abstractmethod
+    def exchange_fingerprints(self, fingerprint: tuple) -> list:
+        """Collective (host, set-up only): every rank's fingerprint, in rank order."""
+
+    @abc.abstractmethod
+    def _allocate(self, spec: GroupSpec) -> None:
+        """Per-group state (landing areas, symmetric regions), after the fingerprint check."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Drop the per-group state (idempotent).  Every rank, after its last op."""
+
+    @abc.abstractmethod
+    def symmetric_zeros(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        """Collective: a zeroed tensor the peers can address (ExpertPool slot weights and
+        grads).  A plain tensor on backends that move data by messages."""
+
+    def error_word(self) -> int:
+        """Error bits a device kernel set (0: none).  Host backends raise eagerly instead and
+        return 0; a device backend's read is a host sync."""
+        return 0
+
+    def clear_errors(self) -> None:
+        """Reset the error word (device backends)."""
+
+    # -- the data plane -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def dispatch(self, x_sD: Tensor, topk_sK: Tensor, w_sK: Optional[Tensor], total: int,
+                 reject: str) -> DispatchResult:
+        """Exchange the [E] histograms, plan (policy spec.policy), scatter.  ``total``: the
+        group's token count, -1 when every rank passes the same s.  ``reject``: a non-empty
+        message when this rank's input failed a host check; the backend then raises a
+        ValueError on this rank and, where it can, on every rank, before anything is written."""
+
+    @abc.abstractmethod
+    def dispatch_with_plan(self, x_sD: Tensor, w_sK: Optional[Tensor], dst_N: Tensor,
+                           nvs_s: int) -> tuple[Tensor, Tensor]:
+        """Scatter with a saved plan: every entry's row x[n // K] and weight w[n] to its slot.
+        Returns fresh (h [nvs_s, D], w [nvs_s] fp32); rows and weights no entry names are zero.
+        Duplicate entries (same token, same destination) reuse their primary's row."""
+
+    @abc.abstractmethod
+    def combine(self, h_MD: Tensor, w_M: Optional[Tensor], dst_N: Tensor
+                ) -> tuple[Tensor, Optional[Tensor]]:
+        """y[t] = sum_k h[slot(t, k)], accumulated in fp32 (fp64 for fp64 h) in the order
+        k = 0..K-1, rounded once to h's dtype ([s, D]); and w_sK[t, k] = w[slot(t, k)] when w is
+        given.  ``h_MD`` has nvs_s or NvS rows."""
+
+    @abc.abstractmethod
+    def prefetch_weight(self, etc_RB: Tensor, local: Sequence[Tensor],
+                        slots: Sequence[Tensor]) -> None:
+        """slots[i][b] on rank d = owner's local[i][e % B] for e = etc[d, b] >= 0 (bitwise)."""
+
+    @abc.abstractmethod
+    def reduce_grad(self, etc_RB: Tensor, local: Sequence[Tensor],
+                    slots: Sequence[Tensor]) -> None:
+        """local[i][le] += the slot grads of expert rank*B + le on every rank, added one by one
+        in ascending (src*B + b) in fp32 (bf16 grads: one rounding at the end); then zero this
+        rank's consumed slots."""

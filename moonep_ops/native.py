@@ -1,0 +1,238 @@
+"""The C ABI of the two GPU libraries, declared once: loading, versions, every export's prototype.
+
+The CUDA kernels are built by ``python -m moonep_ops.build`` into ``moonep_ops/lib/``:
+
+  libmoonep_gemm.so   cutlass_kernels/  (header cutlass_kernels/moonep_gemm.h)  CUTLASS grouped GEMMs
+  libmoonep_ep.so     csrc/             (header csrc/moonep_ep.h)               data plane, device
+                                                                                planner, SwiGLU
+
+Both export ``extern "C"`` functions that take raw device pointers, ints and a ``cudaStream_t``, so
+one binary serves every torch version (no torch C++ ABI).  Nothing here touches a GPU: ``gemm()``
+and ``ep()`` return ``None`` when a library is absent or cannot be loaded (CPU machines, a build
+for another toolkit), and the ops fall back to torch.  ``tests/test_native_abi.py`` checks this
+table against the headers, so a prototype changed on one side only fails on CPU.
+
+Every launcher returns 0, or a CUDA error code with the message in ``*_last_error()``; none of
+them synchronises the host.
+
+Environment:
+  MOONEP_LIB_DIR           look for the libraries there instead of ``moonep_ops/lib``;
+  MOONEP_DISABLE_NATIVE=1  pretend the libraries are missing (forces the torch fallbacks).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import POINTER, c_char_p, c_float, c_int, c_int64, c_longlong, c_size_t, c_void_p
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+# Bumped with every exported signature change; the library reports its own value, and a mismatch
+# makes the library "not loadable" rather than risking a call with the wrong arguments.
+GEMM_ABI_VERSION = 7       # cutlass_kernels/moonep_gemm.h
+EP_ABI_VERSION = 2         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
+
+_vpp = POINTER(c_void_p)
+_i64p = POINTER(c_int64)
+
+# name -> (restype, argtypes).  Argument order and meaning: the library headers.
+GEMM_PROTOTYPES: dict[str, tuple] = {
+    "moonep_gemm_abi_version": (c_int, []),
+    "moonep_gemm_last_error": (c_char_p, []),
+    "moonep_gemm_num_configs": (c_int, [c_int]),
+    # kind, cfg, int[8] out: BM, BN, BK, cluster_m, cluster_n, pingpong, epilogue width, swap-AB
+    "moonep_gemm_config_info": (c_int, [c_int, c_int, POINTER(c_int)]),
+    "moonep_gemm_workspace_bytes": (c_size_t, [c_int, c_int, c_int]),
+    "moonep_grouped_gemm": (c_int, [
+        c_int, c_int, c_int,             # kind, config (-1: select on device), raster (0 M, 1 N)
+        c_void_p, c_void_p, c_void_p,    # A, B_local, B_slot
+        c_void_p, c_void_p,              # D (or D_local), D_slot (wgrad only)
+        c_void_p,                        # cu_seqlens (int32, device)
+        c_int, c_int, c_int, c_int, c_int,   # G, epn, m, n, k (the CUTLASS problem shape)
+        POINTER(c_float), c_int, c_int,  # tuning table (host), candidate mask, flags
+        c_void_p, c_size_t, c_int,       # workspace (device), its bytes, sm_count
+        c_void_p,                        # cudaStream_t
+    ]),
+}
+
+EP_PROTOTYPES: dict[str, tuple] = {
+    "moonep_ep_abi_version": (c_int, []),
+    "moonep_ep_last_error": (c_char_p, []),
+    # data plane (csrc/ep_kernels.cu)
+    "moonep_ep_barrier": (c_int, [c_void_p, c_void_p, c_int, c_int, c_void_p, c_longlong, c_void_p]),
+    "moonep_ep_hist_publish": (c_int, [c_void_p, c_int, c_int, c_int, c_int, c_int, c_int, c_void_p,
+                                       c_void_p, c_void_p]),
+    "moonep_ep_dispatch_send": (c_int, [c_void_p, c_int64, c_void_p, c_void_p, c_int, c_int, c_int,
+                                        c_int, c_int, c_int, c_int, c_void_p, c_void_p, c_void_p,
+                                        c_void_p, c_void_p, c_void_p]),
+    "moonep_ep_dispatch_recv": (c_int, [c_void_p, c_void_p, c_int, c_int64, c_void_p, c_void_p,
+                                        c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_void_p]),
+    "moonep_ep_combine_stage": (c_int, [c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p,
+                                        c_void_p]),
+    "moonep_ep_combine_recv": (c_int, [c_void_p, c_void_p, c_int, c_int, c_int, c_int, c_void_p,
+                                       c_int, c_int, c_void_p, c_void_p, c_void_p, c_int, c_void_p,
+                                       c_void_p]),
+    "moonep_ep_publish_ptrs": (c_int, [c_void_p, c_int, c_int, c_void_p, c_void_p, c_int64,
+                                       c_void_p]),
+    "moonep_ep_push_weights": (c_int, [c_int, _vpp, _vpp, _i64p, c_void_p, c_int, c_int, c_int,
+                                       c_void_p, c_int, c_void_p]),
+    "moonep_ep_reduce_grads": (c_int, [c_int, _vpp, _vpp, _i64p, c_void_p, c_int, c_int, c_int,
+                                       c_void_p, c_int, c_int, c_void_p]),
+    "moonep_ep_zero_slots": (c_int, [c_int, _vpp, _i64p, c_void_p, c_int, c_int, c_int, c_void_p]),
+    # SwiGLU (csrc/swiglu.cu)
+    "moonep_ep_swiglu_fwd": (c_int, [c_void_p, c_void_p, c_void_p, c_int64, c_int, c_void_p]),
+    "moonep_ep_swiglu_bwd": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
+                                     c_int64, c_int, c_void_p]),
+    # device planner (csrc/plan_kernels.cu)
+    "moonep_plan_workspace_bytes": (c_size_t, [c_int, c_int, c_int, c_int]),
+    "moonep_plan": (c_int, [
+        c_void_p, c_void_p,                                  # hist_RX, topk_sK
+        c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_int,  # s K rank R E S tp NvS
+        c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,    # dst, cu, etc, zf, stats
+        c_void_p, c_size_t, c_void_p, c_void_p]),            # workspace, bytes, err, stream
+    "moonep_plan_group": (c_int, [
+        c_void_p,                                            # hist_RX
+        c_int, c_int, c_int, c_int, c_int, c_int, c_int, c_int,  # s K rank R E S tp NvS
+        c_void_p, c_void_p, c_void_p, c_void_p,              # cu, etc, zf, stats
+        c_void_p, c_size_t, c_void_p, c_void_p]),            # workspace, bytes, err, stream
+}
+
+# Exported only by a ``python -m moonep_ops.build --diagnostics`` library (MOONEP_DIAGNOSTICS):
+# planner stage stops and clock stamps for the probes in diagnostics/.
+EP_DIAGNOSTICS: dict[str, tuple] = {
+    "moonep_plan_debug_stop": (None, [c_int]),
+    "moonep_plan_debug_pdl": (None, [c_int]),
+    "moonep_plan_debug_stamps": (None, [c_void_p]),
+    "moonep_plan_debug_warp_stamps": (None, [c_void_p]),
+}
+
+
+class NativeLibraryMissing(RuntimeError):
+    """A CUDA-only code path needs a compiled library that is not loaded."""
+
+
+def lib_dir() -> Path:
+    return Path(os.environ.get("MOONEP_LIB_DIR", Path(__file__).resolve().parent / "lib"))
+
+
+class _Lib:
+    """One library: loaded on first use, every prototype declared, ABI version checked."""
+
+    def __init__(self, file: str, version_fn: str, version: int, protos: dict, optional: dict):
+        self.file, self.version_fn, self.version = file, version_fn, version
+        self.protos, self.optional = protos, optional
+        self._fns: Optional[SimpleNamespace] = None
+        self.error: Optional[str] = None
+        self._tried = False
+
+    def load(self) -> Optional[SimpleNamespace]:
+        if self._tried:
+            return self._fns
+        self._tried = True
+        if os.environ.get("MOONEP_DISABLE_NATIVE", "0") not in ("", "0"):
+            self.error = "disabled by MOONEP_DISABLE_NATIVE"
+            return None
+        path = lib_dir() / self.file
+        if not path.exists():
+            self.error = f"{path} not found (build it with `python -m moonep_ops.build`)"
+            return None
+        try:
+            lib = ctypes.CDLL(str(path))
+            fns = {}
+            for name, (res, args) in self.protos.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = res, args
+                fns[name] = fn
+            for name, (res, args) in self.optional.items():
+                if hasattr(lib, name):
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = res, args
+                    fns[name] = fn
+            got = fns[self.version_fn]()
+        except (OSError, AttributeError) as e:   # wrong arch, missing symbol, missing libcuda
+            self.error = f"could not load {path}: {e}"
+            return None
+        if got != self.version:
+            self.error = f"{path} has ABI version {got}, this package expects {self.version}"
+            return None
+        self._fns = SimpleNamespace(**{n.removeprefix("moonep_"): f for n, f in fns.items()})
+        return self._fns
+
+
+_GEMM = _Lib("libmoonep_gemm.so", "moonep_gemm_abi_version", GEMM_ABI_VERSION, GEMM_PROTOTYPES, {})
+_EP = _Lib("libmoonep_ep.so", "moonep_ep_abi_version", EP_ABI_VERSION, EP_PROTOTYPES, EP_DIAGNOSTICS)
+
+
+def gemm() -> Optional[SimpleNamespace]:
+    """libmoonep_gemm.so's functions (names without the ``moonep_`` prefix), or None."""
+    return _GEMM.load()
+
+
+def ep() -> Optional[SimpleNamespace]:
+    """libmoonep_ep.so's functions (names without the ``moonep_`` prefix), or None."""
+    return _EP.load()
+
+
+def gemm_load_error() -> Optional[str]:
+    """Why :func:`gemm` returned None (None if it loaded)."""
+    gemm()
+    return _GEMM.error
+
+
+def ep_load_error() -> Optional[str]:
+    ep()
+    return _EP.error
+
+
+def require_gemm() -> SimpleNamespace:
+    lib = gemm()
+    if lib is None:
+        raise NativeLibraryMissing("moonep grouped GEMM: the CUTLASS library is not available: "
+                                   f"{_GEMM.error}")
+    return lib
+
+
+def require_ep() -> SimpleNamespace:
+    lib = ep()
+    if lib is None:
+        raise NativeLibraryMissing(f"moonep GPU data plane: libmoonep_ep.so is not available: "
+                                   f"{_EP.error}")
+    return lib
+
+
+def require_diagnostics(name: str):
+    """A diagnostics hook (EP_DIAGNOSTICS); only a ``--diagnostics`` build exports them."""
+    fn = getattr(require_ep(), name.removeprefix("moonep_"), None)
+    if fn is None:
+        raise NativeLibraryMissing(f"{name} is only in a diagnostics build of libmoonep_ep.so "
+                                   "(python -m moonep_ops.build --diagnostics; MOONEP_LIB_DIR)")
+    return fn
+
+
+def _message(raw) -> str:
+    return raw.decode() if raw else ""
+
+
+def ep_check(rc: int, what: str) -> None:
+    """Raise a RuntimeError for a non-zero data-plane launcher return code."""
+    if rc != 0:
+        raise RuntimeError(f"{what} failed (CUDA error {rc}): {_message(require_ep().ep_last_error())}")
+
+
+def gemm_check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed: {_message(require_gemm().gemm_last_error())}")
+
+
+# The int32 error word of the data plane (csrc/moonep_ep.h MOONEP_ERR_*): kernels OR these bits
+# into it instead of raising; Buffer.check_errors() reads it.
+ERR_BAD_IDS, ERR_HIST, ERR_PLAN, ERR_TIMEOUT = 1, 2, 4, 8
+_ERR_TEXT = {ERR_BAD_IDS: "a rank passed expert ids outside [0, E)",
+             ERR_HIST: "a rank's histogram does not sum to s*K, or s/total_num_tokens disagree",
+             ERR_PLAN: "the plan overflowed (more than epn redundant slots or a row out of range)",
+             ERR_TIMEOUT: "a cross-rank barrier timed out: a peer did not call the same op"}
+
+
+def describe_errors(word: int) -> str:
+    return "; ".join(text for bit, text in _ERR_TEXT.items() if word & bit) or "none"

@@ -1,0 +1,165 @@
+"""Op family ``moonep::moe_experts`` / ``moonep::moe_experts_backward``: the routed SwiGLU
+experts of one rank over its G = 2*B groups (B home experts, then B redundant slots), and the
+``ExpertPool`` that holds the slots.
+
+    y_MD, g_MF, u_MF = moe_experts(h_MD, cu_seqlens_G, experts_to_copy_RB, w1, w3, w2, pool)
+        prefetch_weight (owners push the slot experts into the pool), then
+        g = grouped_mm(h, w1, pool.w1), u = grouped_mm(h, w3, pool.w3),
+        y = grouped_mm(swiglu(g, u), w2, pool.w2)
+    dh, dw1, dw3, dw2 = moe_experts_backward(dy, h, g, u, cu, etc, w1, w3, w2, pool)
+        re-prefetch (the slots may hold another layer's experts by now), dgrad of the three
+        GEMMs, weight grads written once in the weights' dtype (home groups into fresh tensors,
+        slot groups into the pool's grad landing), reduce_grad adds every slot's grad into its
+        owner's in a fixed order and zeroes the consumed slots.
+
+Expert weights (nn.Linear layout): w1 (gate) and w3 (up) [B, F, D], w2 (down) [B, D, F], this
+rank's home experts.  The returned weight grads already hold every rank's contribution for them.
+The pool never appears in an autograd graph: both ops take its registry name.
+
+ExpertPool.  One per (Buffer, D, F, dtype), owned by the Buffer (``Buffer.expert_pool``) and freed
+with it, shared by every layer of that shape:
+    slot weights  3 * B * D * F * sizeof(dtype)
+    slot grads    3 * B * D * F * sizeof(dtype)      (the reduce_grad landing area)
+e.g. B = 48, D = 7168, F = 2048, bf16: 4.2 GB + 4.2 GB per process whatever the number of layers.
+The slot grads are zero outside a backward (reduce_grad re-zeroes what it consumes), so empty slot
+groups are never rewritten.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import registry
+from . import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm*)
+from . import expert_weights as _ew  # noqa: F401  (registers moonep::prefetch_weight, reduce_grad)
+from .swiglu import swiglu, swiglu_backward
+
+
+class ExpertPool:
+    """Redundant-expert slots of one process for one (D, F, dtype): weights and grad landing.
+    Built by ``Buffer.expert_pool``; the pool's tensors are symmetric on the CUDA backend
+    (owners push weights into the slots and pull grads from them)."""
+
+    def __init__(self, backend, backend_name: str, D: int, F: int, dtype: torch.dtype):
+        B = backend.spec.epn
+        self.backend_name = backend_name
+        self.D, self.F, self.dtype = D, F, dtype
+        z = backend.symmetric_zeros
+        self.w1 = z((B, F, D), dtype)
+        self.w3 = z((B, F, D), dtype)
+        self.w2 = z((B, D, F), dtype)
+        self.g1 = z((B, F, D), dtype)
+        self.g3 = z((B, F, D), dtype)
+        self.g2 = z((B, D, F), dtype)
+        self.name = registry.register(self, "pool")
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.w1, self.w3, self.w2, self.g1, self.g3, self.g2)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def release(self) -> None:
+        registry.unregister(self.name)
+        self.w1 = self.w3 = self.w2 = self.g1 = self.g3 = self.g2 = None
+
+
+def _pool(name: str) -> ExpertPool:
+    return registry.lookup(name, ExpertPool)
+
+
+def _prefetch(pool: ExpertPool, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> None:
+    torch.ops.moonep.prefetch_weight(etc, [w1.detach(), w3.detach(), w2.detach()],
+                                     [pool.w1, pool.w3, pool.w2], pool.backend_name)
+
+
+def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
+                       pool: ExpertPool) -> None:
+    B, F, D = w1.shape
+    if w3.shape != w1.shape or tuple(w2.shape) != (B, D, F):
+        raise ValueError(f"expert weights must be w1, w3 [B, F, D] and w2 [B, D, F]; got "
+                         f"{tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)}")
+    if (D, F, w1.dtype) != (pool.D, pool.F, pool.dtype):
+        raise ValueError(f"weights (D={D}, F={F}, {w1.dtype}) do not match the pool "
+                         f"(D={pool.D}, F={pool.F}, {pool.dtype})")
+    if h.dim() != 2 or h.shape[1] != D or h.dtype != w1.dtype:
+        raise ValueError(f"h must be [M, D={D}] {w1.dtype}, got {tuple(h.shape)} {h.dtype}")
+    if cu.dtype != torch.int32 or tuple(cu.shape) != (2 * B,):
+        raise ValueError(f"cu_seqlens must be int32 [2*epn = {2 * B}]")
+    if etc.dtype != torch.int32 or etc.dim() != 2 or etc.shape[1] != B:
+        raise ValueError(f"experts_to_copy must be int32 [R, epn={B}]")
+
+
+# Capturable when the Buffer's backend is (Backend.capturable); the host-reading backends raise
+# under capture.
+_TAGS = ()
+
+
+@torch.library.custom_op("moonep::moe_experts", mutates_args=(), tags=_TAGS)
+def _moe_experts(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Tensor, w3: Tensor,
+                 w2: Tensor, pool: str) -> tuple[Tensor, Tensor, Tensor]:
+    """SwiGLU over 2*epn groups; stages the redundant slots first.  Returns (y, gate, up)."""
+    p = _pool(pool)
+    _check_expert_args(h, cu_seqlens, experts_to_copy, w1, w3, w2, p)
+    _prefetch(p, experts_to_copy, w1, w3, w2)
+    g = torch.ops.moonep.grouped_mm(h, w1, p.w1, cu_seqlens)
+    u = torch.ops.moonep.grouped_mm(h, w3, p.w3, cu_seqlens)
+    return torch.ops.moonep.grouped_mm(swiglu(g, u), w2, p.w2, cu_seqlens), g, u
+
+
+@_moe_experts.register_fake
+def _(h, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
+    M, F = h.shape[0], w1.shape[1]
+    return h.new_empty(M, w2.shape[1]), h.new_empty(M, F), h.new_empty(M, F)
+
+
+@torch.library.custom_op("moonep::moe_experts_backward", mutates_args=(), tags=_TAGS)
+def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlens: Tensor,
+                          experts_to_copy: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, pool: str
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dh, dw1, dw3, dw2) for this rank's home experts, every rank's slot grads included."""
+    p = _pool(pool)
+    _check_expert_args(h, cu_seqlens, experts_to_copy, w1, w3, w2, p)
+    _prefetch(p, experts_to_copy, w1, w3, w2)         # slots may hold another layer by now
+    cu = cu_seqlens
+    dy = dy.contiguous()
+    da = torch.ops.moonep.grouped_mm_dgrad(dy, w2, p.w2, cu)
+    dg, du, a = swiglu_backward(g, u, da)
+    # One bf16 add (fp32 math, one rounding) of the two dgrads.
+    dh = torch.ops.moonep.grouped_mm_dgrad(dg, w1, p.w1, cu) \
+        + torch.ops.moonep.grouped_mm_dgrad(du, w3, p.w3, cu)
+    # Weight grads written once in the weights' dtype (fp32 accumulation inside the GEMM); slot
+    # grads land in the shared pool, whose slots are zero outside a backward (reduce_grad
+    # re-zeroes what it consumes), so empty slot groups are not rewritten.
+    d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
+    torch.ops.moonep.grouped_mm_wgrad_into(dg, h, cu, d1, p.g1)
+    torch.ops.moonep.grouped_mm_wgrad_into(du, h, cu, d3, p.g3)
+    torch.ops.moonep.grouped_mm_wgrad_into(dy, a, cu, d2, p.g2)
+    torch.ops.moonep.reduce_grad(experts_to_copy, [d1, d3, d2], [p.g1, p.g3, p.g2],
+                                 p.backend_name)
+    return dh, d1, d3, d2
+
+
+@_moe_experts_backward.register_fake
+def _(dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
+    return h.new_empty(h.shape), w1.new_empty(w1.shape), w3.new_empty(w3.shape), \
+        w2.new_empty(w2.shape)
+
+
+def _experts_setup(ctx, inputs, output):
+    h, cu, etc, w1, w3, w2, pool = inputs
+    _, g, u = output
+    ctx.pool = pool
+    ctx.save_for_backward(h, g, u, cu, etc, w1, w3, w2)
+
+
+def _experts_backward(ctx, dy, _dg, _du):
+    h, g, u, cu, etc, w1, w3, w2 = ctx.saved_tensors
+    dh, d1, d3, d2 = torch.ops.moonep.moe_experts_backward(dy, h, g, u, cu, etc, w1, w3, w2,
+                                                           ctx.pool)
+    return dh, None, None, d1, d3, d2, None
+
+
+_moe_experts.register_autograd(_experts_backward, setup_context=_experts_setup)
+
+
