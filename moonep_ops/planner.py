@@ -38,7 +38,7 @@ deficit, no overshoot); step 2 expert = most tokens left (MoonEP) or best fit (s
 covering the quota in one piece) -- and keeps the one with the fewest replicated experts, then
 the fewest moved token copies (MoonEP's own plan wins ties).  So it is never worse than MoonEP
 on either count (benchmarks/planner_policy_sweep.py has the sweep).  A replicated expert costs
-a full weight copy (3*H*H'*2 bytes, ~88 MB at H=7168, H'=2048) against H*2 bytes per moved
+a full weight copy (3*D*F*2 bytes, ~88 MB at D=7168, F=2048) against D*2 bytes per moved
 copy, hence the order.  The choice is a tensor argmin: no host sync.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ def _run(args, timeout=600, **kw):
 @pytest.mark.parametrize("args,msg", [
     (["-R", "3"], "E=64 is not divisible by R=3"),
     (["-E", "16", "-K", "17", "-R", "4"], "K=17 > E=16"),
-    (["--hidden", "-4"], "H must be >= 1"),
+    (["--dim", "-4"], "D must be >= 1"),
     (["--tokens", "0"], "tokens must be >= 1"),
     (["--maxvio", "0", "-2"], "maxvio must be a finite number >= 0"),
     (["-E", "8", "-R", "2", "--maxvio", "9"], "maxvio values must be <= E-1 = 7"),
@@ -59,7 +59,7 @@ def test_end_to_end(tmp_path):
     """A tiny but real run: 2 gloo ranks, compiled, two imbalances."""
     out = tmp_path / "out"
     s, K = 32, 2
-    r = _run(["-R", "2", "-E", "8", "-K", str(K), "-H", "16", "-F", "8", "-L", "2", "-s", str(s),
+    r = _run(["-R", "2", "-E", "8", "-K", str(K), "-D", "16", "-F", "8", "-L", "2", "-s", str(s),
               "--steps", "3", "--maxvio", "0", "4", "--lr", "2", "--out", str(out)])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stderr
@@ -117,7 +117,7 @@ def test_profile_writes_top_ops(tmp_path):
     """--profile: one profiled step per model after the sweep, its top ops by self time in
     profile_<model>.txt (the moonep one shows the data-plane ops)."""
     out = tmp_path / "out"
-    r = _run(["-R", "2", "-E", "8", "-K", "2", "-H", "16", "-F", "8", "-L", "1", "-s", "16",
+    r = _run(["-R", "2", "-E", "8", "-K", "2", "-D", "16", "-F", "8", "-L", "1", "-s", "16",
               "--steps", "1", "--maxvio", "2", "--no-compile", "--no-progress", "--profile",
               "--out", str(out)])
     assert r.returncode == 0, r.stdout + r.stderr

@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
                     help=f"EP ranks (default {d.R}; under torchrun: WORLD_SIZE)")
     ap.add_argument("--experts", "-E", type=_int("E"), default=d.E)
     ap.add_argument("--topk", "-K", type=_int("K"), default=d.K)
-    ap.add_argument("--hidden", "-H", type=_int("H"), default=d.H, help="model dim")
+    ap.add_argument("--dim", "-D", type=_int("D"), default=d.D, help="model dim")
     ap.add_argument("--ffn", "-F", type=_int("F"), default=d.F, help="expert FFN dim")
     ap.add_argument("--layers", "-L", type=_int("layers"), default=d.layers)
     ap.add_argument("--tokens", "-s", type=_int("tokens"), default=d.tokens,
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         planner_table(R, E, K, a.tokens, a.token_padding, a.maxvio, a.seed)
         return 0
 
-    cfg = JobConfig(R=R, E=E, K=K, H=a.hidden, F=a.ffn, layers=a.layers, tokens=a.tokens,
+    cfg = JobConfig(R=R, E=E, K=K, D=a.dim, F=a.ffn, layers=a.layers, tokens=a.tokens,
                     steps=a.steps, maxvio=tuple(a.maxvio), lr=a.lr, seed=a.seed,
                     token_padding=a.token_padding, policy=a.policy, backend=a.backend,
                     ep_backend=a.ep_backend,

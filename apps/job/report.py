@@ -49,7 +49,7 @@ def step0_loss_gap(res: dict) -> float:
 def header(res: dict) -> str:
     c = res["config"]
     return (f"MoonEP vs plain all-to-all EP: R={res['R']} ranks ({res['device']}, {res['dtype']}), "
-            f"E={c['E']} (epn={c['E'] // res['R']}), K={c['K']}, H={c['H']}, F={c['F']}, "
+            f"E={c['E']} (epn={c['E'] // res['R']}), K={c['K']}, D={c['D']}, F={c['F']}, "
             f"{c['layers']} layers (+1 shared expert each), {c['tokens']} tokens/rank, "
             f"{c['steps']} SGD steps per maxvio, compile={'on' if c['compile'] else 'off'}, "
             f"policy={c['policy']}, MoonEP data plane {res.get('ep_backend', '?')}, "

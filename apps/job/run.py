@@ -46,7 +46,7 @@ class JobConfig:
     R: int = 4
     E: int = 64
     K: int = 8
-    H: int = 128              # model dim D (the Buffer's H)
+    D: int = 128              # model dim
     F: int = 64               # expert FFN dim
     layers: int = 2
     tokens: int = 256         # tokens per rank per step
@@ -125,7 +125,7 @@ def rank_main(cfg: JobConfig, rank: int, R: int, device: torch.device) -> Option
     group = dist.group.WORLD
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     elem = torch.finfo(dtype).bits // 8
-    L, E, K, D, F, s = cfg.layers, cfg.E, cfg.K, cfg.H, cfg.F, cfg.tokens
+    L, E, K, D, F, s = cfg.layers, cfg.E, cfg.K, cfg.D, cfg.F, cfg.tokens
     buf = Buffer(s, D, K, E, group=group, token_padding=cfg.token_padding, dtype=dtype,
                  device=device, policy=cfg.policy, backend=cfg.ep_backend)
     # the wire counter sees torch.distributed collectives only; a device backend (symmetric

@@ -7,10 +7,10 @@ peer table an int64 device tensor of the R base addresses.  Regions of a Buffer 
 
   sig      [R] u64        barrier arrivals, written by the peers      8R
   hist     [R, E+3] i32   gathered histograms + (bad flag, s, total)  4R(E+3)
-  x_stage  [S, H]         dispatch: this rank's tokens, pulled by the destinations
+  x_stage  [S, D]         dispatch: this rank's tokens, pulled by the destinations
   desc     [NvS] i64      dispatch: stamped row descriptors, written by the sources
   wland    [NvS] f32      dispatch: route weights, written by the sources
-  y_stage  [NvS, H]       combine: expert outputs, pulled by the sources   (staged mode)
+  y_stage  [NvS, D]       combine: expert outputs, pulled by the sources   (staged mode)
   w_stage  [NvS] f32      combine: route weights, pulled by the sources    (staged mode)
   ptab     [3, R] i64     combine: h, w addresses and rows                 (direct mode, R=1)
 plus local (non-symmetric) ``epoch`` (u64 barrier counter) and ``err`` (i32 error word).

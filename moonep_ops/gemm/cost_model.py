@@ -1,14 +1,14 @@
 """Analytical cost model and configuration selector for the MoE grouped GEMM.
 
-Legend: G groups (2*epn), M_g rows of group g (its token count), N/K the weight's [N, K] shape,
+Legend: G groups (2*epn), M_g rows of group g (its token count), O/I the weight's [O, I] shape,
 P persistent CTAs (SMs), BM x BN the CTA tile, CM x CN the cluster, tau the time of one tile.
 
 What the kernels do (cutlass_kernels/), and hence what the model counts:
-  * fwd   y[rows g] = x[rows g] @ W_g^T      output tiles over (M_g, N), reduction K;
-  * dgrad dx[rows g] = dy[rows g] @ W_g      output tiles over (M_g, K), reduction N;
-  * wgrad dW_g += dy[rows g]^T @ x[rows g]   output tiles over (N, K), reduction M_g (ragged),
-    fp32 read-modify-write of the grads (N*K*8 bytes per group);
-  * wgrad_lp  the same product written once in bf16 (N*K*2 bytes per group; autograd path).
+  * fwd   y[rows g] = x[rows g] @ W_g^T      output tiles over (M_g, O), reduction I;
+  * dgrad dx[rows g] = dy[rows g] @ W_g      output tiles over (M_g, I), reduction O;
+  * wgrad dW_g += dy[rows g]^T @ x[rows g]   output tiles over (O, I), reduction M_g (ragged),
+    fp32 read-modify-write of the grads (O*I*8 bytes per group);
+  * wgrad_lp  the same product written once in bf16 (O*I*2 bytes per group; autograd path).
   The CUTLASS sm90 group scheduler is a static persistent round robin: tiles of all groups are
   linearised in group order (M fastest inside a group), CTA p takes tiles p, p+P, p+2P, ...
 
@@ -17,14 +17,14 @@ fwd / dgrad (all tiles cost the same; the ragged dimension only changes how many
   tau     = 2*BM*BN*k_red / (PEAK/NUM_SMS * eta_c) + tau_epi  full tile even when M_g < BM;
             tau_epi is the epilogue time a tile adds (~0 when ping-pong overlaps it)
   The linear tile order is cut into rounds of P tiles.  A group's first-touch HBM bytes
-  (weights N*K*2 + its activation rows in and out) are spread evenly over its tiles (with M-fastest
-  raster each weight N-slice is first read at the start of its column of M tiles).
+  (weights O*I*2 + its activation rows in and out) are spread evenly over its tiles (with M-fastest
+  raster each weight row slice is first read at the start of its column of M tiles).
   round time t_r = max(tau + [a group starts in r] * tau_sw, bytes_r / (HBM * bw_frac))
   T(c) = tau0 + sum_r t_r
 wgrad (every non-empty group has the same tile count, but a tile costs ~ M_g):
   groups are run largest first (LPT order, done by the device prep kernel), a tile of group g
-  costs max(2*BM*BN*M_g/(PEAK/P*eta), bytes_g/tiles/(HBM*bw_frac/P)), bytes_g = M_g*(N+K)*2 +
-  N*K*8 (fp32 grad read + write; N*K*2 for wgrad_lp); CTA p's time is the sum over its tiles (+tau_sw per group it
+  costs max(2*BM*BN*M_g/(PEAK/P*eta), bytes_g/tiles/(HBM*bw_frac/P)), bytes_g = M_g*(O+I)*2 +
+  O*I*8 (fp32 grad read + write; O*I*2 for wgrad_lp); CTA p's time is the sum over its tiles (+tau_sw per group it
   enters), and T(c) = tau0 + max_p.
 
 The constants (eta, bw_frac, tau_sw, tau0, tau_epi per config) live in moonep_ops/gemm/tuning.py and
@@ -69,7 +69,7 @@ class GemmConfig:
 
 
 # Must match cutlass_kernels/configs.h (checked by tests/test_grouped_gemm_cuda.py against the
-# library's moonep_gemm_config_info).  Clusters are along N only: an M-cluster rounds every
+# library's moonep_gemm_config_info).  Clusters run along output columns only: an M-cluster rounds every
 # group's M-tile count up to the cluster size and those padding tiles still run the mainloop.
 CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
     "fwd": (
@@ -120,7 +120,7 @@ def _cdiv(a, b):
 
 
 def _n_tiles(n_out: int, cfg: GemmConfig) -> int:
-    """N-tiles per M-tile row: ceil(n_out / BN), rounded up to the cluster's CN (padding tiles
+    """Column tiles per M-tile row: ceil(n_out / BN), rounded up to the cluster's CN (padding tiles
     run in full)."""
     return _cdiv(_cdiv(n_out, cfg.BN), cfg.CN) * cfg.CN
 
@@ -134,9 +134,9 @@ def _rows_tiles(counts: np.ndarray, n_out: int, cfg: GemmConfig) -> np.ndarray:
     return _cdiv(counts, cfg.BM) * _n_tiles(n_out, cfg)
 
 
-def _wgrad_tiles(N: int, K: int, cfg: GemmConfig) -> int:
-    """Output tiles of one wgrad group (its [N, K] gradient): the same for every group."""
-    return _cdiv(N, cfg.BM) * _n_tiles(K, cfg)
+def _wgrad_tiles(O: int, I: int, cfg: GemmConfig) -> int:
+    """Output tiles of one wgrad group (its [O, I] gradient): the same for every group."""
+    return _cdiv(O, cfg.BM) * _n_tiles(I, cfg)
 
 
 def _constants(kind: str, name: str):
@@ -169,16 +169,16 @@ def _predict_rows(counts: np.ndarray, n_out: int, k_red: int, cfg: GemmConfig, k
     return tau0 + float(t.sum())
 
 
-def _predict_wgrad(counts: np.ndarray, N: int, K: int, cfg: GemmConfig, P: int, peak: float,
+def _predict_wgrad(counts: np.ndarray, O: int, I: int, cfg: GemmConfig, P: int, peak: float,
                    hbm: float, kind: str) -> float:
     eta, bw_frac, tau_sw, tau0, tau_epi = _constants(kind, cfg.name)
     out_bytes = 8.0 if kind == "wgrad" else 2.0
     order = np.sort(counts[counts > 0])[::-1]                       # LPT: largest group first
     if order.size == 0:
         return tau0
-    t_w = _wgrad_tiles(N, K, cfg)
+    t_w = _wgrad_tiles(O, I, cfg)
     comp = 2.0 * cfg.BM * cfg.BN * order / (peak * 1e6 / P * eta) + tau_epi
-    mem = (order * (N + K) * 2.0 + N * K * out_bytes) / t_w / (hbm * 1e6 * bw_frac / P)
+    mem = (order * (O + I) * 2.0 + O * I * out_bytes) / t_w / (hbm * 1e6 * bw_frac / P)
     tile_cost = np.maximum(comp, mem)                               # [G'] per tile of group j
     # CTA p runs the linear tiles p, p+P, ...; group j owns tiles [j*t_w, (j+1)*t_w).
     # n[j, p] = how many of CTA p's tiles fall in group j (each such group is one switch for p).
@@ -198,12 +198,12 @@ def _as_counts(counts) -> np.ndarray:
     return c
 
 
-def predict(counts: Sequence[int], N: int, K: int, kind: str = "fwd", *,
+def predict(counts: Sequence[int], O: int, I: int, kind: str = "fwd", *,
             sm_count: int | None = None, configs: Sequence[str] | None = None) -> dict[str, float]:
     """Predicted run time in µs of every compiled configuration.
 
-    ``counts``: rows per group (G values, e.g. ``cu_seqlens.diff(prepend=0)``), ``N, K``: the
-    weight shape [N, K] (for every kind, the shape of W_g in y = x @ W_g^T), ``kind``: fwd, dgrad,
+    ``counts``: rows per group (G values, e.g. ``cu_seqlens.diff(prepend=0)``), ``O, I``: the
+    weight shape [O, I] (for every kind, the shape of W_g in y = x @ W_g^T), ``kind``: fwd, dgrad,
     wgrad (fp32 +=) or wgrad_lp (bf16 out).  Returns ``{config name: µs}`` (only for ``configs`` when given).
     """
     _check_kind(kind)
@@ -215,15 +215,15 @@ def predict(counts: Sequence[int], N: int, K: int, kind: str = "fwd", *,
         if configs is not None and cfg.name not in configs:
             continue
         if kind == "fwd":
-            out[cfg.name] = _predict_rows(c, N, K, cfg, kind, P, peak, hbm)
+            out[cfg.name] = _predict_rows(c, O, I, cfg, kind, P, peak, hbm)
         elif kind == "dgrad":
-            out[cfg.name] = _predict_rows(c, K, N, cfg, kind, P, peak, hbm)
+            out[cfg.name] = _predict_rows(c, I, O, cfg, kind, P, peak, hbm)
         else:
-            out[cfg.name] = _predict_wgrad(c, N, K, cfg, P, peak, hbm, kind)
+            out[cfg.name] = _predict_wgrad(c, O, I, cfg, P, peak, hbm, kind)
     return out
 
 
-def mma_volume(counts: Sequence[int], N: int, K: int, kind: str, name: str) -> float:
+def mma_volume(counts: Sequence[int], O: int, I: int, kind: str, name: str) -> float:
     """MMA work of one config, padding included, in units of the reduction length: tiles x BM x
     BN (fwd/dgrad, whose reduction length is the same for every config), or output tiles x BM x
     BN (wgrad, whose reduction over M_g is the same too).  The prep kernel's tie-break key."""
@@ -231,9 +231,9 @@ def mma_volume(counts: Sequence[int], N: int, K: int, kind: str, name: str) -> f
     c = _as_counts(counts)
     cfg = CONFIGS[kind][config_index(kind, name)]
     if kind in ("fwd", "dgrad"):
-        n_out = N if kind == "fwd" else K
+        n_out = O if kind == "fwd" else I
         return float(int(_rows_tiles(c, n_out, cfg).sum()) * cfg.BM * cfg.BN)
-    return float(_wgrad_tiles(N, K, cfg) * cfg.BM * cfg.BN)
+    return float(_wgrad_tiles(O, I, cfg) * cfg.BM * cfg.BN)
 
 
 def pick(pred: dict[str, float], volume: dict[str, float], kind: str,
@@ -275,21 +275,21 @@ def candidates(kind: str, rows: int, groups: int) -> list[str]:
     return [c.name for c in CONFIGS[kind] if c.candidate_for(rows, groups)]
 
 
-def select(counts: Sequence[int], N: int, K: int, kind: str = "fwd", *,
+def select(counts: Sequence[int], O: int, I: int, kind: str = "fwd", *,
            sm_count: int | None = None, rows: int | None = None) -> str:
     """Name of the configuration the prep kernel picks among `candidates` (`pick`: the fastest
     predicted, near-ties within `tie_tolerance` to the least MMA work, then the first listed).
     ``rows``: the buffer's rows (default: the sum of ``counts``)."""
     c = _as_counts(counts)
     rows = int(c.sum()) if rows is None else int(rows)
-    pred = predict(c, N, K, kind, sm_count=sm_count, configs=candidates(kind, rows, len(c)))
-    return pick(pred, {n: mma_volume(counts, N, K, kind, n) for n in pred}, kind,
+    pred = predict(c, O, I, kind, sm_count=sm_count, configs=candidates(kind, rows, len(c)))
+    return pick(pred, {n: mma_volume(counts, O, I, kind, n) for n in pred}, kind,
                 tie_tolerance(kind, rows, len(c)))
 
 
-def flops(counts: Sequence[int], N: int, K: int) -> float:
-    """Useful FLOPs of one grouped GEMM (any of the three kinds): 2 * sum(M_g) * N * K."""
-    return 2.0 * float(_as_counts(counts).sum()) * N * K
+def flops(counts: Sequence[int], O: int, I: int) -> float:
+    """Useful FLOPs of one grouped GEMM (any of the three kinds): 2 * sum(M_g) * O * I."""
+    return 2.0 * float(_as_counts(counts).sum()) * O * I
 
 
 def tuning_table(kind: str, tie_tol: float | None = None) -> list[float]:

@@ -88,7 +88,7 @@ def _chunk_order(recv_RB: Tensor, total: int) -> Tensor:
 class AllToAllEPMoE(nn.Module):
     """Megatron-style expert-parallel MoE layer over ``group`` (None: a single process)."""
 
-    def __init__(self, hidden_size: int, hidden_dim: int, num_experts: int, top_k: int, *,
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *,
                  group: Optional[dist.ProcessGroup] = None, score_func: str = "softmax",
                  route_norm: bool = False, route_scale: float = 1.0,
                  num_shared_experts: int = 0, shared_hidden_dim: Optional[int] = None,
@@ -100,7 +100,7 @@ class AllToAllEPMoE(nn.Module):
         R = dist.get_world_size(group) if group is not None else 1
         self.group = group if R > 1 else None
         self.rank = dist.get_rank(group) if group is not None else 0
-        D, E, K = hidden_size, num_experts, top_k
+        D, E, K = dim, num_experts, top_k
         if E % R:
             raise ValueError(f"num_experts E={E} must be divisible by the EP size R={R}")
         if K > E:

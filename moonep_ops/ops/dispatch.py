@@ -4,14 +4,14 @@ Schema, argument checks, fake kernels, the reference implementation (through the
 backend) and autograd, together.  The ops take the Buffer's registry name and plain ints, never
 a Python object, so they trace under ``torch.compile(fullgraph=True)``.
 
-  dispatch(x [s,H], topk_ids [s,K] i32, route_weights [s,K] f32?, buffer, total_num_tokens)
-      -> h [nvs_s,H], w [nvs_s] f32, cu_seqlens [G] i32,
+  dispatch(x [s,D], topk_ids [s,K] i32, route_weights [s,K] f32?, buffer, total_num_tokens)
+      -> h [nvs_s,D], w [nvs_s] f32, cu_seqlens [G] i32,
          dst [s*K] i32, experts_to_copy [R,epn] i32, zero_fill_ranges [G,2] i32,
          remote_stats [2] i32                          (the last four: the Plan's tensors)
-  dispatch_with_plan(x [s,H], route_weights [s,K] f32?, dst [s*K] i32, buffer, total)
-      -> h [nvs_s,H], w [nvs_s] f32                    (scatter with a saved plan)
-  combine(h [nvs_s|NvS,H], route_weights [nvs_s|NvS] f32?, dst [s*K] i32, buffer, total)
-      -> y [s,H] (h's dtype), w [s,K] f32               (w is zeros when none was given)
+  dispatch_with_plan(x [s,D], route_weights [s,K] f32?, dst [s*K] i32, buffer, total)
+      -> h [nvs_s,D], w [nvs_s] f32                    (scatter with a saved plan)
+  combine(h [nvs_s|NvS,D], route_weights [nvs_s|NvS] f32?, dst [s*K] i32, buffer, total)
+      -> y [s,D] (h's dtype), w [s,K] f32               (w is zeros when none was given)
 
 total_num_tokens = -1 means every rank passes the same s.  Semantics (moonep.md §4):
   * dispatch writes token t's row to the K slots named by dst (a duplicate entry - same token,

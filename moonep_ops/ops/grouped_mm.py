@@ -2,16 +2,16 @@
 
 Legend (shape suffixes):
   M   rows of the token buffer (received rows, padding included)   B = epn  experts per rank
-  G   2*epn groups: 0..epn-1 use w_local_BNK[g], epn..2epn-1 use w_slot_BNK[g - epn]
-  N   output features of the weight (nn.Linear "out")    K  input features (nn.Linear "in")
+  G   2*epn groups: 0..epn-1 use w_local_BOI[g], epn..2epn-1 use w_slot_BOI[g - epn]
+  O   output features of the weight (nn.Linear "out")    I  input features (nn.Linear "in")
 
   cu_seqlens_G  int32 inclusive END offsets (torch._grouped_mm's ``offs``): group g owns rows
                 [cu_seqlens_G[g-1], cu_seqlens_G[g]) (start 0 for g = 0).  Rows at or past
                 cu_seqlens_G[-1] are padding: the outputs there are ZERO.
 
-  forward  y_MN[rows g]  = x_MK[rows g] @ W_g^T        bf16 in, fp32 accumulate, bf16 out
-  dgrad    dx_MK[rows g] = dy_MN[rows g] @ W_g
-  wgrad    dW_g (fp32 [N, K]) = dy_MN[rows g]^T @ x_MK[rows g]
+  forward  y_MO[rows g]  = x_MI[rows g] @ W_g^T        bf16 in, fp32 accumulate, bf16 out
+  dgrad    dx_MI[rows g] = dy_MO[rows g] @ W_g
+  wgrad    dW_g (fp32 [O, I]) = dy_MO[rows g]^T @ x_MI[rows g]
 
 Ops (namespace ``moonep``; schemas, fakes and autograd are pure Python, so they exist without the
 compiled library):
@@ -21,10 +21,10 @@ compiled library):
       fp32 by default; out_dtype=bf16 writes bf16 directly (4x fewer output bytes than fp32
       read-modify-write; what autograd uses for bf16 weights, like torch._grouped_mm does);
   grouped_mm_wgrad_accumulate(dy, x, cu_seqlens, grad_local!, grad_slot!, config=-1) -> ()
-      adds dW into given fp32 [epn, N, K] tensors (e.g. main grads), the kernel's epilogue does
+      adds dW into given fp32 [epn, O, I] tensors (e.g. main grads), the kernel's epilogue does
       the += (beta = 1), so no temporary of the weights' size is made.
   grouped_mm_wgrad_into(dy, x, cu_seqlens, grad_local!, grad_slot!, config=-1) -> ()
-      writes dW once in the input dtype into given [epn, N, K] tensors (the MoE backward's
+      writes dW once in the input dtype into given [epn, O, I] tensors (the MoE backward's
       path): empty local groups are zeroed, empty slot groups are left untouched.
 
 Backends, picked per call from the device and dtype (never from data, so no host sync):
@@ -65,24 +65,24 @@ _KIND_ID = {"fwd": 0, "dgrad": 1, "wgrad": 2, "wgrad_lp": 3}
 # --------------------------------------------------------------------------------------------
 
 def _check_weights(w_local: torch.Tensor, w_slot: torch.Tensor) -> tuple[int, int, int]:
-    for name, w in (("w_local_BNK", w_local), ("w_slot_BNK", w_slot)):
+    for name, w in (("w_local_BOI", w_local), ("w_slot_BOI", w_slot)):
         if not isinstance(w, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(w).__name__}")
         if w.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [epn, N, K], got shape {tuple(w.shape)}")
+            raise ValueError(f"{name} must be 3-D [epn, O, I], got shape {tuple(w.shape)}")
         if not w.dtype.is_floating_point:
             raise TypeError(f"{name} must be a floating tensor, got {w.dtype}")
     if w_local.shape != w_slot.shape:
-        raise ValueError(f"w_local_BNK {tuple(w_local.shape)} and w_slot_BNK "
-                         f"{tuple(w_slot.shape)} must have the same shape [epn, N, K]")
+        raise ValueError(f"w_local_BOI {tuple(w_local.shape)} and w_slot_BOI "
+                         f"{tuple(w_slot.shape)} must have the same shape [epn, O, I]")
     if w_local.dtype != w_slot.dtype:
-        raise TypeError(f"w_local_BNK ({w_local.dtype}) and w_slot_BNK ({w_slot.dtype}) differ")
+        raise TypeError(f"w_local_BOI ({w_local.dtype}) and w_slot_BOI ({w_slot.dtype}) differ")
     if w_local.device != w_slot.device:
-        raise ValueError("w_local_BNK and w_slot_BNK are on different devices")
-    epn, N, K = w_local.shape
+        raise ValueError("w_local_BOI and w_slot_BOI are on different devices")
+    epn, O, I = w_local.shape
     if epn < 1:
-        raise ValueError("epn (w_local_BNK.shape[0]) must be >= 1")
-    return epn, N, K
+        raise ValueError("epn (w_local_BOI.shape[0]) must be >= 1")
+    return epn, O, I
 
 
 def _check_rows(name: str, t: torch.Tensor, cols: int, cols_name: str, like: torch.Tensor):
@@ -127,19 +127,19 @@ def _check_config(config: int, kind: str) -> None:
 
 
 def _check_fwd(x, w_local, w_slot, cu, config, values=True):
-    epn, N, K = _check_weights(w_local, w_slot)
-    _check_rows("x_MK", x, K, "K", w_local)
+    epn, O, I = _check_weights(w_local, w_slot)
+    _check_rows("x_MI", x, I, "I", w_local)
     _check_cu(cu, 2 * epn, x.shape[0], x.device, values)
     _check_config(config, "fwd")
-    return epn, N, K
+    return epn, O, I
 
 
 def _check_dgrad(dy, w_local, w_slot, cu, config, values=True):
-    epn, N, K = _check_weights(w_local, w_slot)
-    _check_rows("dy_MN", dy, N, "N", w_local)
+    epn, O, I = _check_weights(w_local, w_slot)
+    _check_rows("dy_MO", dy, O, "O", w_local)
     _check_cu(cu, 2 * epn, dy.shape[0], dy.device, values)
     _check_config(config, "dgrad")
-    return epn, N, K
+    return epn, O, I
 
 
 def _check_wgrad(dy, x, cu, epn, config, values=True):
@@ -147,7 +147,7 @@ def _check_wgrad(dy, x, cu, epn, config, values=True):
     if not isinstance(epn, torch.SymInt) and (
             not isinstance(epn, int) or isinstance(epn, bool) or epn < 1):
         raise ValueError(f"epn must be an int >= 1, got {epn!r}")
-    for name, t in (("dy_MN", dy), ("x_MK", x)):
+    for name, t in (("dy_MO", dy), ("x_MI", x)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
         if t.dim() != 2:
@@ -155,24 +155,24 @@ def _check_wgrad(dy, x, cu, epn, config, values=True):
         if not t.dtype.is_floating_point:
             raise TypeError(f"{name} must be floating, got {t.dtype}")
     if dy.shape[0] != x.shape[0]:
-        raise ValueError(f"dy_MN has {dy.shape[0]} rows, x_MK {x.shape[0]}")
+        raise ValueError(f"dy_MO has {dy.shape[0]} rows, x_MI {x.shape[0]}")
     if dy.dtype != x.dtype:
-        raise TypeError(f"dy_MN ({dy.dtype}) and x_MK ({x.dtype}) dtypes differ")
+        raise TypeError(f"dy_MO ({dy.dtype}) and x_MI ({x.dtype}) dtypes differ")
     if dy.device != x.device:
-        raise ValueError("dy_MN and x_MK are on different devices")
+        raise ValueError("dy_MO and x_MI are on different devices")
     if not isinstance(epn, torch.SymInt):
         _check_cu(cu, 2 * epn, x.shape[0], x.device, values)
     _check_config(config, "wgrad")
     return dy.shape[1], x.shape[1]
 
 
-def _check_grads(grad_local, grad_slot, epn, N, K, device, dtype=torch.float32,
+def _check_grads(grad_local, grad_slot, epn, O, I, device, dtype=torch.float32,
                  what="float32 (the accumulation dtype)"):
     for name, g in (("grad_local", grad_local), ("grad_slot", grad_slot)):
         if not isinstance(g, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(g).__name__}")
-        if tuple(g.shape) != (epn, N, K):
-            raise ValueError(f"{name} must have shape {(epn, N, K)}, got {tuple(g.shape)}")
+        if tuple(g.shape) != (epn, O, I):
+            raise ValueError(f"{name} must have shape {(epn, O, I)}, got {tuple(g.shape)}")
         if g.dtype != dtype:
             raise TypeError(f"{name} must be {what}, got {g.dtype}")
         if g.device != device:
@@ -255,10 +255,10 @@ def _ref_wgrad_acc(dy, x, cu, grad_local, grad_slot):
         tgt += dw.to(tgt.dtype)
 
 
-def reference_grouped_mm(x_MK, w_local_BNK, w_slot_BNK, cu_seqlens_G):
+def reference_grouped_mm(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G):
     """Plain per-group loop (fp32 accumulation, fp64 for fp64 inputs); the tests' oracle."""
-    _check_fwd(x_MK, w_local_BNK, w_slot_BNK, cu_seqlens_G, -1)
-    return _ref_fwd(x_MK, w_local_BNK, w_slot_BNK, cu_seqlens_G)
+    _check_fwd(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G, -1)
+    return _ref_fwd(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G)
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ def _zero_tail_rows(out: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
 
 
 def _torch_fwd(x, w_local, w_slot, cu):
-    w = torch.cat([w_local, w_slot])                       # [G, N, K]
+    w = torch.cat([w_local, w_slot])                       # [G, O, I]
     y = torch._grouped_mm(x, w.transpose(-2, -1), offs=cu)
     return _zero_tail_rows(y, cu)
 
@@ -291,13 +291,13 @@ def _ref_wgrad_into(dy, x, cu, grad_local, grad_slot):
 
 
 def _nonempty_G11(cu: torch.Tensor) -> torch.Tensor:
-    """[G, 1, 1] bool: group g has rows (sync-free, for masking [G, N, K] outputs)."""
+    """[G, 1, 1] bool: group g has rows (sync-free, for masking [G, O, I] outputs)."""
     return (cu.diff(prepend=cu.new_zeros(1)) > 0)[:, None, None]
 
 
 def _torch_wgrad_acc(dy, x, cu, grad_local, grad_slot):
     # dy^T as a column-major view: the layout for which empty groups are allowed.
-    dw = torch._grouped_mm(dy.t(), x, offs=cu)              # [G, N, K] bf16
+    dw = torch._grouped_mm(dy.t(), x, offs=cu)              # [G, O, I] bf16
     epn = grad_local.shape[0]
     grad_local += dw[:epn]
     grad_slot += dw[epn:]
@@ -345,7 +345,7 @@ def candidate_mask(kind: str, rows: int, groups: int) -> int:
 _KEEP_EMPTY_SLOTS = 1      # moonep_gemm.h MOONEP_GEMM_KEEP_EMPTY_SLOTS
 
 
-def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
+def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,
             raster: int = 0, workspace: Optional[torch.Tensor] = None,
             flags: int = 0) -> torch.Tensor:
     """Run one CUTLASS grouped GEMM on the current stream; returns the workspace it used."""
@@ -363,7 +363,7 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
             kid, config, raster,
             a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
             d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
-            cu.data_ptr(), G, epn, M, N, K,
+            cu.data_ptr(), G, epn, M, O, I,
             _tuning_table(kind, gemm_cost_model.tie_tolerance(kind, M, G)),
             candidate_mask(kind, M, G), flags,
             workspace.data_ptr(), nbytes, sm, stream)
@@ -372,54 +372,54 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, N, K,
 
 
 def _cutlass_fwd(x, w_local, w_slot, cu, config):
-    M, K = x.shape
-    epn, N, _ = w_local.shape
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    M, I = x.shape
+    epn, O, _ = w_local.shape
+    y = torch.empty(M, O, dtype=x.dtype, device=x.device)
     if M:
         _launch("fwd", config, x.contiguous(), w_local.contiguous(), w_slot.contiguous(),
-                y, None, cu.contiguous(), epn, M, N, K)
+                y, None, cu.contiguous(), epn, M, O, I)
     return y
 
 
 def _cutlass_dgrad(dy, w_local, w_slot, cu, config):
-    M, N = dy.shape
-    epn, _, K = w_local.shape
-    dx = torch.empty(M, K, dtype=dy.dtype, device=dy.device)
+    M, O = dy.shape
+    epn, _, I = w_local.shape
+    dx = torch.empty(M, I, dtype=dy.dtype, device=dy.device)
     if M:
         _launch("dgrad", config, dy.contiguous(), w_local.contiguous(), w_slot.contiguous(),
-                dx, None, cu.contiguous(), epn, M, N, K)
+                dx, None, cu.contiguous(), epn, M, O, I)
     return dx
 
 
 def _cutlass_wgrad_acc(dy, x, cu, grad_local, grad_slot, config):
-    M, N = dy.shape
-    K = x.shape[1]
+    M, O = dy.shape
+    I = x.shape[1]
     epn = grad_local.shape[0]
     if M:
         _launch("wgrad", config, dy.contiguous(), x.contiguous(), None, grad_local, grad_slot,
-                cu.contiguous(), epn, M, N, K)
+                cu.contiguous(), epn, M, O, I)
 
 
 def _cutlass_wgrad_into(dy, x, cu, grad_local, grad_slot, config):
-    M, N = dy.shape
-    K = x.shape[1]
+    M, O = dy.shape
+    I = x.shape[1]
     if M == 0:
         grad_local.zero_()             # every group is empty; slots stay untouched
         return
     _launch("wgrad_lp", config, dy.contiguous(), x.contiguous(), None, grad_local, grad_slot,
-            cu.contiguous(), grad_local.shape[0], M, N, K, flags=_KEEP_EMPTY_SLOTS)
+            cu.contiguous(), grad_local.shape[0], M, O, I, flags=_KEEP_EMPTY_SLOTS)
 
 
 def _cutlass_wgrad_lp(dy, x, cu, epn, config):
-    M, N = dy.shape
-    K = x.shape[1]
+    M, O = dy.shape
+    I = x.shape[1]
     if M == 0:
-        z = torch.zeros(epn, N, K, dtype=dy.dtype, device=dy.device)
+        z = torch.zeros(epn, O, I, dtype=dy.dtype, device=dy.device)
         return z, torch.zeros_like(z)
-    gl = torch.empty(epn, N, K, dtype=dy.dtype, device=dy.device)
+    gl = torch.empty(epn, O, I, dtype=dy.dtype, device=dy.device)
     gs = torch.empty_like(gl)
     _launch("wgrad_lp", config, dy.contiguous(), x.contiguous(), None, gl, gs, cu.contiguous(),
-            epn, M, N, K)
+            epn, M, O, I)
     return gl, gs
 
 
@@ -433,8 +433,8 @@ def _cutlass_wgrad_lp(dy, x, cu, epn, config):
     schema="(Tensor x, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1) -> Tensor")
 def _grouped_mm_op(x: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
                    cu_seqlens: torch.Tensor, config: int = -1) -> torch.Tensor:
-    epn, N, K = _check_fwd(x, w_local, w_slot, cu_seqlens, config)
-    backend = backend_for(x, N, K)
+    epn, O, I = _check_fwd(x, w_local, w_slot, cu_seqlens, config)
+    backend = backend_for(x, O, I)
     if backend == "cutlass":
         return _cutlass_fwd(x, w_local, w_slot, cu_seqlens, config)
     if backend == "torch":
@@ -444,8 +444,8 @@ def _grouped_mm_op(x: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
 
 @_grouped_mm_op.register_fake
 def _(x, w_local, w_slot, cu_seqlens, config=-1):
-    _, N, _ = _check_fwd(x, w_local, w_slot, cu_seqlens, config, values=False)
-    return x.new_empty(x.shape[0], N)
+    _, O, _ = _check_fwd(x, w_local, w_slot, cu_seqlens, config, values=False)
+    return x.new_empty(x.shape[0], O)
 
 
 @torch.library.custom_op(
@@ -453,8 +453,8 @@ def _(x, w_local, w_slot, cu_seqlens, config=-1):
     schema="(Tensor dy, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1) -> Tensor")
 def _grouped_mm_dgrad_op(dy: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
                          cu_seqlens: torch.Tensor, config: int = -1) -> torch.Tensor:
-    epn, N, K = _check_dgrad(dy, w_local, w_slot, cu_seqlens, config)
-    backend = backend_for(dy, N, K)
+    epn, O, I = _check_dgrad(dy, w_local, w_slot, cu_seqlens, config)
+    backend = backend_for(dy, O, I)
     if backend == "cutlass":
         return _cutlass_dgrad(dy, w_local, w_slot, cu_seqlens, config)
     if backend == "torch":
@@ -464,23 +464,23 @@ def _grouped_mm_dgrad_op(dy: torch.Tensor, w_local: torch.Tensor, w_slot: torch.
 
 @_grouped_mm_dgrad_op.register_fake
 def _(dy, w_local, w_slot, cu_seqlens, config=-1):
-    _, _, K = _check_dgrad(dy, w_local, w_slot, cu_seqlens, config, values=False)
-    return dy.new_empty(dy.shape[0], K)
+    _, _, I = _check_dgrad(dy, w_local, w_slot, cu_seqlens, config, values=False)
+    return dy.new_empty(dy.shape[0], I)
 
 
 def _check_wgrad_grads(dy, x, cu, grad_local, grad_slot, config, values=True,
                        input_dtype=False):
     """Checks of the in-place wgrad ops (op and fake): the grads are fp32 (accumulate) or in
-    dy's dtype (into, ``input_dtype=True``).  Returns (N, K)."""
-    N, K = _check_wgrad(dy, x, cu, grad_local.shape[0], config, values)
+    dy's dtype (into, ``input_dtype=True``).  Returns (O, I)."""
+    O, I = _check_wgrad(dy, x, cu, grad_local.shape[0], config, values)
     dt = (dy.dtype, f"{dy.dtype} (the input dtype)") if input_dtype else ()
-    _check_grads(grad_local, grad_slot, grad_local.shape[0], N, K, x.device, *dt)
-    return N, K
+    _check_grads(grad_local, grad_slot, grad_local.shape[0], O, I, x.device, *dt)
+    return O, I
 
 
 def _wgrad_acc_impl(dy, x, cu, grad_local, grad_slot, config):
-    N, K = dy.shape[1], x.shape[1]
-    backend = backend_for(dy, N, K)
+    O, I = dy.shape[1], x.shape[1]
+    backend = backend_for(dy, O, I)
     if backend == "cutlass":
         _cutlass_wgrad_acc(dy, x, cu, grad_local, grad_slot, config)
     elif backend == "torch":
@@ -512,14 +512,14 @@ def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
 def _grouped_mm_wgrad_into_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
                               grad_local: torch.Tensor, grad_slot: torch.Tensor,
                               config: int = -1) -> None:
-    N, K = _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config,
+    O, I = _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config,
                               input_dtype=True)
-    backend = backend_for(dy, N, K)
+    backend = backend_for(dy, O, I)
     if backend == "cutlass":
         _cutlass_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config)
     elif backend == "torch":
         epn = grad_local.shape[0]
-        dw = torch._grouped_mm(dy.t(), x, offs=cu_seqlens)               # [G, N, K]
+        dw = torch._grouped_mm(dy.t(), x, offs=cu_seqlens)               # [G, O, I]
         full = _nonempty_G11(cu_seqlens)
         grad_local.copy_(dw[:epn].masked_fill_(~full[:epn], 0))
         grad_slot.copy_(torch.where(full[epn:], dw[epn:], grad_slot))
@@ -547,27 +547,27 @@ def _check_out_dtype(out_dtype, dy):
 def _grouped_mm_wgrad_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor, epn: int,
                          config: int = -1, out_dtype: Optional[torch.dtype] = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    N, K = _check_wgrad(dy, x, cu_seqlens, epn, config)
+    O, I = _check_wgrad(dy, x, cu_seqlens, epn, config)
     dtype = _check_out_dtype(out_dtype, dy)
     if dtype != torch.float32:
-        backend = backend_for(dy, N, K)
+        backend = backend_for(dy, O, I)
         if backend == "cutlass":
             return _cutlass_wgrad_lp(dy, x, cu_seqlens, epn, config)
         if backend == "torch":
-            dw = torch._grouped_mm(dy.t(), x, offs=cu_seqlens)          # [G, N, K] bf16
+            dw = torch._grouped_mm(dy.t(), x, offs=cu_seqlens)          # [G, O, I] bf16
             dw = dw.masked_fill_(~_nonempty_G11(cu_seqlens), 0)
             return dw[:epn].clone(), dw[epn:].clone()
-    gl = torch.zeros(epn, N, K, dtype=torch.float32, device=x.device)
-    gs = torch.zeros(epn, N, K, dtype=torch.float32, device=x.device)
+    gl = torch.zeros(epn, O, I, dtype=torch.float32, device=x.device)
+    gs = torch.zeros(epn, O, I, dtype=torch.float32, device=x.device)
     _wgrad_acc_impl(dy, x, cu_seqlens, gl, gs, config)
     return gl.to(dtype), gs.to(dtype)
 
 
 @_grouped_mm_wgrad_op.register_fake
 def _(dy, x, cu_seqlens, epn, config=-1, out_dtype=None):
-    N, K = _check_wgrad(dy, x, cu_seqlens, epn, config, values=False)
+    O, I = _check_wgrad(dy, x, cu_seqlens, epn, config, values=False)
     dtype = _check_out_dtype(out_dtype, dy)
-    return (x.new_empty(epn, N, K, dtype=dtype), x.new_empty(epn, N, K, dtype=dtype))
+    return (x.new_empty(epn, O, I, dtype=dtype), x.new_empty(epn, O, I, dtype=dtype))
 
 
 def _setup_context(ctx, inputs, output):
@@ -589,7 +589,7 @@ def _backward(ctx, dy):
                                                        w_local.dtype)
         else:
             # No slot grad wanted (e.g. an EP layer without replicas): the slot groups' output
-            # is scratch, and its empty groups are not zero-filled (N*K*2 bytes each).
+            # is scratch, and its empty groups are not zero-filled (O*I*2 bytes each).
             gl, gs = torch.empty_like(w_local), torch.empty_like(w_slot)
             torch.ops.moonep.grouped_mm_wgrad_into(dy, x, cu, gl, gs)
         dwl = gl if ctx.needs_input_grad[1] else None
@@ -619,52 +619,52 @@ def _config_arg(config, kind: str) -> int:
     return config
 
 
-def grouped_mm(x_MK: torch.Tensor, w_local_BNK: torch.Tensor, w_slot_BNK: torch.Tensor,
+def grouped_mm(x_MI: torch.Tensor, w_local_BOI: torch.Tensor, w_slot_BOI: torch.Tensor,
                cu_seqlens_G: torch.Tensor, *, config: int | str | None = None) -> torch.Tensor:
-    """y_MN[rows of g] = x_MK[rows of g] @ W_g^T; padding rows of y are zero.  Differentiable
+    """y_MO[rows of g] = x_MI[rows of g] @ W_g^T; padding rows of y are zero.  Differentiable
     in x and both weight tensors (weight grads come back in the weights' dtype).
 
     ``config``: None (automatic) or a name / index from gemm_cost_model.CONFIGS["fwd"].
     """
-    _require_tensors(x_MK=x_MK, w_local_BNK=w_local_BNK, w_slot_BNK=w_slot_BNK,
+    _require_tensors(x_MI=x_MI, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
                      cu_seqlens_G=cu_seqlens_G)
-    return torch.ops.moonep.grouped_mm(x_MK, w_local_BNK, w_slot_BNK, cu_seqlens_G,
+    return torch.ops.moonep.grouped_mm(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G,
                                        _config_arg(config, "fwd"))
 
 
-def grouped_mm_dgrad(dy_MN, w_local_BNK, w_slot_BNK, cu_seqlens_G, *, config=None):
-    """dx_MK[rows of g] = dy_MN[rows of g] @ W_g; padding rows are zero."""
-    _require_tensors(dy_MN=dy_MN, w_local_BNK=w_local_BNK, w_slot_BNK=w_slot_BNK,
+def grouped_mm_dgrad(dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G, *, config=None):
+    """dx_MI[rows of g] = dy_MO[rows of g] @ W_g; padding rows are zero."""
+    _require_tensors(dy_MO=dy_MO, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
                      cu_seqlens_G=cu_seqlens_G)
-    return torch.ops.moonep.grouped_mm_dgrad(dy_MN, w_local_BNK, w_slot_BNK, cu_seqlens_G,
+    return torch.ops.moonep.grouped_mm_dgrad(dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G,
                                              _config_arg(config, "dgrad"))
 
 
-def grouped_mm_wgrad(dy_MN, x_MK, cu_seqlens_G, epn: int, *, config=None, out_dtype=None):
-    """(dW_local [epn, N, K], dW_slot [epn, N, K]): dW_g = dy[rows g]^T @ x[rows g], fp32
+def grouped_mm_wgrad(dy_MO, x_MI, cu_seqlens_G, epn: int, *, config=None, out_dtype=None):
+    """(dW_local [epn, O, I], dW_slot [epn, O, I]): dW_g = dy[rows g]^T @ x[rows g], fp32
     accumulation; output fp32 (default) or ``out_dtype`` = the input dtype (bf16 written once)."""
-    _require_tensors(dy_MN=dy_MN, x_MK=x_MK, cu_seqlens_G=cu_seqlens_G)
+    _require_tensors(dy_MO=dy_MO, x_MI=x_MI, cu_seqlens_G=cu_seqlens_G)
     kind = "wgrad" if out_dtype in (None, torch.float32) else "wgrad_lp"
-    return torch.ops.moonep.grouped_mm_wgrad(dy_MN, x_MK, cu_seqlens_G, epn,
+    return torch.ops.moonep.grouped_mm_wgrad(dy_MO, x_MI, cu_seqlens_G, epn,
                                              _config_arg(config, kind), out_dtype)
 
 
-def grouped_mm_wgrad_into(dy_MN, x_MK, cu_seqlens_G, grad_local_BNK, grad_slot_BNK, *,
+def grouped_mm_wgrad_into(dy_MO, x_MI, cu_seqlens_G, grad_local_BOI, grad_slot_BOI, *,
                           config=None) -> None:
     """Write-once weight grads in the input dtype (fp32 accumulation, one rounding):
-    grad_local_BNK[g] = dW_g for every g < epn (zero when group g is empty);
-    grad_slot_BNK[b] = dW_{epn+b} when that group has rows, else left untouched (the MoE pool's
+    grad_local_BOI[g] = dW_g for every g < epn (zero when group g is empty);
+    grad_slot_BOI[b] = dW_{epn+b} when that group has rows, else left untouched (the MoE pool's
     slots are zero outside a backward, so the unused ones are not rewritten every step)."""
-    _require_tensors(dy_MN=dy_MN, x_MK=x_MK, cu_seqlens_G=cu_seqlens_G,
-                     grad_local_BNK=grad_local_BNK, grad_slot_BNK=grad_slot_BNK)
-    torch.ops.moonep.grouped_mm_wgrad_into(dy_MN, x_MK, cu_seqlens_G, grad_local_BNK,
-                                           grad_slot_BNK, _config_arg(config, "wgrad_lp"))
+    _require_tensors(dy_MO=dy_MO, x_MI=x_MI, cu_seqlens_G=cu_seqlens_G,
+                     grad_local_BOI=grad_local_BOI, grad_slot_BOI=grad_slot_BOI)
+    torch.ops.moonep.grouped_mm_wgrad_into(dy_MO, x_MI, cu_seqlens_G, grad_local_BOI,
+                                           grad_slot_BOI, _config_arg(config, "wgrad_lp"))
 
 
-def grouped_mm_wgrad_accumulate(dy_MN, x_MK, cu_seqlens_G, grad_local_BNK, grad_slot_BNK, *,
+def grouped_mm_wgrad_accumulate(dy_MO, x_MI, cu_seqlens_G, grad_local_BOI, grad_slot_BOI, *,
                                 config=None) -> None:
-    """grad_local_BNK[g] += dW_g (g < epn), grad_slot_BNK[g - epn] += dW_g; fp32 grads."""
-    _require_tensors(dy_MN=dy_MN, x_MK=x_MK, cu_seqlens_G=cu_seqlens_G,
-                     grad_local_BNK=grad_local_BNK, grad_slot_BNK=grad_slot_BNK)
-    torch.ops.moonep.grouped_mm_wgrad_accumulate(dy_MN, x_MK, cu_seqlens_G, grad_local_BNK,
-                                                 grad_slot_BNK, _config_arg(config, "wgrad"))
+    """grad_local_BOI[g] += dW_g (g < epn), grad_slot_BOI[g - epn] += dW_g; fp32 grads."""
+    _require_tensors(dy_MO=dy_MO, x_MI=x_MI, cu_seqlens_G=cu_seqlens_G,
+                     grad_local_BOI=grad_local_BOI, grad_slot_BOI=grad_slot_BOI)
+    torch.ops.moonep.grouped_mm_wgrad_accumulate(dy_MO, x_MI, cu_seqlens_G, grad_local_BOI,
+                                                 grad_slot_BOI, _config_arg(config, "wgrad"))
