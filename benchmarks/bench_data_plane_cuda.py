@@ -79,7 +79,7 @@ def step_graph(s, D=2048, F=1024, E=16, K=8):
     buf = Buffer(s, D, K, E, token_padding=128, dtype=torch.bfloat16, device="cuda",
                  backend="symm")
     torch.manual_seed(0)
-    layer = MoonEPMoE(buf, F)
+    layer = MoonEPMoE.for_buffer(buf, F)
     for p in layer.router.parameters():
         p.requires_grad_(False)
     params = [layer.w1, layer.w3, layer.w2]

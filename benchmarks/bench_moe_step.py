@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     buf = Buffer(a.tokens, a.dim, a.topk, a.experts, token_padding=128, dtype=torch.bfloat16,
                  device=dev)
     torch.manual_seed(0)
-    layer = MoonEPMoE(buf, a.hidden)
+    layer = MoonEPMoE.for_buffer(buf, a.hidden)
     params = list(layer.parameters())
 
     step = sgd_step(layer, params, 1e-6)

@@ -23,7 +23,8 @@ def run(rate: float, steps: int, D: int, E: int, K: int, R: int, s: int, seed: i
     g = torch.Generator().manual_seed(seed + 1)
     rows = []
     for _ in range(steps):
-        ids, _, scores = router(torch.randn(R * s, D, generator=g) + mu)
+        ids, _, logits = router(torch.randn(R * s, D, generator=g) + mu)
+        scores = router.scores(logits)
         loads = load_per_expert(ids, E)
         tpe = torch.zeros(R, E, dtype=torch.int32)
         tpe[0] = loads

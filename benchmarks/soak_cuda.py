@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     s, D, E, K = a.tokens, a.dim, a.experts, a.topk
     buf = Buffer(s, D, K, E, token_padding=128, dtype=torch.bfloat16, device="cuda", backend="symm")
     torch.manual_seed(0)
-    layer = MoonEPMoE(buf, a.hidden)
+    layer = MoonEPMoE.for_buffer(buf, a.hidden)
     params = list(layer.parameters())
     skew = torch.linspace(-1, 1, D, device="cuda") * 2.0
 

@@ -15,7 +15,7 @@ from .backends import (Backend, CollectiveBackend, SingleRankBackend, SymmBacken
 from .buffer import Buffer
 from .comm_stream import EventHandle
 from .geometry import Geometry, GroupSpec, align_up
-from .nn import AllToAllEPMoE, MoonEPMoE, Router
+from .nn import AllToAllEPMoE, MoEArgs, MoonEPMoE, Router, bind_moe
 from .ops.grouped_mm import (grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad,
                              grouped_mm_wgrad_accumulate, grouped_mm_wgrad_into)
 from .ops.moe_experts import ExpertPool
@@ -25,6 +25,6 @@ from .planner import POLICIES, GroupResult, Plan, plan, plan_all_ranks
 __all__ = ["Buffer", "EventHandle", "Geometry", "GroupSpec", "align_up", "Plan", "GroupResult",
            "plan", "plan_all_ranks", "POLICIES", "grouped_mm", "grouped_mm_dgrad",
            "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate", "grouped_mm_wgrad_into", "swiglu",
-           "MoonEPMoE", "Router", "AllToAllEPMoE", "ExpertPool", "Backend", "CollectiveBackend",
+           "MoonEPMoE", "MoEArgs", "bind_moe", "Router", "AllToAllEPMoE", "ExpertPool", "Backend", "CollectiveBackend",
            "TorchDistBackend", "SingleRankBackend", "SymmBackend", "VirtualGroup"]
 __version__ = "0.2.0"

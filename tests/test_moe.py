@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 import moonep_ops  # noqa: F401
 from moonep_ops.buffer import Buffer
-from moonep_ops.nn.moe import MoonEPMoE, check_backend_dims
+from moonep_ops.nn.moe import MoEArgs, MoonEPMoE, check_backend_dims
 from moonep_ops.testing import reference_moe
 from moonep_ops.planner import plan_all_ranks
 from moonep_ops.nn.train_step import enable_backward_tracing, sgd_step
@@ -41,7 +41,7 @@ def tokens(r, s, dtype, seed=11):
 def make_layer(buf, rank, dtype):
     B = E // buf.R
     w1, w3, w2, gate = full_weights()
-    layer = MoonEPMoE(buf, F)
+    layer = MoonEPMoE.for_buffer(buf, F)
     with torch.no_grad():
         sl = slice(rank * B, (rank + 1) * B)
         layer.w1.copy_(w1[sl])
@@ -193,12 +193,14 @@ def case_bad_config(ctx):
 
 
 def test_bad_configuration():
-    with pytest.raises(ValueError, match="K=9 > num_experts E=8"):
-        MoonEPMoE(Buffer(4, D, 9, 8, dtype=torch.float32), F)
+    with pytest.raises(ValueError, match="top_k=9 > num_experts=8"):
+        MoonEPMoE(MoEArgs(num_experts=8, top_k=9), D, F)
     with pytest.raises(ValueError, match="hidden_dim"):
-        MoonEPMoE(Buffer(4, D, 2, 8, dtype=torch.float32), 0)
+        MoonEPMoE.for_buffer(Buffer(4, D, 2, 8, dtype=torch.float32), 0)
     with pytest.raises(TypeError, match="Buffer"):
-        MoonEPMoE("not a buffer", F)
+        MoonEPMoE.for_buffer("not a buffer", F)
+    with pytest.raises(TypeError, match="MoEArgs"):
+        MoonEPMoE(dict(num_experts=8), D, F)
     # the CUDA grouped GEMM backends need 16-byte rows; checked at construction
     with pytest.raises(ValueError, match="multiples of 8"):
         check_backend_dims("cuda", torch.bfloat16, 36, 12)
@@ -246,5 +248,5 @@ moonep::moe_experts_backward(Tensor dy, Tensor h, Tensor g, Tensor u, Tensor cu_
     def test_captured_layer_graph(self):
         torch.manual_seed(0)
         buf = Buffer(8, D, K, E, token_padding=TP, dtype=torch.float32)
-        layer = MoonEPMoE(buf, F)
-        self.assertExpectedInline(" ".join(_graph_ops(layer, torch.randn(8, D))), """.float linear softmax .detach add topk getitem .gather .to mul .detach moonep.dispatch getitem getitem getitem getitem getitem moonep.moe_experts getitem .float getitem mul .to moonep.combine getitem""")
+        layer = MoonEPMoE.for_buffer(buf, F)
+        self.assertExpectedInline(" ".join(_graph_ops(layer, torch.randn(8, D))), """.reshape .to linear .float softmax .detach add topk getitem .gather .to .detach moonep.dispatch getitem getitem getitem getitem getitem moonep.moe_experts getitem .float getitem mul .to moonep.combine getitem .view""")

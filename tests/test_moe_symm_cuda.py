@@ -30,7 +30,7 @@ def _weights(seed=0):
 
 
 def _layer(buf, W, rank=0, **kw):
-    layer = MoonEPMoE(buf, F, **kw)
+    layer = MoonEPMoE.for_buffer(buf, F, **kw)
     B = buf.epn
     with torch.no_grad():
         layer.router.gate.weight.copy_(W["gate"])

@@ -50,14 +50,14 @@ class ForcedRouter(nn.Module):
     def K(self) -> int:
         return self.inner.K
 
-    def forward(self, x_TD: Tensor):
+    def forward(self, x_sD: Tensor):
         r = self.inner
-        scores_TE = r.scores(x_TD)
+        logits_sE = r.logits(x_sD)
         ids = self.ids
-        w = scores_TE.gather(1, ids.long())
+        w = r.scores(logits_sE).gather(1, ids.long())
         if r.route_norm:
             w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
-        return ids, w * r.route_scale, scores_TE
+        return ids, w * r.route_scale, logits_sE
 
     def update_balance(self, scores_TE: Tensor) -> None:   # the routing is imposed: no QB step
         pass
@@ -109,7 +109,7 @@ def full_weights(L: int, E: int, D: int, F: int, seed: int) -> list[dict]:
 def load_weights(model: MoEStack, weights: list[dict], rank: int) -> None:
     with torch.no_grad():
         for layer, w in zip(model.layers, weights):
-            B = layer.B
+            B = layer.w1.shape[0]           # this rank's home experts
             sl = slice(rank * B, (rank + 1) * B)
             layer.router.inner.gate.weight.copy_(w["gate"])
             layer.w1.copy_(w["w1"][sl])
@@ -130,7 +130,8 @@ def build_model(kind: str, *, L: int, E: int, K: int, D: int, F: int, s: int, dt
     layers = []
     for _ in range(L):
         if kind == "moonep":
-            layer = MoonEPMoE(buffer, F, num_shared_experts=1, side_stream=False, **ROUTER_KW)
+            layer = MoonEPMoE.for_buffer(buffer, F, num_shared_experts=1, side_stream=False,
+                                         **ROUTER_KW)
         elif kind == "baseline":
             layer = AllToAllEPMoE(D, F, E, K, group=group, num_shared_experts=1, dtype=dtype,
                                   device=device, token_padding=tp, **ROUTER_KW)

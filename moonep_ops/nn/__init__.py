@@ -1,6 +1,6 @@
-"""Modules: the MoonEP MoE layer, its router, and the plain all-to-all EP baseline."""
+"""Modules: the MoonEP MoE layer and its arguments, routers, and the plain all-to-all EP baseline."""
 from .baseline import AllToAllEPMoE
-from .moe import MoonEPMoE, SwiGLU
+from .moe import MoEArgs, MoonEPMoE, SwiGLU, bind_moe, moe_layers
 from .router import Router
 
-__all__ = ["MoonEPMoE", "SwiGLU", "Router", "AllToAllEPMoE"]
+__all__ = ["MoEArgs", "MoonEPMoE", "SwiGLU", "bind_moe", "moe_layers", "Router", "AllToAllEPMoE"]

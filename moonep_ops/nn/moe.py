@@ -1,31 +1,43 @@
-"""The MoE layer: router -> dispatch -> routed SwiGLU experts -> weights -> combine (+ shared).
+"""The MoonEP MoE layer: router -> dispatch -> routed SwiGLU experts -> weights -> combine
+(+ shared experts).
 
-    ids_sK, w_sK, scores_sE = router(x_sD)                           fp32 router
-    h_MD, w_M, cu_G, plan   = buffer.dispatch(x_sD, ids_sK, w_sK)    exactly the cap of rows real
-    y_MD                    = moonep::moe_experts(h_MD, cu_G, plan.experts_to_copy, w1, w3, w2)
-    out_sD                  = buffer.combine(plan, y_MD * w_M) [+ shared_expert(x_sD)]
+    layer = MoonEPMoE(MoEArgs(num_experts=E, top_k=K, capacity=S, ...), dim=D, hidden_dim=F)
+    layer.bind(group=pg)            # or bind_moe(model, group=pg, capacity=S), or lazily
+    y = layer(x)                    # x [..., D] -> [..., D]
 
-Expert weights (nn.Linear layout): w1 (gate) and w3 (up) [B, F, D], w2 (down) [B, D, F], this
-rank's home experts; the redundant slots live in the Buffer's ExpertPool
-(moonep_ops/ops/moe_experts.py, with the backward and the memory formula).  The weight grads come
-back holding every rank's contribution for the home experts.  The router and the shared expert
-are replicated like any data-parallel parameter: all-reduce their grads over the EP group
-(``reduce_router_grad``) as DDP/FSDP would.
+  ids_sK, w_sK, logits_sE = router(x_sD)                            fp32 weights
+  h_MD, w_M, cu_G, plan   = buffer.dispatch(x_sD, ids_sK, w_sK)     exactly the cap of rows real
+  y_MD                    = moonep::moe_experts(h_MD, cu_G, plan.experts_to_copy, w1, w3, w2)
+  out_sD                  = buffer.combine(plan, y_MD * w_M) [+ sigmoid(gate(x)) * shared(x_sD)]
 
-On CUDA the shared expert runs on a side stream, overlapping dispatch, the routed GEMMs and
+The layer knows nothing of parallelism until ``bind``: built, it holds all E experts (or none,
+on the meta device); bound, it keeps this rank's home experts ``rank*B .. (rank+1)*B - 1``
+(B = E/R) and a ``Buffer`` (shared by every layer of the model with the same settings:
+``bind_moe``).  Expert weights (nn.Linear layout): w1 (gate) and w3 (up) [B, F, D], w2 (down)
+[B, D, F]; the redundant slots live in the Buffer's ExpertPool (moonep_ops/ops/moe_experts.py,
+with the backward and the memory formula).  The weight grads come back holding every rank's
+contribution for the home experts.  The router and the shared experts are replicated like any
+data-parallel parameter: all-reduce their grads over the EP group (``reduce_router_grad``) as
+DDP/FSDP would.  Checkpoints: ``load_state_dict`` takes the experts as this rank's slice or as
+the full [E, ...] tensors; ``full_state_dict()`` gathers them back.
+
+On CUDA the shared experts run on a side stream, overlapping dispatch, the routed GEMMs and
 combine (events only, no host sync; eager mode: torch.compile keeps one stream).
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.functional import silu
 from torch import Tensor, nn
+from torch.nn.functional import silu
 
 from ..buffer import Buffer
 from ..ops import moe_experts as _moe_experts  # noqa: F401  (registers moonep::moe_experts)
+from ..planner import POLICIES
 from .router import Router
 
 
@@ -50,50 +62,291 @@ class SwiGLU(nn.Module):
         return self.w2(silu(self.w1(x)) * self.w3(x))
 
 
+@dataclass
+class MoEArgs:
+    """Everything about a MoE layer but its sizes (``MoonEPMoE(args, dim, hidden_dim)``).
+
+    Routing (the built-in ``Router``; ignored when the layer is given a router):
+      num_experts, top_k: E and K.
+      score_func: "softmax" or "sigmoid".  topk_before_score: top-k on the logits, softmax over
+      the K (gpt-oss).  route_norm: renormalise the K weights; route_norm_eps: added to the
+      denominator (DeepSeek-V3 1e-20).  route_scale: factor on the weights (DeepSeek-V3
+      routed_scaling_factor).  num_expert_groups / num_limited_groups: group-limited top-k
+      (DeepSeek-V3 n_group / topk_group).  sorted_topk: the top-k's ``sorted`` flag.
+      router_dtype: the gate's dtype (None: the layer's).  round_weights: round the weights to
+      the logits' dtype (Qwen, OLMoE).  gate_bias: a bias on the gate.  balance_rate: Quantile
+      Balancing step (0: off).
+    Shared experts: num_shared_experts (0: none) of width shared_hidden_dim in total (default:
+      num_shared_experts * hidden_dim); shared_gate: multiply their output by
+      sigmoid(x @ shared_gate^T) (Qwen2-MoE).
+    Expert parallelism (used when the layer binds its own Buffer; see ``MoonEPMoE.bind``):
+      capacity: S, the most tokens one rank passes to one forward (s = product of the input's
+      leading dims).  token_padding: segment alignment of the receive buffer (128 suits the CUDA
+      grouped GEMM's tiles).  policy: planner policy.  backend: data-plane backend.
+      side_stream: run the shared experts on a side stream on CUDA (eager mode).
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    score_func: str = "softmax"
+    topk_before_score: bool = False
+    route_norm: bool = False
+    route_norm_eps: float = 0.0
+    route_scale: float = 1.0
+    num_expert_groups: int = 1
+    num_limited_groups: int = 1
+    sorted_topk: bool = True
+    router_dtype: Optional[torch.dtype] = torch.float32
+    round_weights: bool = False
+    gate_bias: bool = False
+    balance_rate: float = 0.0
+    num_shared_experts: int = 0
+    shared_hidden_dim: Optional[int] = None
+    shared_gate: bool = False
+    capacity: Optional[int] = None
+    token_padding: int = 1
+    policy: str = "moonep"
+    backend: str = "auto"
+    side_stream: bool = True
+
+    def router_kwargs(self) -> dict:
+        names = ("score_func", "topk_before_score", "route_norm", "route_norm_eps", "route_scale",
+                 "num_expert_groups", "num_limited_groups", "sorted_topk", "router_dtype",
+                 "round_weights", "gate_bias", "balance_rate")
+        return {n: getattr(self, n) for n in names}
+
+    def replace(self, **kw) -> "MoEArgs":
+        return dataclasses.replace(self, **kw)
+
+
+_EXPERT_PARAMS = ("w1", "w3", "w2")
+
+
 class MoonEPMoE(nn.Module):
-    """Drop-in MoE layer over a MoonEP ``Buffer`` (see the module docstring)."""
+    """The MoonEP MoE layer (see the module docstring), built like torchtitan's
+    ``MoE(moe_args, dim, hidden_dim)``: the model knows nothing of parallelism.
 
-    def __init__(self, buffer: Buffer, hidden_dim: int, *, score_func: str = "softmax",
-                 route_norm: bool = False, route_scale: float = 1.0, balance_rate: float = 0.0,
-                 num_shared_experts: int = 0, shared_hidden_dim: Optional[int] = None,
-                 init_std: float = 0.02, side_stream: bool = True):
+    Args:
+      args: ``MoEArgs``.
+      dim: model dim D.
+      hidden_dim: expert FFN dim F.
+      router: a module meeting the router contract (moonep_ops/nn/router.py); default: the
+        built-in ``Router`` configured by ``args``.
+      dtype: parameter and activation dtype of the experts (default: torch's default dtype).
+      device: where the parameters are made; ``"meta"`` defers the memory to ``bind``.
+
+    Until ``bind`` the layer holds all E experts (``w1, w3 [E, F, D]``, ``w2 [E, D, F]``);
+    ``bind`` keeps this rank's home experts ``rank*B .. (rank+1)*B - 1`` (B = E/R) and attaches a
+    ``Buffer``.  ``load_state_dict`` takes the experts either as this rank's ``[B, ...]`` slice or
+    as the full ``[E, ...]`` tensors (keeping this rank's slice); ``full_state_dict()`` gathers
+    them back (collective).
+    """
+
+    def __init__(self, args: MoEArgs, dim: int, hidden_dim: int, *, router: Optional[nn.Module] = None,
+                 dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
-        if not isinstance(buffer, Buffer):
-            raise TypeError("buffer must be a moonep_ops.Buffer")
-        D, E, K, R, B = buffer.D, buffer.E, buffer.K, buffer.R, buffer.epn
+        if not isinstance(args, MoEArgs):
+            raise TypeError(f"args must be a moonep_ops.nn.MoEArgs, got {type(args).__name__}")
+        E, K = args.num_experts, args.top_k
+        for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", E),
+                        ("top_k", K)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         if K > E:
-            raise ValueError(f"top-k K={K} > num_experts E={E}")
-        if hidden_dim < 1:
-            raise ValueError(f"hidden_dim must be >= 1, got {hidden_dim}")
-        dev, dt = buffer.device, buffer.dtype
-        check_backend_dims(dev.type, dt, D, hidden_dim)
-        self.buffer = buffer          # a plain attribute (not a Module): traced through, not lifted
-        self.D, self.F, self.E, self.K, self.R, self.B = D, hidden_dim, E, K, R, B
-        self.router = Router(D, E, K, score_func=score_func, route_norm=route_norm,
-                             route_scale=route_scale, balance_rate=balance_rate,
-                             balance_group=buffer.group)
-        self.router.to(dev)
-        self.w1 = nn.Parameter(torch.randn(B, hidden_dim, D, device=dev).mul_(init_std).to(dt))
-        self.w3 = nn.Parameter(torch.randn(B, hidden_dim, D, device=dev).mul_(init_std).to(dt))
-        self.w2 = nn.Parameter(torch.randn(B, D, hidden_dim, device=dev).mul_(init_std).to(dt))
-        self.pool_name = buffer.expert_pool(D, hidden_dim, dt).name
-        self.shared = None
-        if num_shared_experts:
-            self.shared = SwiGLU(D, num_shared_experts * (shared_hidden_dim or hidden_dim), dt, dev)
-        self._side = (torch.cuda.Stream(device=dev)
-                      if side_stream and dev.type == "cuda" and self.shared is not None else None)
-        self.last_scores = None
+            raise ValueError(f"top_k={K} > num_experts={E}")
+        if args.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {args.policy!r}")
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.args = args
+        self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, E, K
+        self.dtype = dtype
+        self.router = router if router is not None else Router(
+            dim, E, K, **args.router_kwargs(), dtype=dtype, device=device)
+        self.w1 = nn.Parameter(torch.empty(E, hidden_dim, dim, dtype=dtype, device=device))
+        self.w3 = nn.Parameter(torch.empty(E, hidden_dim, dim, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(E, dim, hidden_dim, dtype=dtype, device=device))
+        self.shared = self.shared_gate = None
+        if args.num_shared_experts:
+            width = args.shared_hidden_dim or args.num_shared_experts * hidden_dim
+            self.shared = SwiGLU(dim, width, dtype, device)
+            if args.shared_gate:
+                self.shared_gate = nn.Linear(dim, 1, bias=False, dtype=dtype, device=device)
+        elif args.shared_gate:
+            raise ValueError("shared_gate needs num_shared_experts >= 1")
+        # EP state, set by bind (plain attributes, not submodules: traced through, not lifted)
+        self.buffer: Optional[Buffer] = None
+        self.expert_offset = 0          # global id of this rank's first home expert
+        self._side = None
+        self.last_logits: Optional[Tensor] = None
+        self.register_load_state_dict_pre_hook(self._slice_full_experts)
+        if torch.device(device if device is not None else "cpu").type != "meta":
+            self.init_weights()
 
-    def forward(self, x_sD: Tensor, total_num_tokens: Optional[int] = None) -> Tensor:
+    @classmethod
+    def for_buffer(cls, buffer: Buffer, hidden_dim: int, *, router: Optional[nn.Module] = None,
+                   **args) -> "MoonEPMoE":
+        """A layer bound to an existing Buffer: E, K, D, dtype and device come from the Buffer,
+        ``args`` are the other MoEArgs fields.  Initialised with ``init_weights``; the same seed
+        gives every rank the same full weights, of which each keeps its slice."""
+        if not isinstance(buffer, Buffer):
+            raise TypeError(f"buffer must be a moonep_ops.Buffer, got {type(buffer).__name__}")
+        a = MoEArgs(num_experts=buffer.E, top_k=buffer.K, capacity=buffer.S,
+                    token_padding=buffer.token_padding, policy=buffer.policy, **args)
+        layer = cls(a, buffer.D, hidden_dim, router=router, dtype=buffer.dtype)
+        layer.bind(buffer)
+        return layer
+
+    # -- weights ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, init_std: float = 0.02) -> None:
+        """Normal(0, init_std) experts, gate and shared experts (the bias buffer is zeroed)."""
+        for w in (self.w1, self.w3, self.w2):
+            w.normal_(0.0, init_std)
+        if isinstance(self.router, Router):
+            self.router.gate.weight.normal_(0.0, init_std)
+            if self.router.gate.bias is not None:
+                self.router.gate.bias.zero_()
+            self.router.expert_bias.zero_()
+        for mod in (self.shared.w1, self.shared.w3, self.shared.w2) if self.shared else ():
+            mod.weight.normal_(0.0, init_std)
+        if self.shared_gate is not None:
+            self.shared_gate.weight.normal_(0.0, init_std)
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts this layer holds: E before ``bind``, B = E/R after."""
+        return self.w1.shape[0]
+
+    def owned_experts(self) -> range:
+        """Global ids of the experts this rank owns (its home experts)."""
+        return range(self.expert_offset, self.expert_offset + self.num_local_experts)
+
+    def _slice_full_experts(self, module, state_dict, prefix, *args) -> None:
+        # A full [E, ...] checkpoint tensor becomes this rank's [B, ...] slice.
+        B, E = self.num_local_experts, self.num_experts
+        if B == E:
+            return
+        for name in _EXPERT_PARAMS:
+            t = state_dict.get(prefix + name)
+            if t is not None and t.dim() == 3 and t.shape[0] == E:
+                state_dict[prefix + name] = t[self.expert_offset:self.expert_offset + B]
+
+    @torch.no_grad()
+    def full_state_dict(self, prefix: str = "") -> dict[str, Tensor]:
+        """Collective over the layer's EP group: ``state_dict()`` with the experts gathered to
+        their full ``[E, ...]`` shape (same keys, same order), on every rank."""
+        sd = self.state_dict(prefix=prefix)
+        for name in _EXPERT_PARAMS:
+            sd[prefix + name] = self.gather_experts(getattr(self, name)).detach()
+        return sd
+
+    def gather_experts(self, w_B: Tensor) -> Tensor:
+        """This rank's [B, ...] experts -> every rank's, concatenated in rank order [E, ...]."""
+        if self.buffer is None or self.buffer.R == 1:
+            return w_B.detach().clone()
+        group = self.buffer.group
+        if group is None:
+            raise NotImplementedError("gathering experts needs a torch.distributed process group "
+                                      "(virtual ranks have none)")
+        parts = [torch.empty_like(w_B) for _ in range(self.buffer.R)]
+        dist.all_gather(parts, w_B.detach().contiguous(), group=group)
+        return torch.cat(parts)
+
+    # -- expert parallelism --------------------------------------------------------------------
+    def buffer_key(self) -> tuple:
+        """The Buffer settings this layer needs (layers with the same key can share one)."""
+        a = self.args
+        return (self.dim, self.top_k, self.num_experts, self.dtype, a.capacity, a.token_padding,
+                a.policy, a.backend)
+
+    def bind(self, buffer: Optional[Buffer] = None, *, group: Optional[dist.ProcessGroup] = None,
+             device=None) -> Buffer:
+        """Attach the layer to an EP group and keep this rank's home experts.
+
+        ``buffer``: a Buffer to share with other layers (its D, K, E and dtype must match the
+        layer's); None: build one from ``args`` (capacity, token_padding, policy, backend) over
+        ``group`` (None: the default group when torch.distributed is initialised, else one rank).
+        Collective.  Parameters made on the meta device are materialised (uninitialised) on the
+        Buffer's device: call ``init_weights`` or load a checkpoint next.  Returns the Buffer."""
+        if self.buffer is not None:
+            raise RuntimeError("this MoonEPMoE is already bound to a Buffer")
+        a = self.args
+        if buffer is None:
+            if not a.capacity:
+                raise ValueError("MoEArgs.capacity (the most tokens per rank per forward) must be "
+                                 "set to bind the layer")
+            buffer = Buffer(a.capacity, self.dim, self.top_k, self.num_experts, group=group,
+                            token_padding=a.token_padding, dtype=self.dtype, device=device,
+                            policy=a.policy, backend=a.backend)
+        if not isinstance(buffer, Buffer):
+            raise TypeError(f"buffer must be a moonep_ops.Buffer, got {type(buffer).__name__}")
+        mine = (self.dim, self.top_k, self.num_experts, self.dtype)
+        theirs = (buffer.D, buffer.K, buffer.E, buffer.dtype)
+        if mine != theirs:
+            raise ValueError(f"the Buffer has (D, K, E, dtype) = {theirs}, the layer {mine}")
+        check_backend_dims(buffer.device.type, self.dtype, self.dim, self.hidden_dim)
+        B, r = buffer.epn, buffer.rank
+        dev = buffer.device
+        with torch.no_grad():
+            for name in _EXPERT_PARAMS:
+                w = getattr(self, name)
+                if w.shape[0] != self.num_experts:
+                    raise RuntimeError(f"{name} holds {w.shape[0]} experts, not all {self.num_experts}")
+                if w.is_meta:
+                    local = torch.empty((B,) + tuple(w.shape[1:]), dtype=w.dtype, device=dev)
+                else:
+                    local = w[r * B:(r + 1) * B].to(dev).clone()
+                setattr(self, name, nn.Parameter(local, requires_grad=w.requires_grad))
+        for mod in (self.router, self.shared, self.shared_gate):
+            if mod is not None:
+                if any(p.is_meta for p in mod.parameters()) or any(b.is_meta for b in mod.buffers()):
+                    mod.to_empty(device=dev)
+                else:
+                    mod.to(dev)
+        if isinstance(self.router, Router) and self.router.balance_group is None:
+            self.router.balance_group = buffer.group
+        self.pool_name = buffer.expert_pool(self.dim, self.hidden_dim, self.dtype).name
+        self.buffer, self.expert_offset = buffer, r * B
+        self._side = (torch.cuda.Stream(device=dev) if self.args.side_stream and dev.type == "cuda"
+                      and self.shared is not None else None)
+        return buffer
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, x: Tensor, total_num_tokens: Optional[int] = None, *,
+                topk_ids: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None) -> Tensor:
+        """``x [..., D]`` -> ``[..., D]``.  ``topk_ids`` / ``topk_weights`` ([s, K] int32 / fp32,
+        s = the product of x's leading dims): route with them instead of the router.
+        ``total_num_tokens``: the group's token count when ranks pass different s."""
+        if self.buffer is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError("bind MoonEPMoE layers before compiling (moonep_ops.nn.bind_moe)")
+            self.bind()
+        D = self.dim
+        if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[-1] != D:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"MoonEPMoE expects input of shape [..., D={D}] with at least one "
+                             f"leading (token) dim, got {shape}")
+        if x.dtype != self.dtype:
+            raise TypeError(f"MoonEPMoE holds {self.dtype} experts, the input is {x.dtype}")
+        x_sD = x.reshape(-1, D)
+        s, S = x_sD.shape[0], self.buffer.S
+        if s > S:
+            raise ValueError(f"MoonEPMoE got {s} tokens on this rank, more than its capacity S={S} "
+                             "(MoEArgs.capacity / the Buffer's S)")
+        if (topk_ids is None) != (topk_weights is None):
+            raise ValueError("give both topk_ids and topk_weights, or neither")
+        if topk_ids is None:
+            ids_sK, w_sK, logits_sE = self.router(x_sD)
+            self.last_logits = logits_sE.detach()
+        else:
+            ids_sK, w_sK = topk_ids, topk_weights
         buf = self.buffer
-        ids_sK, w_sK, scores = self.router(x_sD)
-        self.last_scores = scores.detach()
         shared_out = None
         side = self._side if not torch.compiler.is_compiling() else None
         if self.shared is not None and side is not None:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                shared_out = self.shared(x_sD)
+                shared_out = self._shared(x_sD)
         h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
         y, _, _ = torch.ops.moonep.moe_experts(h, cu, plan.experts_to_copy, self.w1, self.w3,
                                                self.w2, self.pool_name)
@@ -104,22 +357,69 @@ class MoonEPMoE(nn.Module):
                 torch.cuda.current_stream().wait_stream(side)
                 shared_out.record_stream(torch.cuda.current_stream())
             else:
-                shared_out = self.shared(x_sD)
+                shared_out = self._shared(x_sD)
             out = out + shared_out
+        return out.view(x.shape)
+
+    def _shared(self, x_sD: Tensor) -> Tensor:
+        out = self.shared(x_sD)
+        if self.shared_gate is not None:
+            out = torch.sigmoid(self.shared_gate(x_sD)) * out
         return out
 
+    # -- training-step hooks --------------------------------------------------------------------
     @torch.no_grad()
     def update_balance(self) -> None:
-        """Quantile-Balancing step from the last forward's router scores (after backward)."""
-        if self.last_scores is not None:
-            self.router.update_balance(self.last_scores)
+        """Quantile-Balancing step of the built-in router from the last forward's logits (after
+        backward).  A user router balances itself."""
+        if isinstance(self.router, Router) and self.last_logits is not None:
+            self.router.update_balance(self.router.scores(self.last_logits))
 
     def reduce_router_grad(self) -> None:
-        """All-reduce (sum) the replicated router's and shared expert's grads over the EP group."""
-        group = self.buffer.group
+        """All-reduce (sum) the replicated router's and shared experts' grads over the EP group,
+        as DDP/FSDP would (not needed when those wrap the model)."""
+        group = self.buffer.group if self.buffer is not None else None
         if group is None or not dist.is_initialized():
             return
-        params = list(self.router.parameters()) + (list(self.shared.parameters()) if self.shared else [])
-        for p in params:
+        mods = (self.router, self.shared, self.shared_gate)
+        for p in (p for m in mods if m is not None for p in m.parameters()):
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=group)
+
+    def extra_repr(self) -> str:
+        bound = f"rank {self.buffer.rank}/{self.buffer.R}" if self.buffer is not None else "unbound"
+        return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, experts={self.num_experts} "
+                f"({self.num_local_experts} held), top_k={self.top_k}, {bound}")
+
+
+def moe_layers(model: nn.Module) -> Iterable[MoonEPMoE]:
+    return (m for m in model.modules() if isinstance(m, MoonEPMoE))
+
+
+def bind_moe(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
+             capacity: Optional[int] = None, device=None, **args_overrides) -> list[Buffer]:
+    """Bind every unbound ``MoonEPMoE`` of ``model`` (collective; every rank, same model).
+
+    Layers that need the same Buffer settings (``MoonEPMoE.buffer_key``) share one Buffer, and so
+    one ExpertPool per expert shape: one Buffer for a model whose MoE layers are alike.
+    ``capacity`` and ``args_overrides`` (e.g. token_padding, policy, backend) replace the layers'
+    MoEArgs fields first.  Returns the Buffers, in the order of the layers' first appearance."""
+    buffers: dict[tuple, Buffer] = {}
+    for layer in moe_layers(model):
+        if layer.buffer is not None:
+            continue
+        over = dict(args_overrides)
+        if capacity is not None:
+            over["capacity"] = capacity
+        if over:
+            layer.args = layer.args.replace(**over)
+        key = layer.buffer_key()
+        buf = buffers.get(key)
+        if buf is None:
+            buf = buffers[key] = layer.bind(group=group, device=device)
+        else:
+            layer.bind(buf)
+    return list(buffers.values())
+
+
+__all__ = ["MoEArgs", "MoonEPMoE", "SwiGLU", "bind_moe", "moe_layers", "check_backend_dims"]
