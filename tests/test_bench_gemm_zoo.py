@@ -1,0 +1,156 @@
+"""The model-zoo GEMM benchmark and the cost-model fit, on CPU (CI has no GPU).
+
+* the benchmark's --dry-run (reference backend, tiny shapes, the real planner) runs end to end and
+  writes a JSON of the documented schema and the markdown report;
+* the fit runs on that JSON (fits, held-out report, never-lose rules, writes a tuning file that
+  imports and keeps the kinds it did not fit);
+* the fit's vectorised model equals the library's cost_model.predict;
+* the committed case file covers the zoo, is consistent, and a few cases regenerate exactly.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_gemm_zoo as bench  # noqa: E402
+import fit_gemm_cost_model as fit  # noqa: E402
+import gemm_bench_common as common  # noqa: E402
+import gemm_zoo_cases as zoo  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dry_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zoo")
+    assert bench.main(["--dry-run", "--out", str(out)]) == 0
+    return out / "gemm_zoo.json"
+
+
+def test_dry_run_writes_schema(dry_json):
+    doc = json.loads(dry_json.read_text())
+    assert doc["schema"] == bench.SCHEMA and doc["complete"]
+    assert (dry_json.parent / "gemm_zoo.md").exists()
+    mods = common.gemm_modules()
+    hists = {h["id"]: h for h in doc["hists"]}
+    assert any(h["held_out"] for h in hists.values()) and not all(h["held_out"] for h in hists.values())
+    kinds = {c["kind"] for c in doc["cases"]}
+    assert kinds == set(bench.KINDS)
+    assert any(hists[c["hist"]]["family"] == "calib" for c in doc["cases"])
+    for c in doc["cases"]:
+        h = hists[c["hist"]]
+        assert len(h["counts"]) == h["G"] and sum(h["counts"]) <= h["M"] == c["M"]
+        if h["family"] != "calib":
+            assert all(x % zoo.TOKEN_PADDING == 0 for x in h["counts"])
+        names = [x.name for x in mods.cost_model.CONFIGS[c["kind"]]]
+        for n in names + ["ours", "torch"]:
+            assert c["us"][n] > 0, (c["hist"], c["kind"], n)
+        assert c["pick"] in names
+        if c["rows"]:
+            assert c["us"]["dense"] > 0
+    assert doc["probes"]["fixed_cost"]
+    md, summary = bench.report(doc)
+    assert "| fwd |" in summary and "## Targets" in summary
+
+
+def test_fit_on_dry_run(dry_json, tmp_path):
+    mods = common.gemm_modules()
+    src = Path(mods.tuning.__file__)
+    out = tmp_path / "tuning_fitted.py"
+    out.write_text(src.read_text())
+    rep = tmp_path / "fit.json"
+    assert fit.main([str(dry_json), "--write", str(out), "--report-out", str(rep),
+                     "--write-torch-model"]) == 0
+    r = json.loads(rep.read_text())
+    for kind in bench.KINDS:
+        ev = r["kinds"][kind]
+        assert ev["train"]["n"] > 0 and ev["held_out"]["n"] > 0
+        assert 0 < ev["held_out"]["pick_vs_oracle_gm"] <= 1.0
+        assert set(ev["constants"]) == {c.name for c in mods.cost_model.CONFIGS[kind]}
+    spec = importlib.util.spec_from_file_location("tuning_fitted", out)
+    t = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(t)
+    assert set(t.EFFICIENCY) == set(mods.cost_model.KINDS)
+    assert t.EFFICIENCY["wgrad"] == mods.tuning.EFFICIENCY["wgrad"]      # not fitted: kept
+    assert t.PEAK_TFLOPS == pytest.approx(mods.tuning.PEAK_TFLOPS, abs=0.05)  # partial fit
+    assert "fit_gemm_cost_model" in t.CALIBRATION_SOURCES["fwd"]
+    assert t.TORCH_EFFICIENCY
+    for kind in bench.KINDS:
+        for n, v in r["kinds"][kind]["constants"].items():
+            assert t.EFFICIENCY[kind][n] == tuple(v)
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad", "wgrad_lp"])
+def test_fast_model_equals_library(kind):
+    mods = common.gemm_modules()
+    cm, tuning = mods.cost_model, mods.tuning
+    rng = random.Random(5)
+    cases = []
+    for i in range(12):
+        G = rng.choice([2, 8, 16, 64])
+        counts = [rng.choice([0, 0, 128, 256, 384, 1024, 4096]) for _ in range(G)]
+        if i == 0:
+            counts = [0] * G                                    # all empty
+        N, K = rng.choice([(768, 2048), (2048, 768), (2880, 2880), (7168, 2048)])
+        cases.append(dict(counts=counts, N=N, K=K, rows=sum(counts) + 127 * G))
+    P, peak, hbm = int(tuning.NUM_SMS), float(tuning.PEAK_TFLOPS), float(tuning.HBM_TBPS)
+    for cfg in cm.CONFIGS[kind]:
+        g = fit.Geom(cfg.name, cfg.BM, cfg.BN, cfg.CM, cfg.CN, getattr(cfg, "swap", False))
+        fm = fit.FastModel(kind, g, cases, P, peak, hbm)
+        consts = (rng.uniform(0.4, 1.1), rng.uniform(0.3, 1.0), rng.uniform(0, 3),
+                  rng.uniform(0, 40), rng.uniform(0, 8))
+        fast = fm.predict(consts)
+        saved = dict(tuning.EFFICIENCY[kind])
+        try:
+            tuning.EFFICIENCY[kind][cfg.name] = consts
+            ref = [cm.predict(c["counts"], c["N"], c["K"], kind, configs=(cfg.name,))[cfg.name]
+                   for c in cases]
+        finally:
+            tuning.EFFICIENCY[kind] = saved
+        np.testing.assert_allclose(fast, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_torch_tiles_round_m_to_the_cluster():
+    g = fit.TORCH_GEOMS["torch_c128x256"]
+    # 3 M tiles of 128 rows become 4 under the 2x1 cluster; N tiles are not rounded (CN = 1)
+    assert fit.rows_tiles(np.array([384, 0, 256]), 768, g).tolist() == [4 * 3, 0, 2 * 3]
+    assert fit.wgrad_tiles(768, 2048, g) == 6 * 8
+    small = dict(counts=[128] * 64, rows=8192, N=4096, K=7168)      # 128 rows per group
+    big = dict(counts=[512] * 16, rows=8192, N=4096, K=1536)
+    assert fit.torch_config("fwd", small) == "torch_p64x128"
+    assert fit.torch_config("fwd", big) == "torch_c128x256"
+
+
+def test_case_file_covers_the_zoo():
+    hists = {h["id"]: h for h in zoo.load()}
+    specs = list(zoo.zoo_specs())
+    assert {zoo.hist_id(f, e, s, n) for f, e, s, n, _, _ in specs} == set(hists)
+    pairs = {(h["family"], h["ep"]) for h in hists.values()}
+    assert len(pairs) == 16 and sum(zoo.is_held_out(*p) for p in pairs) == 4
+    for h in hists.values():
+        D, F, E, K = zoo.FAMILIES[h["family"]]
+        assert h["G"] == 2 * E // h["ep"] == len(h["counts"])
+        assert sum(h["counts"]) <= h["M"] and all(c % zoo.TOKEN_PADDING == 0 for c in h["counts"])
+        assert h["held_out"] == zoo.is_held_out(h["family"], h["ep"])
+    assert all(max(h["counts"]) == h["s"] * h["K"] for h in hists.values()
+               if h["hist"] == "adversarial")
+    calib = zoo.load(calib=True)
+    assert len(calib) == 32 and 0 < sum(h["held_out"] for h in calib) < 32
+    assert all(sum(h["counts"]) == h["M"] and len(h["counts"]) == h["G"] for h in calib)
+
+
+@pytest.mark.parametrize("hist", ["balanced", "zipf_mv1", "adversarial"])
+def test_case_file_regenerates(hist):
+    committed = {h["id"]: h for h in zoo.load()}
+    for fam, ep, s, name, kind, target in zoo.zoo_specs(families={"mixtral-8x22b"}, tokens={2048},
+                                                        hists={hist}):
+        h = zoo.build_hist(fam, ep, s, name, kind, target)
+        c = committed[h["id"]]
+        assert (h["counts"], h["M"], h["rank"]) == (c["counts"], c["M"], c["rank"])
