@@ -9,15 +9,18 @@ from setuptools import find_packages, setup
 
 setup(
     name="moonep_ops",
-    version="0.1.0",
+    version="0.2.0",
     description="MoonEP-style expert parallelism with perfect load balance, as torch custom ops",
     long_description=__doc__,
-    packages=find_packages(include=["moonep_ops", "moonep_ops.*"]),
+    packages=find_packages(include=["moonep_ops", "moonep_ops.*"]),   # apps/ stays outside
     python_requires=">=3.10",
     # Upper bound keeps pip from resolving a newer (CUDA, multi-GB) torch on CPU machines.
     install_requires=["torch>=2.11,<2.15", "numpy"],
     extras_require={
-        "test": ["pytest", "expecttest", "selenium"],   # + Debian chromium, chromium-driver
+        # Everything a test imports (+ Debian chromium, chromium-driver for the browser test).
+        # transformers is pinned: the Hugging Face integration is tested against that version.
+        # scipy: the grouped-GEMM cost model's fit (benchmarks/calibrate_grouped_gemm.py).
+        "test": ["pytest", "expecttest", "selenium", "scipy", "transformers==5.24.0"],
         "demo": ["matplotlib", "tqdm"],                  # the main job's plots and progress bar
         "gpu": ["triton", "nvidia-cutlass", "cuda-python"],
     },

@@ -30,7 +30,7 @@ def _no_gc_inside_cuda_tests(request):
     CUDA graphs and memory pools, and those frees synchronise the device: with virtual ranks,
     whose barrier kernels spin until the host has enqueued every rank, the host then waits for
     a barrier that waits for the host, until the barrier times out.  That made
-    test_async_prefetch_reduce_virtual[2] (and in session 4 test_async_dispatch_combine_virtual)
+    test_async_prefetch_reduce_virtual[2] (and test_async_dispatch_combine_virtual)
     fail in whole-file runs only.  Collect before the test instead."""
     if not request.node.fspath.basename.endswith("_cuda.py") or not torch.cuda.is_available():
         yield

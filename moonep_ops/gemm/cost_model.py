@@ -79,7 +79,7 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
         GemmConfig("s256x96", 256, 96, 64, 1, 2, False, swap=True),
         # 64-row tiles: the best config only for groups of <= ~64 rows (decode-like; 2-5 % over
         # c128x256 there, eta 0.51-0.61 elsewhere), so a candidate only there: a fifth candidate
-        # costs the prep kernel 0.2-0.7 us (session 14), past the 5 us budget at MoE sizes.
+        # costs the prep kernel 0.2-0.7 us, past the 5 us budget at MoE sizes.
         GemmConfig("p64x256", 64, 256, 64, 1, 2, True, max_mean_rows=64),
     ),
     "dgrad": (
@@ -243,7 +243,7 @@ def pick(pred: dict[str, float], volume: dict[str, float], kind: str,
     least MMA work (padding), then the first listed.  Why: a memory-bound round costs the same
     bytes whatever its tiles, so the model ties configs whose padded MMA differs by 2x (G = 96
     groups of 64 rows: c128x256 and p64x256 both 691 us; measured 3.74 against 3.92 TB/s,
-    session 8) and the extra MMA does not overlap the stream as max(compute, memory) assumes."""
+    H200) and the extra MMA does not overlap the stream as max(compute, memory) assumes."""
     tol = gemm_tuning.SELECT_TIE_TOL if tol is None else tol
     best = min(pred.values())
     near = [n for n in pred if pred[n] <= best * (1.0 + tol)]
@@ -263,7 +263,7 @@ def tie_tolerance(kind: str, rows: int, groups: int) -> float:
     bound by the weight stream, where max(compute, memory) cannot tell the configs apart (their
     predictions differ only by fitted per-call constants, 0.7-1.7 %), while measured the least
     padded MMA streams 2-5 % faster (p64x256 against c128x256; calibration set and streaming
-    benchmark, session 15)."""
+    benchmark on the H200)."""
     return (gemm_tuning.SELECT_TIE_TOL_SMALL if small_groups(kind, rows, groups)
             else gemm_tuning.SELECT_TIE_TOL)
 
