@@ -154,6 +154,11 @@ class Buffer:
         and FFN dim F (built once per shape, shared by every layer of that shape, freed by
         ``destroy``)."""
         self._check_live()
+        for name, v in (("D", D), ("F", F)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"expert_pool: {name} must be a positive int, got {v!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"expert_pool: dtype must be a floating torch.dtype, got {dtype!r}")
         key = (D, F, dtype)
         pool = self._pools.get(key)
         if pool is None:
@@ -315,8 +320,8 @@ class Buffer:
         if async_op is not False or previous_event is not None:
             check_async_args(self, async_op, previous_event)
         self._check_plan(plan)
-        local = [t.detach() for t in local_weights]
-        slots = [t.detach() for t in slot_weights]
+        local = _tensor_list("prefetch_weight", "local_weights", local_weights)
+        slots = _tensor_list("prefetch_weight", "slot_weights", slot_weights)
 
         def launch():
             torch.ops.moonep.prefetch_weight(plan.experts_to_copy, local, slots, self.name)
@@ -339,8 +344,8 @@ class Buffer:
         if async_op is not False or previous_event is not None:
             check_async_args(self, async_op, previous_event)
         self._check_plan(plan)
-        local = [t.detach() for t in local_grads]
-        slots = [t.detach() for t in slot_grads]
+        local = _tensor_list("reduce_grad", "local_grads", local_grads)
+        slots = _tensor_list("reduce_grad", "slot_grads", slot_grads)
 
         def launch():
             torch.ops.moonep.reduce_grad(plan.experts_to_copy, local, slots, self.name)
@@ -348,3 +353,15 @@ class Buffer:
         _, ev = self._run(launch, (plan.experts_to_copy, local, slots), async_op, previous_event,
                           mutated=local + slots)
         return ev
+
+
+def _tensor_list(op: str, name: str, tensors) -> list[Tensor]:
+    """A list or tuple of tensors, detached.  A bare tensor is refused: iterating it would pass
+    its rows as the list (an [epn, epn] weight would silently become epn row tensors)."""
+    if isinstance(tensors, Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{op}: {name} must be a list or tuple of tensors, got "
+                        f"{type(tensors).__name__}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {name}[{i}] must be a tensor, got {type(t).__name__}")
+    return [t.detach() for t in tensors]
