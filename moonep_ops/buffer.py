@@ -76,26 +76,36 @@ class Buffer:
                  group: Optional[dist.ProcessGroup] = None, token_padding: int = 1,
                  dtype: torch.dtype = torch.bfloat16, device=None, policy: str = "moonep",
                  backend: str | Backend = "auto", comm_stream=None):
-        if not (comm_stream is None or isinstance(comm_stream, bool)
-                or isinstance(comm_stream, (torch.Stream, torch.cuda.Stream))):
-            raise TypeError("comm_stream must be None, True or a torch.cuda.Stream on the Buffer's "
-                            f"device, got {type(comm_stream).__name__}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if isinstance(backend, Backend):
             be = backend
-            if device is not None and torch.device(device) != be.device:
-                raise ValueError(f"the backend lives on {be.device} but device={device} was given")
         elif isinstance(backend, str):
             be = make_backend(backend, group, device)
         else:
             raise TypeError(f"backend must be a str or a Backend, got {type(backend).__name__}")
-        self.spec = GroupSpec(R=be.world_size, E=E, S=S, K=K, token_padding=token_padding, D=D,
-                              dtype=dtype, policy=policy, backend=be.kind)
+        # Every check of this rank's arguments runs before the (collective) fingerprint
+        # exchange, and a rank whose arguments fail still takes part in it (reject_bind): so
+        # every rank raises, and no peer is left waiting in a collective.
+        try:
+            if isinstance(backend, Backend) and device is not None \
+                    and torch.device(device) != be.device:
+                raise ValueError(f"the backend lives on {be.device} but device={device} was given")
+            if not (comm_stream is None or isinstance(comm_stream, bool)
+                    or isinstance(comm_stream, (torch.Stream, torch.cuda.Stream))):
+                raise TypeError("comm_stream must be None, True or a torch.cuda.Stream on the "
+                                f"Buffer's device, got {type(comm_stream).__name__}")
+            if not isinstance(policy, str) or policy not in POLICIES:
+                raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+            spec = GroupSpec(R=be.world_size, E=E, S=S, K=K, token_padding=token_padding, D=D,
+                             dtype=dtype, policy=policy, backend=be.kind)
+            # async mode: the comm stream (created now for True, at the first async op for None)
+            order = StreamOrder(be.device, check_comm_stream(comm_stream, be.device, be))
+        except (TypeError, ValueError) as e:
+            be.reject_bind(e)
+            raise
+        self.spec = spec
         self.backend = be
         self.device = be.device
-        # async mode: the comm stream (created now for True, at the first async op for None)
-        self._order = StreamOrder(self.device, check_comm_stream(comm_stream, self.device, be))
+        self._order = order
         be.bind(self.spec)                  # collective: fingerprints compared, state allocated
         self.name = registry.register(be, "backend")
         self._pools: dict[tuple, ExpertPool] = {}
