@@ -14,7 +14,8 @@ the redundant slots named by the plan's global ``experts_to_copy`` table.
       slots are untouched.
 
 Every tensor of the lists is [epn, ...] and contiguous; local[i] and slot[i] share shape and
-dtype (reduce_grad: all fp32 or all bf16).  All checks run before anything is written or
+dtype (reduce_grad: all fp32 or all bf16); no written tensor may share memory with another
+argument (real byte ranges, ops/checks.py).  All checks run before anything is written or
 communicated.
 Neither op is differentiable; Buffer.prefetch_weight / reduce_grad pass detached tensors.
 """
