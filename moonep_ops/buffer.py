@@ -76,26 +76,36 @@ class Buffer:
                  group: Optional[dist.ProcessGroup] = None, token_padding: int = 1,
                  dtype: torch.dtype = torch.bfloat16, device=None, policy: str = "moonep",
                  backend: str | Backend = "auto", comm_stream=None):
-        if not (comm_stream is None or isinstance(comm_stream, bool)
-                or isinstance(comm_stream, (torch.Stream, torch.cuda.Stream))):
-            raise TypeError("comm_stream must be None, True or a torch.cuda.Stream on the Buffer's "
-                            f"device, got {type(comm_stream).__name__}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if isinstance(backend, Backend):
             be = backend
-            if device is not None and torch.device(device) != be.device:
-                raise ValueError(f"the backend lives on {be.device} but device={device} was given")
         elif isinstance(backend, str):
             be = make_backend(backend, group, device)
         else:
             raise TypeError(f"backend must be a str or a Backend, got {type(backend).__name__}")
-        self.spec = GroupSpec(R=be.world_size, E=E, S=S, K=K, token_padding=token_padding, D=D,
-                              dtype=dtype, policy=policy, backend=be.kind)
+        # Every check of this rank's arguments runs before the (collective) fingerprint
+        # exchange, and a rank whose arguments fail still takes part in it (reject_bind): so
+        # every rank raises, and no peer is left waiting in a collective.
+        try:
+            if isinstance(backend, Backend) and device is not None \
+                    and torch.device(device) != be.device:
+                raise ValueError(f"the backend lives on {be.device} but device={device} was given")
+            if not (comm_stream is None or isinstance(comm_stream, bool)
+                    or isinstance(comm_stream, (torch.Stream, torch.cuda.Stream))):
+                raise TypeError("comm_stream must be None, True or a torch.cuda.Stream on the "
+                                f"Buffer's device, got {type(comm_stream).__name__}")
+            if not isinstance(policy, str) or policy not in POLICIES:
+                raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+            spec = GroupSpec(R=be.world_size, E=E, S=S, K=K, token_padding=token_padding, D=D,
+                             dtype=dtype, policy=policy, backend=be.kind)
+            # async mode: the comm stream (created now for True, at the first async op for None)
+            order = StreamOrder(be.device, check_comm_stream(comm_stream, be.device, be))
+        except (TypeError, ValueError) as e:
+            be.reject_bind(e)
+            raise
+        self.spec = spec
         self.backend = be
         self.device = be.device
-        # async mode: the comm stream (created now for True, at the first async op for None)
-        self._order = StreamOrder(self.device, check_comm_stream(comm_stream, self.device, be))
+        self._order = order
         be.bind(self.spec)                  # collective: fingerprints compared, state allocated
         self.name = registry.register(be, "backend")
         self._pools: dict[tuple, ExpertPool] = {}
@@ -154,6 +164,11 @@ class Buffer:
         and FFN dim F (built once per shape, shared by every layer of that shape, freed by
         ``destroy``)."""
         self._check_live()
+        for name, v in (("D", D), ("F", F)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"expert_pool: {name} must be a positive int, got {v!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"expert_pool: dtype must be a floating torch.dtype, got {dtype!r}")
         key = (D, F, dtype)
         pool = self._pools.get(key)
         if pool is None:
@@ -315,8 +330,8 @@ class Buffer:
         if async_op is not False or previous_event is not None:
             check_async_args(self, async_op, previous_event)
         self._check_plan(plan)
-        local = [t.detach() for t in local_weights]
-        slots = [t.detach() for t in slot_weights]
+        local = _tensor_list("prefetch_weight", "local_weights", local_weights)
+        slots = _tensor_list("prefetch_weight", "slot_weights", slot_weights)
 
         def launch():
             torch.ops.moonep.prefetch_weight(plan.experts_to_copy, local, slots, self.name)
@@ -339,8 +354,8 @@ class Buffer:
         if async_op is not False or previous_event is not None:
             check_async_args(self, async_op, previous_event)
         self._check_plan(plan)
-        local = [t.detach() for t in local_grads]
-        slots = [t.detach() for t in slot_grads]
+        local = _tensor_list("reduce_grad", "local_grads", local_grads)
+        slots = _tensor_list("reduce_grad", "slot_grads", slot_grads)
 
         def launch():
             torch.ops.moonep.reduce_grad(plan.experts_to_copy, local, slots, self.name)
@@ -348,3 +363,15 @@ class Buffer:
         _, ev = self._run(launch, (plan.experts_to_copy, local, slots), async_op, previous_event,
                           mutated=local + slots)
         return ev
+
+
+def _tensor_list(op: str, name: str, tensors) -> list[Tensor]:
+    """A list or tuple of tensors, detached.  A bare tensor is refused: iterating it would pass
+    its rows as the list (an [epn, epn] weight would silently become epn row tensors)."""
+    if isinstance(tensors, Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{op}: {name} must be a list or tuple of tensors, got "
+                        f"{type(tensors).__name__}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {name}[{i}] must be a tensor, got {type(t).__name__}")
+    return [t.detach() for t in tensors]

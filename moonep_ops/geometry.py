@@ -140,10 +140,29 @@ class GroupSpec(Geometry):
                      for v in (getattr(self, n) for n in self.FINGERPRINT_FIELDS))
 
 
+REJECTED = "moonep: rejected"
+
+
+def rejection(reason: str) -> tuple:
+    """What a rank whose Buffer arguments failed a local check sends in place of its
+    fingerprint: it still takes part in the exchange, so no peer is left waiting in it."""
+    return (REJECTED, str(reason))
+
+
 def check_fingerprints(fingerprints: Sequence[Sequence]) -> None:
     """Raise the same ValueError on every rank when the ranks' fingerprints differ
     (``fingerprints``: every rank's :meth:`GroupSpec.fingerprint` in rank order, as every rank
-    receives them), naming the first field that differs and every rank's value."""
+    receives them), naming the first field that differs and every rank's value.  A rank that
+    sent a :func:`rejection` is named first, with its reason."""
+    for r, f in enumerate(fingerprints):
+        if len(f) == 2 and f[0] == REJECTED:
+            raise ValueError(f"moonep Buffer: rank {r} rejected its Buffer arguments ({f[1]}); "
+                             "no rank of the group built its Buffer")
+    n = len(GroupSpec.FINGERPRINT_FIELDS)
+    for r, f in enumerate(fingerprints):
+        if len(f) != n:
+            raise ValueError(f"moonep Buffer: rank {r} sent a fingerprint of {len(f)} fields, "
+                             f"this rank expects {n} (different moonep_ops versions?)")
     for i, name in enumerate(GroupSpec.FINGERPRINT_FIELDS):
         vals = [f[i] for f in fingerprints]
         if any(v != vals[0] for v in vals):

@@ -468,11 +468,22 @@ def plan_all_ranks(topk_per_rank: Sequence[Tensor] | Tensor, num_experts: int,
     uniform = len(set(sizes)) == 1
     if total_num_tokens is None and not uniform:
         total_num_tokens = sum(sizes)
+    elif total_num_tokens is not None and total_num_tokens != sum(sizes):
+        raise ValueError(f"total_num_tokens={total_num_tokens} but the ranks' top-k ids hold "
+                         f"s = {sizes} tokens (sum {sum(sizes)})")
     S = capacity if capacity is not None else max(sizes)
     if num_experts % R:
         raise ValueError(f"num_experts={num_experts} must be divisible by R={R}")
     for r, t in enumerate(tk):
         _check_int_tensor(f"topk_per_rank[{r}]", t, 2)
+        # one K and one device for the group: a rank with another K would be planned with
+        # the last rank's K (its dst would not match its Plan)
+        if t.shape[1] != tk[0].shape[1]:
+            raise ValueError(f"topk_per_rank[{r}] has K={t.shape[1]} but topk_per_rank[0] "
+                             f"K={tk[0].shape[1]}: every rank passes the same top-k")
+        if t.device != tk[0].device:
+            raise ValueError(f"topk_per_rank[{r}] is on {t.device}, topk_per_rank[0] on "
+                             f"{tk[0].device}")
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_experts):
             raise ValueError(f"topk_per_rank[{r}] has expert ids outside [0, {num_experts})")
     tpe_RE = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=num_experts)

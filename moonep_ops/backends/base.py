@@ -37,7 +37,7 @@ from typing import ClassVar, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..geometry import GroupSpec, check_fingerprints
+from ..geometry import GroupSpec, check_fingerprints, rejection
 
 
 class DispatchResult(NamedTuple):
@@ -68,15 +68,32 @@ class Backend(abc.ABC):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def bind(self, spec: GroupSpec) -> None:
-        """Collective, once: check that every rank has the same spec, then allocate."""
+        """Collective, once: check that every rank has the same spec, then allocate.
+
+        The fingerprint exchange is the first collective of a Buffer (before any tensor
+        collective or symmetric allocation), and every rank takes part in it even when its
+        own arguments are bad, so a mismatch raises a ValueError on every rank and leaves the
+        process group usable."""
+        reason = ""
         if self.spec is not None:
-            raise ValueError(f"this {type(self).__name__} is already bound to a Buffer; "
-                             "create one backend per Buffer")
-        if spec.R != self.world_size:
-            raise ValueError(f"spec.R={spec.R} but the backend has {self.world_size} ranks")
-        check_fingerprints(self.exchange_fingerprints(spec.fingerprint()))
+            reason = (f"this {type(self).__name__} is already bound to a Buffer; create one "
+                      "backend per Buffer")
+        elif spec.R != self.world_size:
+            reason = f"spec.R={spec.R} but the backend has {self.world_size} ranks"
+        fingerprints = self.exchange_fingerprints(rejection(reason) if reason
+                                                  else spec.fingerprint())
+        if reason:
+            raise ValueError(reason)
+        check_fingerprints(fingerprints)
         self.spec = spec
         self._allocate(spec)
+
+    def reject_bind(self, error: BaseException) -> None:
+        """Collective, in place of ``bind`` on a rank whose Buffer arguments failed a local
+        check (``error``): send a rejection through the fingerprint exchange, so that every peer
+        raises a ValueError naming this rank instead of waiting for it.  The caller then
+        raises ``error``."""
+        self.exchange_fingerprints(rejection(f"{type(error).__name__}: {error}"))
 
     @abc.abstractmethod
     def exchange_fingerprints(self, fingerprint: tuple) -> list:

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .. import registry, runtime
 from ..backends.base import Backend
+from .checks import on_device
 
 
 def _backend(name: str) -> Backend:
@@ -53,7 +54,7 @@ def _tensor(name: str, t, dtype, ndim: int, be) -> None:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if t.device.type not in (be.device.type, "meta"):
+    if not on_device(t, be.device):
         raise ValueError(f"{name} is on {t.device} but the Buffer lives on {be.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")

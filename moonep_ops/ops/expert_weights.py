@@ -14,7 +14,8 @@ the redundant slots named by the plan's global ``experts_to_copy`` table.
       slots are untouched.
 
 Every tensor of the lists is [epn, ...] and contiguous; local[i] and slot[i] share shape and
-dtype (reduce_grad: all fp32 or all bf16).  All checks run before anything is written or
+dtype (reduce_grad: all fp32 or all bf16); no written tensor may share memory with another
+argument (real byte ranges, ops/checks.py).  All checks run before anything is written or
 communicated.
 Neither op is differentiable; Buffer.prefetch_weight / reduce_grad pass detached tensors.
 """
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from .. import registry, runtime
 from ..backends.base import Backend
+from .checks import check_no_overlap, named, on_device
 
 _TAGS = ()   # capturable on the CUDA backend (see dispatch.py)
 
@@ -38,12 +40,18 @@ def check_pool_args(etc, local, slots, be, op: str, grads: bool) -> None:
     if tuple(etc.shape) != (be.spec.R, be.spec.epn):
         raise ValueError(f"{op}: experts_to_copy must be [R={be.spec.R}, epn={be.spec.epn}], got "
                          f"{tuple(etc.shape)}")
+    # the CUDA kernels read the table through its data pointer: strides would be ignored
+    if not etc.is_contiguous():
+        raise ValueError(f"{op}: experts_to_copy must be contiguous (got strides {etc.stride()})")
+    if not on_device(etc, be.device):
+        raise ValueError(f"{op}: experts_to_copy is on {etc.device}, the Buffer on {be.device}")
+    ln, sn = ("local_grads", "slot_grads") if grads else ("local_weights", "slot_weights")
     if len(local) != len(slots):
-        raise ValueError(f"{op}: {len(local)} local tensors but {len(slots)} slot tensors")
+        raise ValueError(f"{op}: {len(local)} {ln} but {len(slots)} {sn}")
     if len(local) == 0:
         raise ValueError(f"{op}: give at least one tensor")
     for i, (lt, st) in enumerate(zip(local, slots)):
-        for name, t in ((f"local[{i}]", lt), (f"slots[{i}]", st)):
+        for name, t in ((f"{ln}[{i}]", lt), (f"{sn}[{i}]", st)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
             if grads and t.dtype not in _GRAD_DTYPES:
@@ -52,22 +60,26 @@ def check_pool_args(etc, local, slots, be, op: str, grads: bool) -> None:
                 raise ValueError(f"{op}: {name} must be [epn={be.spec.epn}, ...], got {tuple(t.shape)}")
             if not t.is_contiguous():
                 raise ValueError(f"{op}: {name} must be contiguous")
-            if t.device.type not in (be.device.type, "meta"):
+            if not on_device(t, be.device):
                 raise ValueError(f"{op}: {name} is on {t.device}, the Buffer on {be.device}")
         if lt.dtype != st.dtype or lt.shape != st.shape:
-            raise ValueError(f"{op}: local[{i}] {tuple(lt.shape)} {lt.dtype} and slots[{i}] "
+            raise ValueError(f"{op}: {ln}[{i}] {tuple(lt.shape)} {lt.dtype} and {sn}[{i}] "
                              f"{tuple(st.shape)} {st.dtype} must match")
         if grads and lt.dtype != local[0].dtype:
-            raise TypeError(f"{op}: all grads of one call must share a dtype; local[0] is "
-                            f"{local[0].dtype}, local[{i}] {lt.dtype}")
+            raise TypeError(f"{op}: all grads of one call must share a dtype; {ln}[0] is "
+                            f"{local[0].dtype}, {ln}[{i}] {lt.dtype}")
 
 
-def check_no_alias(local, slots, op: str) -> None:
-    """Real kernels only (fake tensors have no storage pointers)."""
-    ptrs = {t.data_ptr() for t in local if t.numel()}
-    for i, t in enumerate(slots):
-        if t.numel() and t.data_ptr() in ptrs:
-            raise ValueError(f"{op}: slots[{i}] shares memory with a local tensor")
+def check_no_alias(etc, local, slots, op: str, grads: bool) -> None:
+    """No written tensor may share memory with another argument (ops/checks.py; real kernels
+    only: fake tensors have no storage).  prefetch_weight writes the slots and reads the local
+    tensors; reduce_grad writes both lists; both read experts_to_copy."""
+    if grads:
+        written, read = named("local_grads", local) + named("slot_grads", slots), []
+    else:
+        written, read = named("slot_weights", slots), named("local_weights", local)
+    read = read + [("experts_to_copy", etc)]
+    check_no_overlap(op, written, read)
 
 
 def check_etc_values(etc: Tensor, be) -> None:
@@ -83,7 +95,7 @@ def _prefetch_weight(experts_to_copy: Tensor, local_weights: list[Tensor],
                      slot_weights: list[Tensor], buffer: str) -> None:
     be = registry.lookup(buffer, Backend)
     check_pool_args(experts_to_copy, local_weights, slot_weights, be, "prefetch_weight", False)
-    check_no_alias(local_weights, slot_weights, "prefetch_weight")
+    check_no_alias(experts_to_copy, local_weights, slot_weights, "prefetch_weight", False)
     check_etc_values(experts_to_copy, be)
     be.prefetch_weight(experts_to_copy, local_weights, slot_weights)
 
@@ -100,7 +112,7 @@ def _reduce_grad(experts_to_copy: Tensor, local_grads: list[Tensor], slot_grads:
                  buffer: str) -> None:
     be = registry.lookup(buffer, Backend)
     check_pool_args(experts_to_copy, local_grads, slot_grads, be, "reduce_grad", True)
-    check_no_alias(local_grads, slot_grads, "reduce_grad")
+    check_no_alias(experts_to_copy, local_grads, slot_grads, "reduce_grad", True)
     check_etc_values(experts_to_copy, be)
     be.reduce_grad(experts_to_copy, local_grads, slot_grads)
 

@@ -50,6 +50,7 @@ import torch
 from .. import native
 from ..gemm import cost_model as gemm_cost_model
 from ..runtime import should_validate, sm_count
+from .checks import check_no_overlap
 
 __all__ = [
     "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate",
@@ -471,11 +472,23 @@ def _(dy, w_local, w_slot, cu_seqlens, config=-1):
 def _check_wgrad_grads(dy, x, cu, grad_local, grad_slot, config, values=True,
                        input_dtype=False):
     """Checks of the in-place wgrad ops (op and fake): the grads are fp32 (accumulate) or in
-    dy's dtype (into, ``input_dtype=True``).  Returns (O, I)."""
+    dy's dtype (into, ``input_dtype=True``).  Returns (O, I).  The real kernels also check
+    that the grads share no memory with each other or with the inputs (``_check_wgrad_alias``)."""
+    for name, g in (("grad_local", grad_local), ("grad_slot", grad_slot)):
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(g).__name__}")
+        if g.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [epn, O, I], got shape {tuple(g.shape)}")
     O, I = _check_wgrad(dy, x, cu, grad_local.shape[0], config, values)
     dt = (dy.dtype, f"{dy.dtype} (the input dtype)") if input_dtype else ()
     _check_grads(grad_local, grad_slot, grad_local.shape[0], O, I, x.device, *dt)
     return O, I
+
+
+def _check_wgrad_alias(op, dy, x, cu, grad_local, grad_slot):
+    """Real kernels only (fake tensors have no storage): the grads are written, the rest read."""
+    check_no_overlap(op, [("grad_local", grad_local), ("grad_slot", grad_slot)],
+                     [("dy", dy), ("x", x), ("cu_seqlens", cu)])
 
 
 def _wgrad_acc_impl(dy, x, cu, grad_local, grad_slot, config):
@@ -497,6 +510,7 @@ def _grouped_mm_wgrad_acc_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torc
                              grad_local: torch.Tensor, grad_slot: torch.Tensor,
                              config: int = -1) -> None:
     _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config)
+    _check_wgrad_alias("grouped_mm_wgrad_accumulate", dy, x, cu_seqlens, grad_local, grad_slot)
     _wgrad_acc_impl(dy, x, cu_seqlens, grad_local, grad_slot, config)
 
 
@@ -514,6 +528,7 @@ def _grouped_mm_wgrad_into_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: tor
                               config: int = -1) -> None:
     O, I = _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config,
                               input_dtype=True)
+    _check_wgrad_alias("grouped_mm_wgrad_into", dy, x, cu_seqlens, grad_local, grad_slot)
     backend = backend_for(dy, O, I)
     if backend == "cutlass":
         _cutlass_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config)
@@ -590,7 +605,9 @@ def _backward(ctx, dy):
         else:
             # No slot grad wanted (e.g. an EP layer without replicas): the slot groups' output
             # is scratch, and its empty groups are not zero-filled (O*I*2 bytes each).
-            gl, gs = torch.empty_like(w_local), torch.empty_like(w_slot)
+            # (contiguous whatever the weights' strides: the op writes dense [epn, O, I])
+            gl = torch.empty_like(w_local, memory_format=torch.contiguous_format)
+            gs = torch.empty_like(w_slot, memory_format=torch.contiguous_format)
             torch.ops.moonep.grouped_mm_wgrad_into(dy, x, cu, gl, gs)
         dwl = gl if ctx.needs_input_grad[1] else None
         dws = gs if ctx.needs_input_grad[2] else None

@@ -30,8 +30,10 @@ import torch
 from torch import Tensor
 
 from .. import registry
+from ..backends.base import Backend
 from . import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm*)
 from . import expert_weights as _ew  # noqa: F401  (registers moonep::prefetch_weight, reduce_grad)
+from .checks import check_no_overlap, on_device
 from .swiglu import swiglu, swiglu_backward
 
 
@@ -74,7 +76,17 @@ def _prefetch(pool: ExpertPool, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor)
 
 
 def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
-                       pool: ExpertPool) -> None:
+                       pool: ExpertPool, values: bool = True, **more: Tensor) -> None:
+    """Every check of moe_experts(_backward), before the first write (the pool's slots) and the
+    first collective (prefetch_weight).  ``more``: the backward's dy [M, D], g and u [M, F].
+    ``values``: real kernels only (cu_seqlens values, memory overlap)."""
+    named_t = dict(h=h, cu_seqlens=cu, experts_to_copy=etc, w1=w1, w3=w3, w2=w2, **more)
+    for name, t in named_t.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"moe_experts: {name} must be a Tensor, got {type(t).__name__}")
+    for name in ("w1", "w3", "w2"):
+        if named_t[name].dim() != 3:
+            raise ValueError(f"moe_experts: {name} must be 3-D, got {tuple(named_t[name].shape)}")
     B, F, D = w1.shape
     if w3.shape != w1.shape or tuple(w2.shape) != (B, D, F):
         raise ValueError(f"expert weights must be w1, w3 [B, F, D] and w2 [B, D, F]; got "
@@ -82,12 +94,39 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
     if (D, F, w1.dtype) != (pool.D, pool.F, pool.dtype):
         raise ValueError(f"weights (D={D}, F={F}, {w1.dtype}) do not match the pool "
                          f"(D={pool.D}, F={pool.F}, {pool.dtype})")
+    if B != pool.w1.shape[0]:
+        raise ValueError(f"expert weights hold B={B} experts, the Buffer has epn="
+                         f"{pool.w1.shape[0]}")
+    dev = pool.w1.device
+    for name, t in named_t.items():
+        if not on_device(t, dev):
+            raise ValueError(f"moe_experts: {name} is on {t.device}, the pool on {dev}")
+        if name in ("w1", "w3", "w2", "experts_to_copy", "cu_seqlens") and not t.is_contiguous():
+            # the weights are the prefetch's local tensors (read by row); etc and cu by pointer
+            raise ValueError(f"moe_experts: {name} must be contiguous (got strides {t.stride()})")
+    for name in ("w3", "w2"):
+        if named_t[name].dtype != w1.dtype:
+            raise TypeError(f"moe_experts: {name} is {named_t[name].dtype}, w1 {w1.dtype}: the "
+                            "expert weights share one dtype")
     if h.dim() != 2 or h.shape[1] != D or h.dtype != w1.dtype:
         raise ValueError(f"h must be [M, D={D}] {w1.dtype}, got {tuple(h.shape)} {h.dtype}")
-    if cu.dtype != torch.int32 or tuple(cu.shape) != (2 * B,):
-        raise ValueError(f"cu_seqlens must be int32 [2*epn = {2 * B}]")
-    if etc.dtype != torch.int32 or etc.dim() != 2 or etc.shape[1] != B:
-        raise ValueError(f"experts_to_copy must be int32 [R, epn={B}]")
+    M = h.shape[0]
+    want = {"dy": (M, D), "g": (M, F), "u": (M, F)}
+    for name, t in more.items():
+        if tuple(t.shape) != want[name] or t.dtype != w1.dtype:
+            raise ValueError(f"moe_experts_backward: {name} must be {list(want[name])} "
+                             f"{w1.dtype}, got {list(t.shape)} {t.dtype}")
+    R = registry.lookup(pool.backend_name, Backend).spec.R
+    if etc.dtype != torch.int32 or tuple(etc.shape) != (R, B):
+        raise ValueError(f"experts_to_copy must be int32 [R={R}, epn={B}], got "
+                         f"{list(etc.shape)} {etc.dtype}")
+    # cu_seqlens: dtype, [2*epn], device and (real kernels, MOONEP_VALIDATE) its values, now:
+    # the grouped GEMMs would check them only after prefetch_weight wrote the pool's slots.
+    _gm._check_cu(cu, 2 * B, M, h.device, values)
+    if values:
+        written = [(f"the pool's {n}", t) for n, t in zip(("w1", "w3", "w2", "g1", "g3", "g2"),
+                                                           pool.tensors())]
+        check_no_overlap("moe_experts", written, list(named_t.items()))
 
 
 # Capturable when the Buffer's backend is (Backend.capturable); the host-reading backends raise
@@ -109,6 +148,7 @@ def _moe_experts(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Ten
 
 @_moe_experts.register_fake
 def _(h, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
+    _check_expert_args(h, cu_seqlens, experts_to_copy, w1, w3, w2, _pool(pool), values=False)
     M, F = h.shape[0], w1.shape[1]
     return h.new_empty(M, w2.shape[1]), h.new_empty(M, F), h.new_empty(M, F)
 
@@ -119,7 +159,7 @@ def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlen
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dh, dw1, dw3, dw2) for this rank's home experts, every rank's slot grads included."""
     p = _pool(pool)
-    _check_expert_args(h, cu_seqlens, experts_to_copy, w1, w3, w2, p)
+    _check_expert_args(h, cu_seqlens, experts_to_copy, w1, w3, w2, p, dy=dy, g=g, u=u)
     _prefetch(p, experts_to_copy, w1, w3, w2)         # slots may hold another layer by now
     cu = cu_seqlens
     dy = dy.contiguous()
@@ -142,6 +182,8 @@ def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlen
 
 @_moe_experts_backward.register_fake
 def _(dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
+    _check_expert_args(h, cu_seqlens, experts_to_copy, w1, w3, w2, _pool(pool), values=False,
+                       dy=dy, g=g, u=u)
     return h.new_empty(h.shape), w1.new_empty(w1.shape), w3.new_empty(w3.shape), \
         w2.new_empty(w2.shape)
 

@@ -58,15 +58,31 @@ def reference_swiglu_backward(g: Tensor, u: Tensor, da: Tensor) -> tuple[Tensor,
     return dg, du, a
 
 
-def _check_shapes(**named: Tensor) -> None:
+def _check_inputs(op: str, **named: Tensor) -> None:
+    """Tensors of one floating dtype, on one device, of one shape (the op, its fake kernel and
+    the Python functions run it; the reference would truncate integer inputs and compute mixed
+    inputs in the first one's dtype)."""
+    for n, t in named.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {n} must be a Tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{op}: {n} must be a floating tensor, got {t.dtype}")
+    (n0, t0), *rest = named.items()
+    for n, t in rest:
+        if t.dtype != t0.dtype:
+            raise TypeError(f"{op}: {n} is {t.dtype} but {n0} is {t0.dtype}: all inputs must "
+                            "share one dtype")
+        if t.device != t0.device:
+            raise ValueError(f"{op}: {n} is on {t.device} but {n0} on {t0.device}")
     shapes = {n: tuple(t.shape) for n, t in named.items()}
-    first = next(iter(shapes.values()))
+    first = shapes[n0]
     if any(sh != first for sh in shapes.values()):          # (SymInts: compare, don't hash)
-        raise ValueError(", ".join(f"{n} {s}" for n, s in shapes.items()) + " must match")
+        raise ValueError(f"{op}: " + ", ".join(f"{n} {s}" for n, s in shapes.items())
+                         + " must match")
 
 
 def swiglu(g_MF: Tensor, u_MF: Tensor) -> Tensor:
-    _check_shapes(g=g_MF, u=u_MF)
+    _check_inputs("swiglu", g=g_MF, u=u_MF)
     if not _native_ok(g_MF, u_MF):
         return reference_swiglu(g_MF, u_MF)
     a = torch.empty_like(g_MF)
@@ -80,7 +96,7 @@ def swiglu(g_MF: Tensor, u_MF: Tensor) -> Tensor:
 
 def swiglu_backward(g_MF: Tensor, u_MF: Tensor, da_MF: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dg, du, a) from the forward's inputs and the grad of its output."""
-    _check_shapes(g=g_MF, u=u_MF, da=da_MF)
+    _check_inputs("swiglu_backward", g=g_MF, u=u_MF, da=da_MF)
     if not _native_ok(g_MF, u_MF, da_MF):
         return reference_swiglu_backward(g_MF, u_MF, da_MF)
     dg, du, a = (torch.empty_like(g_MF) for _ in range(3))
@@ -103,7 +119,7 @@ def _swiglu_op(g: Tensor, u: Tensor) -> Tensor:
 
 @_swiglu_op.register_fake
 def _(g, u):
-    _check_shapes(g=g, u=u)
+    _check_inputs("swiglu", g=g, u=u)
     return torch.empty_like(g)
 
 
@@ -114,7 +130,7 @@ def _swiglu_backward_op(g: Tensor, u: Tensor, da: Tensor) -> tuple[Tensor, Tenso
 
 @_swiglu_backward_op.register_fake
 def _(g, u, da):
-    _check_shapes(g=g, u=u, da=da)
+    _check_inputs("swiglu_backward", g=g, u=u, da=da)
     return torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
 
 
