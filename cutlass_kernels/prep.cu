@@ -381,8 +381,9 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
   MOONEP_DIAG(const long long t_entry = clock64();)
   if (chooser && ncand == 1) {  // forced config (or one candidate): nothing to choose
     if (tid == 0) {
+      MOONEP_DIAG(long long* st = reinterpret_cast<long long*>(p.chosen_out);)
       p.chosen_out[0] = p.cand[0].cfg;
-      MOONEP_DIAG(reinterpret_cast<long long*>(p.chosen_out)[1] = 0;)
+      MOONEP_DIAG(st[1] = 0;)
     }
     return;
   }
@@ -619,13 +620,13 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
     }
   }
   if (tid == 0) {
+    MOONEP_DIAG(const long long t_end = clock64();)
     p.chosen_out[0] = chosen;
 #ifdef MOONEP_DIAGNOSTICS
     // The selector's timing (moonep_gemm.h, diagnostics): SM cycles from the model's start (rows
     // known; wgrad: LPT order known) to the chosen config being known at byte 8 of the
     // workspace; block 0's cycles from entry to the end, to the rows being known (first
     // barrier), to the model's start at bytes 16..39.
-    const long long t_end = clock64();
     long long* st = reinterpret_cast<long long*>(p.chosen_out);
     st[1] = t_end - t_model;
     st[2] = t_end - t_entry;
