@@ -169,7 +169,14 @@ def _build(lib: str, args, includes: list[Path], obj_dir: Path) -> int:
     lib_dir = DIAG_LIB_DIR if args.diagnostics else LIB_DIR
     lib_dir.mkdir(parents=True, exist_ok=True)
     out = lib_dir / LIBS[lib][1]
-    cmd = [nvcc(), "-shared", *ARCH, "-cudart", "static", "-o", str(out), *[str(o) for _, o in jobs]]
+    # Export the C ABI (moonep_*) and nothing else: -fvisibility=hidden does not cover the
+    # C++ library's inline functions that some headers instantiate with default visibility
+    # (std::ctype<char>::do_widen in the CUTLASS units), and scripts/check_abi.py requires every
+    # export to have a prototype.
+    vscript = obj_dir / f"{LIBS[lib][1]}.map"
+    vscript.write_text("{\n  global: moonep_*;\n  local: *;\n};\n")
+    cmd = [nvcc(), "-shared", *ARCH, "-cudart", "static", "-Xlinker", f"--version-script={vscript}",
+           "-o", str(out), *[str(o) for _, o in jobs]]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         print(f"link failed:\n{' '.join(cmd)}\n{r.stdout}{r.stderr}", file=sys.stderr)
