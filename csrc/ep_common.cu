@@ -1,6 +1,6 @@
 // ABI version and error reporting shared by every moonep_ep launcher.
 #include <cstdio>
-#include "moonep_ep.h"
+#include "ep_internal.h"
 
 static thread_local char g_last_error[512] = "";
 

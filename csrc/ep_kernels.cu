@@ -18,7 +18,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "moonep_ep.h"
+#include "ep_internal.h"
 #include "pdl.cuh"
 
 namespace {
@@ -557,7 +557,7 @@ MOONEP_EXPORT int moonep_ep_publish_ptrs(void* table_peers, int rank, int R, con
   return fail(cudaGetLastError(), "moonep_ep_publish_ptrs");
 }
 
-MOONEP_EXPORT int moonep_ep_combine_recv(void* y, void* w_out, int s, int K, int H, int dtype,
+MOONEP_EXPORT int moonep_ep_combine_recv(void* y, void* w_out, int s, int K, int D, int dtype,
                                          const void* dst, int NvS, int n_rows,
                                          const void* rows_of, const void* ystage_peers,
                                          const void* wstage_peers, int R, void* err,
@@ -571,14 +571,14 @@ MOONEP_EXPORT int moonep_ep_combine_recv(void* y, void* w_out, int s, int K, int
   constexpr int TPB = 128;
 #define MOONEP_COMBINE(T, VEC)                                                                \
   do {                                                                                        \
-    const bool vec_ok = (H % VEC) == 0;                                                       \
+    const bool vec_ok = (D % VEC) == 0;                                                       \
     const int vec = vec_ok ? VEC : 1;                                                         \
-    dim3 grid(s, (H + TPB * vec - 1) / (TPB * vec));                                          \
+    dim3 grid(s, (D + TPB * vec - 1) / (TPB * vec));                                          \
     if (vec_ok)                                                                               \
-      combine_recv_kernel<T, VEC><<<grid, TPB, 0, st>>>(static_cast<T*>(y), wo, s, K, H, d,   \
+      combine_recv_kernel<T, VEC><<<grid, TPB, 0, st>>>(static_cast<T*>(y), wo, s, K, D, d,   \
           NvS, n_rows, ro, static_cast<const T* const*>(ystage_peers), ws, R, er);            \
     else                                                                                      \
-      combine_recv_kernel<T, 1><<<grid, TPB, 0, st>>>(static_cast<T*>(y), wo, s, K, H, d,     \
+      combine_recv_kernel<T, 1><<<grid, TPB, 0, st>>>(static_cast<T*>(y), wo, s, K, D, d,     \
           NvS, n_rows, ro, static_cast<const T* const*>(ystage_peers), ws, R, er);            \
   } while (0)
   switch (dtype) {

@@ -1,6 +1,6 @@
 // The MoonEP planner on the device (policy "moonep"), bit-exact with moonep::plan
-// (moonep_ops/planner.py: plan_group with floor/ceil caps, rank_quotas "max", split_quotas "max",
-// layout, assign_slots, _rank_outputs).  docs/planner.md has the algorithm.
+// (moonep_ops/ops/plan.py: plan_group with floor/ceil caps, rank_quotas "max", split_quotas
+// "max", layout, assign_slots, _rank_outputs).  docs/planner.md has the algorithm.
 //
 // Launch 1, plan_group_kernel, grid 1 + nchunks, 1024 threads (R <= 12: 512, kSmallGroupThreads):
 //   block 0   steps 1-3 for the whole group from the [R, E+3] histogram (validation included):
@@ -17,7 +17,7 @@
 //        with quotas and counts in registers; every destination has one donor, so the moved
 //        counts fit a dense [R, B] table recv[d, le] (tokens of donor(d)'s local expert le
 //        computed on d).  A donor with <= 8 receivers runs rounds in batches of up to 8 where
-//        the greedy's choices follow its sorted experts (split_batches, session 7).  Meanwhile
+//        the greedy's choices follow its sorted experts (split_batches).  Meanwhile
 //        the last warp lists every donor's receivers in rank order;
 //     3. layout: one warp per destination (home segments, then the donor's experts with tokens in
 //        ascending id, padded to tp, scanned into cu_seqlens); expert offsets;
@@ -28,11 +28,11 @@
 //     when the values leave room for the index bits (2T < 2^(31 - log2 R)), else two.
 //     When R < 32 a spare warp scans the piece counts during step 3 (no block scan in step 4),
 //     and errors go straight to the error word (no end-of-kernel barrier).
-//     Tried and measured slower at R = 8 (session 5): one lane per donor walking its experts
+//     Tried and measured slower at R = 8: one lane per donor walking its experts
 //     sorted by count (sorted by the idle warps during step 1), and register argmaxes over all
 //     R balances in step 1; a lane's dependent shared loads and stores cost more per greedy
 //     round than the two warp reductions they replace, and the sort lengthened step 1.
-//     Also slower (session 6, R = 8 one_group split 2x the packed loop's cycles): every lane
+//     Also slower (R = 8 one_group split 2x the packed loop's cycles): every lane
 //     running the greedy as one predicated scalar recurrence over register copies of <= 8
 //     quotas and <= 8 partly used experts, with the experts pre-sorted; a round became ~100
 //     instructions of selects, while the packed loop's round is ~40 instructions around two warp
@@ -41,8 +41,8 @@
 //     loop (one warp runs dependent scalar code at well under one instruction per cycle), and its
 //     set-up and hand-over cost more than that saved.  The split is ~40 sequential rounds for a
 //     donor refilling 7 ranks (one_group), ~4 us, whichever way a round is computed; nor did
-//     lane 0 alone with sorted register lists (session 7: ~210 cycles a round).  What did pay
-//     (session 7) is fewer sequential steps: split_batches checks up to 8 rounds at once
+//     lane 0 alone with sorted register lists (~210 cycles a round).  What does pay is fewer
+//     sequential steps: split_batches checks up to 8 rounds at once
 //     (one_group at R = 8: split 10.2k -> 4.9k cycles).
 //   Programmatic dependent launch: launch and shared-memory set-up overlap the previous kernel
 //     (the histogram barrier triggers its dependents at its start); see grid_dep_wait.
@@ -64,21 +64,20 @@
 #include <cstdio>
 #include <cuda_runtime.h>
 
-#include "moonep_ep.h"
+#include "ep_internal.h"
 #include "pdl.cuh"
-#include "plan_kernels.h"
 
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kGroupThreads = 1024;
-// The group kernel for small groups runs half the block.  At R = 8, E = 384 (session 10, A/B in
-// one call) the block alone took 0.3-0.4 us off every routing's median (the block's launch,
-// set-up and barriers cost less, and with 128 registers a thread instead of 64 it has no
-// spills); with the two-row histogram tiles it allows (load_hist_nc) one_group went 10.0-10.1 ->
-// 9.3-9.5 us, 15.5k -> 14.5k warm cycles.  It is used while it still has a sorting warp per rank
+// The group kernel for small groups runs half the block.  At R = 8, E = 384 (A/B) the block
+// alone takes 0.3-0.4 us off every routing's median (the block's launch, set-up and barriers
+// cost less, and with 128 registers a thread instead of 64 it has no spills); with the two-row
+// histogram tiles it allows (load_hist_nc) one_group takes 9.3-9.5 instead of 10.0-10.1 us,
+// 14.5k instead of 15.5k warm cycles.  It is used while it still has a sorting warp per rank
 // outside warp 0's scheduler (batch_ok: R + (R-1)/3 < 16, i.e. R <= 12), which the batched split
-// needs; larger groups keep 1024 threads (their SASS is unchanged).
+// needs; larger groups keep 1024 threads.
 constexpr int kSmallGroupThreads = 512;
 static_assert(kGroupThreads % kSmallGroupThreads == 0, "count_chunk covers a chunk in NP passes");
 
@@ -171,9 +170,11 @@ struct GroupArgs {
   int C, N;
   int ld_nc, ld_ncb, ld_NR, ld_ntiles;   // histogram load tiling (load_tiling)
   unsigned ld_ncb_mul;                  // ceil(2^31 / ld_ncb): tile / ncb as one __umulhi
-  int stop;            // benchmarks only: block 0 returns after this stage (99: full plan)
-  long long* stamps;   // benchmarks only (null: off): block 0's clock64 at the stage boundaries
-  long long* wstamps;  // benchmarks only (null: off): [5, 32] each warp's clock64 at stage ends
+#ifdef MOONEP_DIAGNOSTICS
+  int stop;            // block 0 returns after this stage (99: full plan; moonep_plan_debug_stop)
+  long long* stamps;   // null: off.  Block 0's clock64 at the stage boundaries
+  long long* wstamps;  // null: off.  [5, 32] each warp's clock64 at stage ends
+#endif
   int nvs_uni;         // nvs_s of T = R*s*K (uniform s, or an invalid histogram): host-computed
   int32_t* err;
 };
@@ -204,7 +205,7 @@ __device__ __forceinline__ int align_tp(int c, int tp) {
 // nvs_s of TT token copies (docs/planner.md): align_up(ceil(TT/R) + (tp-1)*2B, tp), at most NvS.
 // For the host (T = R*s*K) and the kernel (per-rank s) alike, in 32 bits: TT < 2^31 and per <
 // 2^32 (R*NvS < 2^31, checked on the host), and on the device 64-bit divisions are subroutine
-// calls (four of them made the last warp the last to reach step 1's barrier, session 9).
+// calls (four of them made the last warp the last to reach step 1's barrier).
 __host__ __device__ inline int nvs_of(unsigned TT, int R, int tp, int B, int NvS) {
   const unsigned per = (TT + static_cast<unsigned>(R) - 1u) / static_cast<unsigned>(R)
                        + static_cast<unsigned>(tp - 1) * 2u * static_cast<unsigned>(B);
@@ -229,23 +230,36 @@ __device__ __forceinline__ int warp_incl_scan(int v, int lane) {
 // this block may have become resident while the previous kernel still ran.  The trigger right
 // after the wait lets a PDL-launched successor do the same (grid_dep_*: pdl.cuh).
 
-// Benchmarks only: thread 0 of block 0 records clock64 at stage boundary i.  Right after a
-// __syncthreads() (BAR.SYNC.DEFER_BLOCKING) the read comes before the barrier completes, so
-// these stamps are warp 0's arrivals (benchmarks/clock_barrier_probe.cu); the last warp's view
-// is wstamp's (benchmarks/plan_warp_stamps.py).
-__device__ __forceinline__ void stamp(long long* st, int i) {
-  if (st != nullptr && threadIdx.x == 0) st[i] = clock64();
+// Diagnostics hooks (moonep_ep.h, MOONEP_DIAGNOSTICS builds only).  In the production build
+// plan_stop() is the constant 99 (the full plan, every shortcut on: each test on it folds away
+// at compile time) and the stamps are empty, so the kernels carry no trace of them.
+//   plan_stop(a): the stage after which block 0 returns (99: none), or 197-199 (slow paths).
+//   stamp(a, i): thread 0 of block 0 records clock64 at stage boundary i.  Right after a
+//     __syncthreads() (BAR.SYNC.DEFER_BLOCKING) the read comes before the barrier completes, so
+//     these stamps are warp 0's arrivals (diagnostics/clock_barrier_probe.cu); the last warp's
+//     view is wstamp's (diagnostics/plan_warp_stamps.py).
+//   wstamp<NJ>(a, i): every warp's lane 0 records clock64 as it reaches the end of stage i
+//     (before the barrier), to tell which warp each stage waits for.  Only in the R <= 64
+//     kernels (NJ <= 2): in the larger ones it raises the spills (NJ = 16: 808 instead of 324
+//     bytes, in the rank quotas loop).
+#ifdef MOONEP_DIAGNOSTICS
+__device__ __forceinline__ int plan_stop(const GroupArgs& a) { return a.stop; }
+__device__ __forceinline__ void stamp(const GroupArgs& a, int i) {
+  if (a.stamps != nullptr && threadIdx.x == 0) a.stamps[i] = clock64();
 }
-
-// Benchmarks only: every warp's lane 0 records clock64 as it reaches the end of stage i (before
-// the barrier), to tell which warp each stage waits for.  Only in the R <= 64 kernels (NJ <= 2):
-// in the larger ones it raised the spills (NJ = 16: 324 -> 808 bytes, in the rank quotas loop).
 template <int NJ>
-__device__ __forceinline__ void wstamp(long long* st, int i) {
+__device__ __forceinline__ void wstamp(const GroupArgs& a, int i) {
   if constexpr (NJ <= 2) {
-    if (st != nullptr && (threadIdx.x & 31) == 0) st[i * 32 + (threadIdx.x >> 5)] = clock64();
+    if (a.wstamps != nullptr && (threadIdx.x & 31) == 0)
+      a.wstamps[i * 32 + (threadIdx.x >> 5)] = clock64();
   }
 }
+#else
+__device__ __forceinline__ constexpr int plan_stop(const GroupArgs&) { return 99; }
+__device__ __forceinline__ void stamp(const GroupArgs&, int) {}
+template <int NJ>
+__device__ __forceinline__ void wstamp(const GroupArgs&, int) {}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Launch 1, blocks >= 1: expert histogram of one chunk of topk (clamped ids, like launch 2)
@@ -338,8 +352,8 @@ __device__ __forceinline__ int load_hist_tiles(const int32_t* __restrict__ hist,
 #pragma unroll
     for (int k = 0; k < NC; ++k) col[k] = 0u;
     // The stage is issue-bound (32 warps on 4 schedulers): one 32-bit offset per row, the
-    // columns as immediate offsets (session 8: 11k of the block's 33k warp instructions were
-    // the per-load 64-bit index arithmetic this replaced).
+    // columns as immediate offsets (per-load 64-bit index arithmetic would be 11k of the
+    // block's 33k warp instructions).
     int off = r0 * X + c0;
     for (int rr = r0; rr < r1; rr += RU, off += RU * X) {
       int x[RU][NC];
@@ -428,7 +442,7 @@ __device__ __forceinline__ int load_hist_nc(bool wide, const GroupArgs& a, int v
 // expert is below the largest leftover, or whose quota or expert is zero.  When a leftover is
 // the largest expert, the packed loop takes over from the same state.  R = 8 one_group: 42
 // rounds -> 6 batches.  Every choice is the greedy's, so the plan is bit-identical (tests;
-// stop 198 forces the round-by-round loop; docs/planner.md).
+// diagnostics stop 198 forces the round-by-round loop; docs/planner.md).
 // ---------------------------------------------------------------------------------------------
 
 // An expert's packed key: tokens left, then the lower local index first (MB - le).  The batched
@@ -592,8 +606,9 @@ __device__ __forceinline__ void quota_round(unsigned* kb, const unsigned* kx, co
 // when it is short of 32 rounds; the round-by-round loop goes on from the same state.  Gate: the
 // largest expert still beats the second after filling the largest quota (one_group, where the
 // expert changes every round, never steps), and >= 8 receivers.  Python model
-// (scripts/models/split_steps.py): equal to the greedy on 30k cases.  R = 64 hot: split stage
-// 11.1k -> 5.8k cycles, group kernel median 30.0 -> 25.1 us (docs/benchmarks.md, session 9).
+// (diagnostics/models/split_steps.py): equal to the greedy on 30k cases.  R = 64 hot: split
+// stage 5.8k instead of 11.1k cycles, group kernel median 25.1 instead of 30.0 us
+// (docs/benchmarks.md).
 // sq: scratch of R words for the sorted quota keys.
 // ---------------------------------------------------------------------------------------------
 
@@ -676,8 +691,8 @@ __device__ __forceinline__ void split_one_expert_steps(unsigned* kq, unsigned& k
 // changes only when it is refilled (to 0), so the receivers are refilled in one fixed order:
 // ascending min-key (balance, then rank).  Only a donor that overshoots into deficit enters
 // later, outside that order; the batch test bounds the order by the smallest such deficit.
-// Python model (scripts/models/rank_quotas_batch.py): equal to the round-by-round greedy on 40k
-// cases, 23k of them with a donor that also receives (docs/planner.md).
+// Python model (diagnostics/models/rank_quotas_batch.py): equal to the round-by-round greedy on
+// 40k cases, 23k of them with a donor that also receives (docs/planner.md).
 //
 // rank_quotas_order: the order (pos[j]: slot j's place, -1 if not in deficit), lkey[i] the
 // i-th receiver's min-key, lpre[i] the deficits before it (lpre[nl] = all).  Returns nl.
@@ -746,7 +761,7 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   const int nwarps = nthr >> 5;
   const int R = a.R, E = a.E, B = a.B, rank = a.rank, X = E + 3, RW = (R + 31) / 32;
   const int tp = a.tp;
-  stamp(a.stamps, 0);
+  stamp(a, 0);
 
   int* remE = reinterpret_cast<int*>(smem_raw);      // [E]  cnt, then tokens left at home
   int* beforeS = remE + E;                           // [E]  sum_{r < rank} hist[r, e]
@@ -786,7 +801,7 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   if (tid == 0) pcnt[E] = 0;
   grid_dep_wait();                                   // the histogram is the last kernel's output
   grid_dep_launch();
-  stamp(a.stamps, 1);
+  stamp(a, 1);
   // This thread's metadata row (R <= 1024 = blockDim) and the total: in flight over the barrier.
   const int total0 = __ldcg(a.hist + static_cast<size_t>(rank) * X + E + 2);
   int m_bad = 0, m_sr = 0, m_tr = 0;
@@ -796,7 +811,7 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
     m_tr = __ldcg(a.hist + static_cast<size_t>(tid) * X + E + 2);
   }
   __syncthreads();
-  if (a.stop == 0) return;
+  if (plan_stop(a) == 0) return;
 
   // ---- 0. load and validate ------------------------------------------------------------------
   const int vmax = a.S * a.K;        // a count above S*K is invalid (host: R*S*K < 2^31)
@@ -807,7 +822,7 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
     const int nc = a.ld_nc;                          // load tiling: host (load_tiling)
     const bool w = !one_word;
     // Two-row tiles (the small block at E = 384) load two rows, not 16 / NC with the rest
-    // predicated off (session 10: R = 8 load + quotas 5.9k -> 4.8k cycles with the small block).
+    // predicated off (R = 8 load + quotas: 4.8k instead of 5.9k cycles with the small block).
     // Only there: in the 1024-thread kernels the extra instances raise the spills.
     constexpr bool ru2 = NT != kGroupThreads;
     if (nc == 8) myerr = load_hist_nc<8, ru2>(w, a, vmax, remE, beforeS, ownS, rowlo, rowhi);
@@ -828,10 +843,10 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
     }
   }
   if (myerr) atomicOr(&misc[0], myerr);
-  wstamp<NJ>(a.wstamps, 0);
+  wstamp<NJ>(a, 0);
   __syncthreads();                                   // sums, row sums, error bits complete
-  stamp(a.stamps, 2);
-  if (a.stop == 1) return;
+  stamp(a, 2);
+  if (plan_stop(a) == 1) return;
 
   // Caps: an invalid histogram plans as an empty one (nothing moves, every count 0).
   auto total_T = [&](bool valid_) -> int {           // < 2^31 (host: R*S*K < 2^31)
@@ -849,8 +864,9 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   // key per lane (R <= 32) and B <= 64.
   // Scratch for the sorted keys: slotoff, [R, B], written by the layout (step 3) before
   // anything reads it there.
-  // stop 198 and 199 (tests, benchmarks) turn every shortcut off: greedy loops round by round.
-  const bool shortcuts = a.stop != 198 && a.stop != 199;
+  // Diagnostics stops 198 and 199 (tests, benchmarks) turn every shortcut off: greedy loops
+  // round by round.  Always on in the production build (plan_stop: 99).
+  const bool shortcuts = plan_stop(a) != 198 && plan_stop(a) != 199;
   const bool batch_ok = shortcuts && NJ == 1 && B <= 64 &&
                         sorting_warps_fit(R, nwarps);
 
@@ -895,12 +911,12 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
       }
       bal[j] = d < R ? g - (cap_base + (d < cap_extra ? 1 : 0)) : 0;
     }
-    const bool packed = a.stop != 199 && 2ll * T < (1ll << (31 - ibR));
+    const bool packed = plan_stop(a) != 199 && 2ll * T < (1ll << (31 - ibR));
     // One rank with a surplus (one hot rank: one_group, hot): every round's donor is that rank
     // (the others' balances are <= 0 and its own stays >= 0, since the balances sum to 0), and
     // every rank in deficit is refilled by it with its whole deficit, so the R-1 rounds of two
     // warp reductions (~190 cycles each: ~1.3k cycles at R = 8, ~12k at R = 64) reduce to
-    // ballots.  stop 198 / 199 (tests) keep the loops.
+    // ballots.  Diagnostics stops 198 / 199 (tests) keep the loops.
     int npos = 0, D = -1;
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
@@ -928,7 +944,7 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
       // receivers of that order, k rounds in one step.  R = 64 hot: 63 rounds -> a few steps.
       // Worth it when one surplus dominates (hot: 99 % of all surplus; zipf at R = 64: 43 %, where
       // the donor changes nearly every round and the order's set-up would not pay back).
-      bool qbatch = vq && NJ <= 2 && R > 16 && a.stop != 197 && shortcuts;
+      bool qbatch = vq && NJ <= 2 && R > 16 && plan_stop(a) != 197 && shortcuts;
       if (qbatch) {
         unsigned pm = 0u, ps = 0u;                   // largest surplus, all surplus (<= T)
 #pragma unroll
@@ -1073,8 +1089,8 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
     // chain does not share issue slots with them.  An invalid histogram: no donor uses them.
     const int h = warp - 1 - (warp >> 2);
     // Only a donor's keys are read: a rank whose group exceeds T / R (its cap is >= that).
-    // The other sorting warps leave the schedulers to the donors' (session 8: -110 cycles at
-    // R = 8; the check is a multiply, as a division it cost more than it saved).
+    // The other sorting warps leave the schedulers to the donors' (-110 cycles at R = 8; the
+    // check is a multiply, as a division it would cost more than it saves).
     const int* rh = remE + h * B;
     const unsigned g2 = (lane < B ? rh[lane] : 0) + (lane + 32 < B ? rh[lane + 32] : 0);
     const long long g = static_cast<long long>(__reduce_add_sync(kFull, g2));
@@ -1089,18 +1105,19 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
     misc[5] = nv;
     misc[6] = a.nvs_uni;
   }
-  wstamp<NJ>(a.wstamps, 1);
+  wstamp<NJ>(a, 1);
   __syncthreads();
-  stamp(a.stamps, 3);
+  stamp(a, 3);
   const bool valid = misc[3] != 0;
   const int T = total_T(valid);
   const int nvs_s = valid ? misc[5] : misc[6];
-  if (a.stop == 2) return;
+  if (plan_stop(a) == 2) return;
 
   // ---- 2. split_quotas (one warp per donor; the last warp lists the receivers meanwhile) -------
   const int ndon = misc[1];
   const int ib2 = max(ibR, ibB);
-  const bool packed2 = a.stop != 199 && B <= 64 && static_cast<long long>(T) < (1ll << (31 - ib2));
+  const bool packed2 =
+      plan_stop(a) != 199 && B <= 64 && static_cast<long long>(T) < (1ll << (31 - ib2));
   const int nsplit = nwarps > 1 ? nwarps - 1 : 1;
   if (warp == nwarps - 1 && nwarps > 1) {
     // Receivers grouped by donor in ascending rank (rbeg[h], rcnt[h]), and hpos[h], the number
@@ -1225,10 +1242,10 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
       __syncwarp();
     }
   }
-  wstamp<NJ>(a.wstamps, 2);
+  wstamp<NJ>(a, 2);
   __syncthreads();
-  stamp(a.stamps, 4);
-  if (a.stop == 3) return;
+  stamp(a, 4);
+  if (plan_stop(a) == 3) return;
 
   // ---- 3. layout (one warp per destination) ---------------------------------------------------
   const unsigned lt_mask = (1u << lane) - 1u;
@@ -1322,10 +1339,10 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
       if (run > nvs_s) atomicOr(a.err, MOONEP_ERR_PLAN);      // impossible for a valid plan
     }
   }
-  wstamp<NJ>(a.wstamps, 3);
+  wstamp<NJ>(a, 3);
   __syncthreads();
-  stamp(a.stamps, 5);
-  if (a.stop == 4) return;
+  stamp(a, 5);
+  if (plan_stop(a) == 4) return;
 
   // ---- 4. per-expert pieces (CSR) for the slot assignment -------------------------------------
   // Pieces of e = h*B + le in rank order: the slot pieces on h's receivers below h, the home
@@ -1373,8 +1390,8 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   }
   // A donor with many receivers: a warp per expert, lanes over the n receivers and the home
   // piece (position hp of n + 1), the row offsets by a warp scan.  One thread walking the hot
-  // expert's 59 receivers was the kernel's last warp at R = 64 hot (~10k cycles; warp stamps,
-  // session 9); a warp per expert for every donor cost more than it saved at R = 8.
+  // expert's 59 receivers is the kernel's last warp at R = 64 hot (~10k cycles; warp stamps);
+  // a warp per expert for every donor costs more than it saves at R = 8.
   // The donors with many receivers are found 32 at a time by a ballot (at R = 64 zipf, walking
   // all 17 donors' 272 experts to skip most of them cost ~3k cycles).
   for (int d0 = 0; R > kFewReceivers + 1 && d0 < ndon; d0 += 32) {
@@ -1419,8 +1436,8 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
     a.scalars[0] = nvs_s;
     a.scalars[1] = valid ? 1 : 0;
   }
-  stamp(a.stamps, 6);
-  wstamp<NJ>(a.wstamps, 4);
+  stamp(a, 6);
+  wstamp<NJ>(a, 4);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1561,7 +1578,6 @@ __global__ void __launch_bounds__(1024) plan_assign_kernel(AssignArgs a) {
 // ---------------------------------------------------------------------------------------------
 
 thread_local char g_where[256];
-int g_debug_stop = 99;       // benchmarks only (moonep_plan_debug_stop)
 // The histogram load's warp tiles (load_hist_tiles): NC columns per lane (E >= 1024: 8, >= 256:
 // 4, >= 64: 2, else 1), column blocks of 32*NC, rows split so the tiles cover about one per warp.
 // On the host: four dependent integer divisions the kernel's critical path no longer pays.
@@ -1576,9 +1592,12 @@ void load_tiling(int R, int E, int nwarps, GroupArgs& ga) {
   ga.ld_ncb_mul = static_cast<unsigned>(((1ull << 31) + ncb - 1) / ncb);
 }
 
-long long* g_stamps = nullptr;   // benchmarks only (moonep_plan_debug_stamps)
-long long* g_wstamps = nullptr;  // benchmarks only (moonep_plan_debug_warp_stamps)
-int g_pdl = 1;               // group kernel with programmatic dependent launch (benchmarks: A/B)
+#ifdef MOONEP_DIAGNOSTICS
+int g_debug_stop = 99;           // moonep_plan_debug_stop
+long long* g_stamps = nullptr;   // moonep_plan_debug_stamps
+long long* g_wstamps = nullptr;  // moonep_plan_debug_warp_stamps
+int g_pdl = 1;                   // moonep_plan_debug_pdl: the group kernel with PDL (A/B)
+#endif
 
 int bad_arg(const char* fmt, int v0, int v1 = 0) {
   std::snprintf(g_where, sizeof(g_where), fmt, v0, v1);
@@ -1635,7 +1654,11 @@ int launch_group(GroupArgs ga, int grid, size_t smem, cudaStream_t stream) {
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
+#ifdef MOONEP_DIAGNOSTICS
   cfg.numAttrs = g_pdl ? 1 : 0;
+#else
+  cfg.numAttrs = 1;
+#endif
   e = cudaLaunchKernelEx(&cfg, plan_group_kernel<NJ, NT>, ga);
   if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: group kernel launch");
   return moonep_ep::fail(cudaGetLastError(), "moonep_plan: group kernel launch");
@@ -1668,15 +1691,20 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   ga.scalars = reinterpret_cast<int32_t*>(w + L.scalars);
   ga.chunkcnt = reinterpret_cast<int32_t*>(w + L.chunkcnt);
   ga.C = ch.C; ga.N = s * K;
-  ga.stop = g_debug_stop;
-  ga.stamps = g_stamps;
-  ga.wstamps = g_wstamps;
   // nvs_s of T = R*s*K (< 2^31: check_sizes); the kernel computes it only for per-rank s
   ga.nvs_uni = nvs_of(static_cast<unsigned>(R * s * K), R, tp, E / R, NvS);
   ga.err = err;
+#ifdef MOONEP_DIAGNOSTICS
+  ga.stop = g_debug_stop;
+  ga.stamps = g_stamps;
+  ga.wstamps = g_wstamps;
+  const bool full = g_debug_stop >= 99;   // a stage stop launches no slot assignment
+#else
+  constexpr bool full = true;
+#endif
   const size_t gsmem_g = group_smem_bytes(R, E), gsmem_c = static_cast<size_t>(E) * 4;
   const size_t gsmem = gsmem_g > gsmem_c ? gsmem_g : gsmem_c;
-  const int grid = assign && g_debug_stop >= 99 ? 1 + ch.nchunks : 1;
+  const int grid = assign && full ? 1 + ch.nchunks : 1;
   const int nj = (R + 31) / 32;
   int rc;
   if (sorting_warps_fit(R, kSmallGroupThreads / 32))      // R <= 12
@@ -1687,7 +1715,7 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   else if (nj <= 8) rc = launch_group<8>(ga, grid, gsmem, stream);
   else if (nj <= 16) rc = launch_group<16>(ga, grid, gsmem, stream);
   else rc = launch_group<32>(ga, grid, gsmem, stream);
-  if (rc || !assign || g_debug_stop < 99) return rc;
+  if (rc || !assign || !full) return rc;
 
   AssignArgs aa;
   aa.topk = topk; aa.N = s * K; aa.K = K; aa.R = R; aa.E = E; aa.B = E / R; aa.NvS = NvS;
@@ -1728,26 +1756,17 @@ MOONEP_EXPORT int moonep_plan_group(const int32_t* hist_RX, int s, int K, int ra
                   zf_G2, stats_2, workspace, workspace_bytes, err, stream, false);
 }
 
-// Benchmarks only: make the group kernel's block 0 return after stage `stop` (0: set-up,
-// 1: histogram load, 2: row-sum validation + rank quotas, 3: split, 4: layout; 99: the full plan;
-// 197 / 198 / 199: the full plan with fast paths off, see plan_kernels.h), to time the stages by
-// difference.  Outputs are garbage while stop < 99 (no assign launch).
+#ifdef MOONEP_DIAGNOSTICS
+// Diagnostics hooks (moonep_ep.h): process-wide, read by the next launches.
 MOONEP_EXPORT void moonep_plan_debug_stop(int stop) { g_debug_stop = stop; }
 
-// Benchmarks only: launch the group kernel with (1, the default) or without (0) programmatic
-// dependent launch, to measure what the overlapped launch saves.
 MOONEP_EXPORT void moonep_plan_debug_pdl(int on) { g_pdl = on != 0; }
 
-// Benchmarks only: a device buffer of 8 int64 that block 0 of the group kernel fills with clock64
-// at its stage boundaries (0 start, 1 after the dependency wait, 2 histogram loaded, 3 rank
-// quotas, 4 split, 5 layout, 6 end); null turns it off.
 MOONEP_EXPORT void moonep_plan_debug_stamps(void* dev_int64x8) {
   g_stamps = static_cast<long long*>(dev_int64x8);
 }
 
-// Benchmarks only: a device buffer of 5 x 32 int64 that block 0 of the group kernel fills with
-// each warp's clock64 as it reaches the end of stage i (load, rank quotas, split, layout,
-// pieces), R <= 64 only (wstamp); null turns it off.
 MOONEP_EXPORT void moonep_plan_debug_warp_stamps(void* dev_int64x160) {
   g_wstamps = static_cast<long long*>(dev_int64x160);
 }
+#endif  // MOONEP_DIAGNOSTICS

@@ -7,11 +7,11 @@
 //   bwd:  dg = bf16(da * u * sigmoid(g) * (1 + g * (1 - sigmoid(g))))
 //         du = bf16(da * silu(g))
 //         a  = bf16(silu(g) * u)   (recomputed for w2's weight grad instead of saved)
-// Same operation order as the torch reference (moonep_ops/swiglu.py); results agree to fp32
+// Same operation order as the torch reference (moonep_ops/ops/swiglu.py); results agree to fp32
 // rounding of exp (within one bf16 ulp), not bitwise.
 #include <cuda_bf16.h>
 
-#include "moonep_ep.h"
+#include "ep_internal.h"
 
 namespace {
 

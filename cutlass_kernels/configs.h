@@ -1,5 +1,5 @@
 // The compiled configurations, listed here in the order of the config index of the C ABI and of
-// moonep_ops/gemm_cost_model.py::CONFIGS.  The configs of one kind are fused into one kernel in
+// moonep_ops/gemm/cost_model.py::CONFIGS.  The configs of one kind are fused into one kernel in
 // one translation unit (kernel_<kind>.cu, which must list them in this order; checked at load).
 // Clusters are along N only: a cluster along M rounds every group's M-tile count up to the
 // cluster size, and those padding tiles run the full mainloop (see docs/grouped_gemm.md).

@@ -1,8 +1,8 @@
 // The CUTLASS sm90 ptr-array grouped GEMMs of one kind, fused into ONE kernel (FusedKind): every
 // compiled configuration of the kind is a branch of the same __global__ function, and the branch
 // is taken from the config index that the prep kernel (prep.cu) chose on the device.  So choosing
-// costs no extra launch: before, each unchosen candidate was launched too and cost ~10 us to walk
-// its empty groups and exit.  Requirements checked below: same block size, same cluster shape.
+// costs no extra launch (a launch per candidate would cost each unchosen one ~10 us to walk its
+// empty groups and exit).  Requirements checked below: same block size, same cluster shape.
 // One translation unit per kind (kernel_<kind>.cu).
 //
 // Layouts (CUTLASS convention: A is M x K, B is N x K, D is M x N):
@@ -20,7 +20,7 @@
 
 // CuTe's GMMA selector offers N = 80 (an "extended" shape; 96, 128 and 256 are standard) only
 // with this macro; without it the 80-column swap tile compiled to five 64x16x16 HGMMA per
-// k-step instead of one 64x80x16 (session 11: a third of the expected rate).  The tiles of
+// k-step instead of one 64x80x16 (a third of the expected rate).  The tiles of
 // N = 96, 128 and 256 select the same instructions either way (no extended N divides them
 // before their own in CuTe's descending search).
 #ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -129,9 +129,9 @@ struct GroupedGemm {
 
   // Epilogue subtile: EN = 0 takes CUTLASS's (BM' x 32 with BM' = 128 cooperative, 64
   // ping-pong); EN > 0 makes it BM' x EN.  32 columns of fp32 are 128 B per row, and the
-  // fp32 read-modify-write of wgrad's ping-pong tile streams 11-18 % faster with 64 (session 11
-  // A/B, docs/benchmarks.md); the cooperative fp32 tiles lose, their wider C/D stages take
-  // mainloop stages.
+  // fp32 read-modify-write of wgrad's ping-pong tile streams 11-18 % faster with 64 (A/B,
+  // docs/benchmarks.md); the cooperative fp32 tiles lose, their wider C/D stages take mainloop
+  // stages.
   using EpiTile = cute::conditional_t<EN == 0, cutlass::epilogue::collective::EpilogueTileAuto,
                                       Shape<Int<Pingpong ? 64 : 128>, Int<(EN > 0 ? EN : 32)>>>;
   static_assert(EN == 0 || BN % EN == 0, "the epilogue subtile width must divide BN");

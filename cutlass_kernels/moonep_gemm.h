@@ -1,5 +1,24 @@
-// C ABI of libmoonep_gemm.so (loaded with ctypes by moonep_ops/_native.py; no torch inside).
-// Every pointer argument is a raw device pointer except `tuning`, a host array of floats.
+// Public C ABI of libmoonep_gemm.so: the CUTLASS sm90 grouped GEMMs of the routed experts (no
+// torch inside).  Every export of the library is declared here; prep.cu, which defines them,
+// includes this header, so the compiler checks each definition against its prototype.  Loaded
+// with ctypes by moonep_ops/native.py.
+//
+// Conventions:
+//   * Pointers are raw device pointers unless the argument says "host".  The library never
+//     allocates or frees memory and keeps no pointer past the call: the caller owns every buffer
+//     and keeps it alive until the work queued on `stream` has completed.
+//   * moonep_grouped_gemm only enqueues work on `stream` (a cudaStream_t passed as void*; 0 is
+//     the legacy default stream) and never synchronises the host; group sizes are read on the
+//     device, so a call is capturable in a CUDA graph.
+//   * Return codes differ from libmoonep_ep.so: 0 on success, -1 on failure with the message in
+//     moonep_gemm_last_error() (no CUDA error codes).
+//   * Shapes use the project's legend (moonep_ops/geometry.py): B = epn home experts (= slots)
+//     per rank, G = 2B groups of a receive buffer (groups [0, B) home experts, [B, 2B) slots),
+//     M rows of the buffer, and a weight W_g is [O, I] (nn.Linear layout).  The size arguments
+//     keep CUTLASS-style names m, n, k: m = M (rows), n = O, k = I.  The operands keep CUTLASS's
+//     names A, B, D (B here is an operand, not the legend's B; that one is `epn`).
+//   * Elements are bf16 unless stated; every tensor is contiguous, every base pointer 16-byte
+//     aligned (TMA), n and k multiples of 8.
 #pragma once
 #include <stddef.h>
 
@@ -7,6 +26,7 @@
 extern "C" {
 #endif
 
+// Bumped whenever an exported signature changes (moonep_ops/native.py checks it at load).
 #define MOONEP_GEMM_ABI_VERSION 7
 #define MOONEP_API __attribute__((visibility("default")))
 
@@ -16,37 +36,125 @@ extern "C" {
 //   MOONEP_GEMM_KEEP_EMPTY_SLOTS  wgrad_lp only: an empty *slot* group (g >= epn) is left
 //       untouched instead of zeroed.  The MoE backward writes slot grads into a pool whose
 //       slots are zero outside a backward (reduce_grad re-zeroes what it consumes), so zeroing
-//       the unused slots again would only burn N*K*2 bytes of bandwidth per unused slot.
+//       the unused slots again would only burn O*I*2 bytes of bandwidth per unused slot.
 #define MOONEP_GEMM_KEEP_EMPTY_SLOTS 1
+
+/**
+ * The ABI version this library was built with (MOONEP_GEMM_ABI_VERSION).
+ */
 MOONEP_API int moonep_gemm_abi_version(void);
+
+/**
+ * The message of the last failure of moonep_grouped_gemm on the calling host thread
+ * (thread-local, owned by the library; each moonep_grouped_gemm call clears it first).
+ */
 MOONEP_API const char* moonep_gemm_last_error(void);
+
+/**
+ * Compiled configs of `kind` (0..3), in the order of moonep_ops/gemm/cost_model.py CONFIGS and
+ * of the config index below; 0 for an invalid kind.
+ */
 MOONEP_API int moonep_gemm_num_configs(int kind);
-// info[8] = {BM, BN, BK, cluster_m, cluster_n, pingpong, epilogue subtile width (0: CUTLASS's),
-// swap_ab}; returns 0 on success.
+
+/**
+ * Geometry of one compiled config.
+ *
+ * @param kind  0 fwd, 1 dgrad, 2 wgrad, 3 wgrad_lp.
+ * @param cfg   config index in [0, moonep_gemm_num_configs(kind)).
+ * @param info  host int32 [8], output: {BM, BN, BK, cluster_m, cluster_n, pingpong (0/1),
+ *              epilogue subtile width (0: CUTLASS's), swap_ab (0/1)}.
+ * @return 0, or -1 for an invalid kind or cfg (info untouched, no message).
+ */
 MOONEP_API int moonep_gemm_config_info(int kind, int cfg, int* info);
-// Device workspace one call needs (problem arrays for every config + CUTLASS workspaces).
+
+/**
+ * Bytes of device workspace one moonep_grouped_gemm call of (kind, G, sm_count) needs (problem
+ * arrays for every config of the kind + their CUTLASS workspaces); 0 for an invalid kind or
+ * G <= 0.  Depends on nothing else, so callers may cache it.
+ */
 MOONEP_API size_t moonep_gemm_workspace_bytes(int kind, int G, int sm_count);
 
-// One grouped GEMM on `stream`.  Rows of group g are [cu[g-1], cu[g]) (cu[-1] := 0), read on
-// the device.  config >= 0 forces a config; config == -1 evaluates the cost model on the device
-// for every config in cand_mask and runs the one gemm_cost_model.pick chooses (the cheapest;
-// near-ties to the least MMA work): one launch of the kind's fused kernel either way.
-// tuning = gemm_cost_model.tuning_table(kind): peak TF/s, HBM TB/s, 5 floats per config, the
-// tie tolerance.  Workspace bytes 0-3: the config that ran; 8-15: SM cycles of the choice.
-//   fwd:   A = x [M,K] bf16, B = w_local/w_slot [epn,N,K] bf16, D = y [M,N] bf16
-//   dgrad: A = dy [M,N] bf16, B = w_local/w_slot [epn,N,K] bf16, D = dx [M,K] bf16
-//   wgrad: A = dy [M,N] bf16, B = x [M,K] bf16, D = grad_local, D_slot = grad_slot [epn,N,K]
-//          fp32, accumulated into (beta = 1).  B_slot is unused.
-//   wgrad_lp: as wgrad with D, D_slot bf16 [epn,N,K], overwritten (beta = 0).
-// For fwd/dgrad the rows of D at or past cu[G-1] are set to zero.
-// Returns 0, or -1 with a message in moonep_gemm_last_error().
+/**
+ * One grouped GEMM over the G groups of a receive buffer, on `stream`: a prep kernel (reads
+ * cu_seqlens, writes the problem arrays into the workspace, chooses the config, zeroes output
+ * tails), then one launch of the kind's fused CUTLASS kernel, which runs the chosen config.
+ * Group g owns rows [cu_seqlens[g-1], cu_seqlens[g]) of the buffer (cu_seqlens[-1] := 0),
+ * clamped to [0, m] on the device, so bad offsets never read or write out of bounds.  Group g
+ * uses weight (or weight grad) g of B (D for wgrad) when g < epn, else g - epn of B_slot
+ * (D_slot).
+ *   fwd:      A = x_MI [m, k], B = W [epn, n, k] (W_g is [O, I]), D = y_MO [m, n].  Rows of D at
+ *             or past cu_seqlens[G-1] are set to zero.
+ *   dgrad:    A = dy_MO [m, n], B = W [epn, n, k], D = dx_MI [m, k].  Rows of D at or past
+ *             cu_seqlens[G-1] are set to zero.
+ *   wgrad:    A = dy_MO [m, n], B = x_MI [m, k]; D = dW of the home experts and D_slot = dW of
+ *             the slots, fp32 [epn, n, k] each, accumulated into (beta = 1; empty groups
+ *             untouched).  B_slot is unused.
+ *   wgrad_lp: as wgrad with D, D_slot bf16 [epn, n, k], overwritten (beta = 0); the dW of an
+ *             empty group is zeroed (slot groups: unless MOONEP_GEMM_KEEP_EMPTY_SLOTS).
+ *
+ * @param kind             0 fwd, 1 dgrad, 2 wgrad, 3 wgrad_lp.
+ * @param config           config index to force, or -1: the device cost model evaluates every
+ *                         config in cand_mask and runs the one cost_model.pick chooses (the
+ *                         cheapest; near-ties to the least MMA work).
+ * @param raster           tile order of the persistent scheduler: 0 along m (co-resident CTAs
+ *                         share a weight slice), 1 along n.
+ * @param A                device, first operand (see the kinds above).
+ * @param B                device, second operand: home-expert weights [epn, n, k] (fwd, dgrad)
+ *                         or x_MI (wgrad).
+ * @param B_slot           device, slot weights [epn, n, k] (fwd, dgrad); unused for wgrad (may
+ *                         be NULL).
+ * @param D                device, output: y / dx (fwd, dgrad), home-expert weight grads
+ *                         (wgrad).
+ * @param D_slot           device, slot weight grads [epn, n, k] (wgrad); unused for fwd/dgrad.
+ * @param cu_seqlens       device int32 [G]: cumulative row ends of the groups (the planner's
+ *                         cu_G), read by the prep kernel only.
+ * @param G                groups: must be 2*epn and <= 1024.
+ * @param epn              B of the legend: home experts (= slots) per rank.
+ * @param m                M: rows of the buffer (m == 0: nothing is launched, returns 0).
+ * @param n                O: output features of a weight (multiple of 8).
+ * @param k                I: input features of a weight (multiple of 8).
+ * @param tuning           host float32 [2 + 5*moonep_gemm_num_configs(kind) + 1], read during
+ *                         the call only: {peak TF/s, HBM TB/s, then per config eta, bw_frac,
+ *                         tau_sw_us, tau0_us, tau_epi_us, then the tie tolerance}
+ *                         (moonep_ops/gemm/cost_model.py tuning_table(kind)).  May be NULL when
+ *                         config >= 0.
+ * @param cand_mask        bit c: config c is a candidate of the device choice (config == -1
+ *                         only); bits past the kind's configs are ignored, and a mask with no
+ *                         valid bit means every config.  At most 5 fwd/dgrad candidates.
+ * @param flags            MOONEP_GEMM_* bits (MOONEP_GEMM_KEEP_EMPTY_SLOTS: wgrad_lp only);
+ *                         an unknown bit fails.
+ * @param workspace        device scratch of at least moonep_gemm_workspace_bytes(kind, G,
+ *                         sm_count) bytes, no initialisation needed; one per concurrent call.
+ *                         Bytes 0-3 (int32) receive the index of the config that ran (written
+ *                         on the device by the prep kernel).
+ * @param workspace_bytes  its size in bytes.
+ * @param sm_count         SMs of the device, in [1, 1024]: the persistent grid and the cost
+ *                         model's CTA count (and so the workspace size).
+ * @param stream           cudaStream_t to launch on.
+ * @return 0, or -1 with a message in moonep_gemm_last_error() (argument check, CUTLASS
+ *         initialisation or a launch error).
+ */
 MOONEP_API int moonep_grouped_gemm(int kind, int config, int raster,
-                        const void* A, const void* B, const void* B_slot,
-                        void* D, void* D_slot, const int* cu_seqlens,
-                        int G, int epn, int M, int N, int K,
-                        const float* tuning, int cand_mask, int flags,
-                        void* workspace, size_t workspace_bytes, int sm_count,
-                        void* stream);
+                                   const void* A, const void* B, const void* B_slot,
+                                   void* D, void* D_slot, const int* cu_seqlens,
+                                   int G, int epn, int m, int n, int k,
+                                   const float* tuning, int cand_mask, int flags,
+                                   void* workspace, size_t workspace_bytes, int sm_count,
+                                   void* stream);
+
+// =============================================================================================
+// Diagnostics (MOONEP_DIAGNOSTICS builds only: `python -m moonep_ops.build --diagnostics`,
+// moonep_ops/lib/diagnostics/).  The library exports no extra function; its prep kernel also
+// writes the selector's timing into the call's workspace (int64 words, SM cycles of clock64,
+// written on the device by block 0 of the prep kernel):
+//   bytes  8-15  the choice itself: from the model's start (rows known; wgrad: LPT order known)
+//                to the chosen config being known; 0 when there is nothing to choose (config
+//                >= 0, or one candidate: bytes 16-39 are then untouched);
+//   bytes 16-23  block 0 from entry to the end;
+//   bytes 24-31  from entry to the rows being known (first barrier);
+//   bytes 32-39  from entry to the model's start.
+// The production prep kernel reads no clock and writes none of these bytes.
+// =============================================================================================
 
 #ifdef __cplusplus
 }

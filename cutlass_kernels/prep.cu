@@ -5,7 +5,7 @@
 //      never make the GEMM read or write out of bounds;
 //   2. for wgrad, orders the groups largest first (LPT: a wgrad tile costs ~M_g, and the static
 //      round-robin scheduler then balances better);
-//   3. evaluates the cost model (same formulas as moonep_ops/gemm_cost_model.py) for every
+//   3. evaluates the cost model (same formulas as moonep_ops/gemm/cost_model.py) for every
 //      candidate config at once, each on its share of block 0's threads, and picks the
 //      cheapest (see prep_kernel for the parallel forms of the model and of the LPT sort);
 //   4. writes the problem-shape / pointer / stride arrays, which do not depend on the config (in
@@ -34,16 +34,24 @@ thread_local char g_err[512] = "";
 constexpr int kMaxGroups = 1024;
 constexpr int kPrepThreads = 1024;  // block 0: one thread per group (G <= 1024)
 constexpr int kWarps = kPrepThreads / 32;
-// G <= 256 runs blocks of 256 threads (session 10, A/B in one call: the prep kernel with the
-// model on fell 0.25-1.2 us in 5 of 6 benchmark cases, e.g. fwd G = 64 at 512 rows 5.55 -> 5.2
-// us and wgrad_lp 5.7 -> 4.55 us, and rose 0.15 us for wgrad_lp at G = 256; the choice 3.7-4.6k
-// -> 2.6-3.7k SM cycles: fewer warps to launch and to pass the barriers, and up to 255 registers
-// a thread instead of 64).  Every phase works for any block that holds a thread per group and a
-// warp per candidate.
+// G <= 256 runs blocks of 256 threads (A/B against 1024: the prep kernel with the model on is
+// 0.25-1.2 us shorter in 5 of 6 benchmark cases, e.g. fwd G = 64 at 512 rows 5.2 instead of 5.55
+// us and wgrad_lp 4.55 instead of 5.7 us, and 0.15 us longer for wgrad_lp at G = 256; the choice
+// takes 2.6-3.7k instead of 3.7-4.6k SM cycles: fewer warps to launch and to pass the barriers,
+// and up to 255 registers a thread instead of 64).  Every phase works for any block that holds
+// a thread per group and a warp per candidate.
 constexpr int kSmallPrepThreads = 256;
 static_assert(kPrepThreads % kSmallPrepThreads == 0 && kSmallPrepThreads >= 256,
               "the block holds a thread per group and >= one warp per candidate");
 constexpr int kMaxSms = 1024;       // P <= 1024 (checked on the host)
+
+// MOONEP_DIAG(statement): the statement in a diagnostics build (MOONEP_DIAGNOSTICS: the prep
+// kernel's clock64 stamps, moonep_gemm.h), nothing in the production build.
+#ifdef MOONEP_DIAGNOSTICS
+#define MOONEP_DIAG(...) __VA_ARGS__
+#else
+#define MOONEP_DIAG(...)
+#endif
 constexpr size_t kAlign = 256;
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -119,7 +127,7 @@ Layout layout(int kind, int G, int sm_count) {
 }
 
 // One candidate config of the device cost model: the config-dependent constants of
-// gemm_cost_model.py's formulas, computed on the host (in double, rounded to float once).
+// cost_model.py's formulas, computed on the host (in double, rounded to float once).
 struct Cand {
   int cfg;                    // config index
   // fwd/dgrad: rows per row tile, its log2 (-1: not a power of two), tiles per row tile.  A
@@ -131,7 +139,7 @@ struct Cand {
   float tau_sw, tau0;
   float tau, inv_bw;          // fwd/dgrad: tile time (us), us per byte
   float ca, cb, ma, mb;       // wgrad: a tile of a group of m rows costs max(m*ca + cb, m*ma + mb)
-  float vol;                  // tie-break key (gemm_cost_model.mma_volume): fwd/dgrad BM*BN, to be
+  float vol;                  // tie-break key (cost_model.mma_volume): fwd/dgrad BM*BN, to be
                               // multiplied by the tile count; wgrad t_w*BM*BN
 };
 
@@ -195,7 +203,7 @@ __device__ __forceinline__ void warp_scans(int (&v)[N], int lane) {
   }
 }
 
-// gemm_cost_model.pick on the device, candidate k in lane k < 8 (lanes past the candidates hold
+// cost_model.pick on the device, candidate k in lane k < 8 (lanes past the candidates hold
 // cost = vol = 3e38): among the candidates predicted within tie_hi of the fastest, the least MMA
 // work, then the first listed.  Every lane returns lane 0's answer.
 __device__ __forceinline__ int pick_lane(float cost, float vol, int lane, float tie_hi) {
@@ -227,7 +235,7 @@ __device__ __forceinline__ float wgrad_tile(const Cand& C, int m) {
 
 // fwd/dgrad: the candidates whose tile scans run side by side (the launcher refuses more).  The
 // rows kernel is compiled for 4 and for 5 chains and launched with the fewest that hold the
-// candidates: a fifth chain on zeros cost the 4-candidate calls ~200 SM cycles (session 14).
+// candidates: a fifth chain on zeros costs the 4-candidate calls ~200 SM cycles.
 constexpr int kScanCand = 5;
 
 constexpr int kChunkPad = 33;  // sorted chunks of 32 groups, one word apart: no bank conflicts
@@ -337,7 +345,7 @@ __device__ __noinline__ void zero_tails(const PrepParams& p, Smem& sm) {
 
 // Block 0 chooses the config, block 1 writes the problem arrays (the same for every config),
 // blocks >= 2 zero the tails; the blocks run side by side.  In block 0 thread g reads group g,
-// and candidate k of the cost model (gemm_cost_model.py's formulas) owns the threads
+// and candidate k of the cost model (cost_model.py's formulas) owns the threads
 // [k * tc, (k + 1) * tc).  Every phase is O(log) or O(G/32) deep, with 3 (fwd/dgrad) or 5 (wgrad)
 // block barriers in all.
 //   fwd/dgrad: the tile counts of every candidate are scanned block-wide (warp scans, then the
@@ -358,8 +366,8 @@ __device__ __noinline__ void zero_tails(const PrepParams& p, Smem& sm) {
 //     max over the Q points.
 // NScan: the tile-scan chains of the rows kernel (>= ncand).
 // RowsKind: fwd/dgrad (true) or wgrad (false), a kernel each: one function holding both models
-// let the compiler trade one's unrolling against the other's (session 11: interleaving the
-// fwd scans cut their cycles by 22 % and cost wgrad's window loops 25 %).
+// let the compiler trade one's unrolling against the other's (interleaving the fwd scans cut
+// their cycles by 22 % and cost wgrad's window loops 25 %).
 template <int NT, bool RowsKind, int NScan = kScanCand>
 __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ PrepParams p) {
   __shared__ Smem sm;
@@ -370,12 +378,12 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
   const bool chooser = blockIdx.x == 0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = p.G, P = p.P, ncand = p.ncand;
-  const long long t_entry = clock64();
+  MOONEP_DIAG(const long long t_entry = clock64();)
   if (chooser && ncand == 1) {  // forced config (or one candidate): nothing to choose
     if (tid == 0) {
-      long long* st = reinterpret_cast<long long*>(p.chosen_out);
+      MOONEP_DIAG(long long* st = reinterpret_cast<long long*>(p.chosen_out);)
       p.chosen_out[0] = p.cand[0].cfg;
-      st[1] = 0;
+      MOONEP_DIAG(st[1] = 0;)
     }
     return;
   }
@@ -404,7 +412,7 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
   const unsigned nzmask = __ballot_sync(0xffffffffu, cnt > 0);
   const int tc = p.tc;
   const int k = udiv_small(tid, tc, p.magic_tc), u = tid - k * tc;  // candidate k (k >= ncand: idle)
-  long long t_rows, t_model;
+  MOONEP_DIAG(long long t_rows, t_model;)
   int chosen = 0;
 
   if constexpr (rows_kind) {
@@ -425,7 +433,7 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
     }
     if (lane == 0) sm.wnz[warp] = __popc(nzmask);
     __syncthreads();  // barrier 1
-    t_rows = t_model = clock64();
+    MOONEP_DIAG(t_rows = t_model = clock64();)
     // add the tiles of the warps before; the total; the bytes of the groups before g
     // (nonempty ones * weights + rows * (row in + row out))
     int T = 0;
@@ -492,7 +500,7 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
     }
   } else {
     const int nne = __syncthreads_count(cnt > 0);  // barrier 1
-    t_rows = clock64();
+    MOONEP_DIAG(t_rows = clock64();)
     // LPT order: rank of group g = groups with more rows, or as many and a smaller index
     if (warp * 32 < G) {  // this warp's chunk of 32 groups, sorted by brute force
       const int4* row = reinterpret_cast<const int4*>(sm.cnt + warp * 32);
@@ -543,7 +551,7 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
     }
     if (!chooser) return;
     __syncthreads();  // barrier 3
-    t_model = clock64();
+    MOONEP_DIAG(t_model = clock64();)
     if (k < ncand) {  // window classes of candidate k
       const Cand& C = p.cand[k];
       const int Q = C.Q, S = C.S, s = u & (S - 1), span = tc >> C.log2S, rem = C.rem, d = C.d;
@@ -612,17 +620,19 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ Pre
     }
   }
   if (tid == 0) {
-    const long long t_end = clock64();
-    long long* st = reinterpret_cast<long long*>(p.chosen_out);
+    MOONEP_DIAG(const long long t_end = clock64();)
     p.chosen_out[0] = chosen;
-    // SM cycles from the model's start (rows known; wgrad: LPT order known) to the chosen config
-    // being known, at byte 8 of the workspace: the benchmark's measure of the selector itself.
+#ifdef MOONEP_DIAGNOSTICS
+    // The selector's timing (moonep_gemm.h, diagnostics): SM cycles from the model's start (rows
+    // known; wgrad: LPT order known) to the chosen config being known at byte 8 of the
+    // workspace; block 0's cycles from entry to the end, to the rows being known (first
+    // barrier), to the model's start at bytes 16..39.
+    long long* st = reinterpret_cast<long long*>(p.chosen_out);
     st[1] = t_end - t_model;
-    // diagnostics (bytes 16..39): block 0's cycles from entry to the end, to the rows being
-    // known (first barrier), to the model's start
     st[2] = t_end - t_entry;
     st[3] = t_rows - t_entry;
     st[4] = t_model - t_entry;
+#endif
   }
   if (sink == 0x7fffffff && tid == 1) p.chosen_out[1] = sink;  // keeps the prefetch (never true)
 }
@@ -730,7 +740,7 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     }
   }
 
-  // The candidates of the device cost model and their constants (gemm_cost_model.py's formulas,
+  // The candidates of the device cost model and their constants (cost_model.py's formulas,
   // the config-dependent factors computed here once in double).  A forced config is the one
   // candidate.
   if (!tuning && config < 0) return fail("tuning table required when config == -1");

@@ -1,4 +1,4 @@
-// Constants of the device copy of the cost model of moonep_ops/gemm_cost_model.py.  The model
+// Constants of the device copy of the cost model of moonep_ops/gemm/cost_model.py.  The model
 // itself runs in prep.cu's prep_kernel (keep it in step with the Python one; the CUDA test
 // compares the config chosen on the device with the Python selector's).
 #pragma once
@@ -7,7 +7,8 @@
 
 namespace moonep {
 
-// Constants handed over by value (from gemm_tuning.py through the C ABI's `tuning` array).
+// Constants handed over by value (from moonep_ops/gemm/tuning.py through the C ABI's `tuning`
+// array).
 struct Tuning {
   float peak_tflops, hbm_tbps;
   float c[kMaxConfigs][5];  // eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us

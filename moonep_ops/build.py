@@ -1,23 +1,32 @@
-"""Build the GPU shared libraries: ``python -m moonep_ops.build [--check] [-j N] [--only PAT]``.
+"""Build the GPU shared libraries: ``python -m moonep_ops.build [--check] [--diagnostics] [-j N]``.
 
 Compiles with nvcc for sm_90a into two libraries (CUDA runtime linked statically, plain C ABI:
 no torch, so one binary serves every torch / Python version).  Installing the package never
 runs this.
   ``cutlass_kernels/*.cu`` -> ``moonep_ops/lib/libmoonep_gemm.so``  (CUTLASS grouped GEMMs)
   ``csrc/*.cu``            -> ``moonep_ops/lib/libmoonep_ep.so``    (the GPU data plane)
+Public C ABI: ``cutlass_kernels/moonep_gemm.h`` and ``csrc/moonep_ep.h``
+(``python scripts/check_abi.py`` compares a built library's exports with them).
 
   --check      compile every translation unit to a temporary directory and link nothing
                (the CI compile check: catches a broken kernel build without a GPU);
   -j N         parallel nvcc jobs (default 1: each CUTLASS unit takes ~1 min and ~2 GB);
   --only PAT   compile only units whose file name contains PAT (the link still takes every
                unit's cached object);
-  --lib NAME   build only one library: gemm or ep (default: both).
+  --lib NAME   build only one library: gemm or ep (default: both);
+  --diagnostics  compile with -DMOONEP_DIAGNOSTICS: the planner's debug hooks
+               (moonep_plan_debug_*) and the kernels' clock64 stamps (moonep_ep.h,
+               moonep_gemm.h, diagnostics/README.md).  The libraries go to
+               ``moonep_ops/lib/diagnostics/`` (objects to ``build/moonep_gpu_diagnostics/``),
+               so they never replace the production ones; load them with
+               ``MOONEP_LIB_DIR=moonep_ops/lib/diagnostics``.
 
 CUTLASS headers: ``$CUTLASS_INCLUDE`` (a CUTLASS ``include`` directory; ``tools/util/include``
 is looked up beside it), else the ``nvidia-cutlass`` pip package
 (``cutlass_library/source/include``; ``pip install --no-deps nvidia-cutlass==4.2.0.0``, 6 MB).
 nvcc: ``$NVCC``, else ``nvcc`` on PATH.  Object files are cached in ``build/moonep_gpu/`` and
-rebuilt when the source or any header in ``cutlass_kernels/`` is newer.
+rebuilt when the source or any header of its folder is newer, or when the nvcc command line
+changed (a different nvcc, CUTLASS or flags).
 """
 from __future__ import annotations
 
@@ -34,6 +43,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LIB_DIR = Path(__file__).resolve().parent / "lib"
+DIAG_LIB_DIR = LIB_DIR / "diagnostics"
+DIAG_DEFINE = "-DMOONEP_DIAGNOSTICS"
 ARCH = ["-gencode", "arch=compute_90a,code=sm_90a"]
 NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
               "-Xcompiler", "-fvisibility=hidden"]
@@ -77,9 +88,23 @@ def _stale(src: Path, obj: Path) -> bool:
     return newest > obj.stat().st_mtime
 
 
-def compile_one(src: Path, obj: Path, includes: list[Path], verbose: bool) -> tuple[Path, float]:
-    cmd = [nvcc(), *NVCC_FLAGS, *ARCH, *[f"-I{i}" for i in includes], f"-I{src.parent}",
-           "-c", str(src), "-o", str(obj)]
+def compile_cmd(src: Path, obj: Path, includes: list[Path], defines: list[str]) -> list[str]:
+    return [nvcc(), *NVCC_FLAGS, *defines, *ARCH, *[f"-I{i}" for i in includes],
+            f"-I{src.parent}", "-c", str(src), "-o", str(obj)]
+
+
+def _cmd_file(obj: Path) -> Path:
+    return obj.with_suffix(".cmd")
+
+
+def _cmd_changed(obj: Path, cmd: list[str]) -> bool:
+    f = _cmd_file(obj)
+    return not f.exists() or f.read_text() != " ".join(cmd)
+
+
+def compile_one(src: Path, obj: Path, includes: list[Path], defines: list[str],
+                verbose: bool) -> tuple[Path, float]:
+    cmd = compile_cmd(src, obj, includes, defines)
     if verbose:
         cmd[1:1] = ["-Xptxas", "-v"]
     t0 = time.time()
@@ -88,6 +113,7 @@ def compile_one(src: Path, obj: Path, includes: list[Path], verbose: bool) -> tu
         raise RuntimeError(f"nvcc failed on {src.name}:\n{' '.join(cmd)}\n{r.stdout}{r.stderr}")
     if verbose and r.stderr:
         print(r.stderr)
+    _cmd_file(obj).write_text(" ".join(compile_cmd(src, obj, includes, defines)))
     return src, time.time() - t0
 
 
@@ -98,12 +124,15 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None)
     ap.add_argument("--verbose", action="store_true", help="ptxas resource usage")
     ap.add_argument("--lib", choices=sorted(LIBS), default=None)
+    ap.add_argument("--diagnostics", action="store_true",
+                    help="-DMOONEP_DIAGNOSTICS, into moonep_ops/lib/diagnostics/")
     args = ap.parse_args(argv)
 
     libs = [args.lib] if args.lib else sorted(LIBS)
     includes = cutlass_includes() if "gemm" in libs else []
     tmp = tempfile.TemporaryDirectory() if args.check else None
-    obj_dir = Path(tmp.name) if tmp else ROOT / "build" / "moonep_gpu"
+    cache = "moonep_gpu_diagnostics" if args.diagnostics else "moonep_gpu"
+    obj_dir = Path(tmp.name) if tmp else ROOT / "build" / cache
     obj_dir.mkdir(parents=True, exist_ok=True)
     rc = 0
     for lib in libs:
@@ -115,15 +144,19 @@ def _build(lib: str, args, includes: list[Path], obj_dir: Path) -> int:
     srcs = sources(lib)
     if not srcs:
         raise SystemExit(f"no sources for {lib}")
+    defines = [DIAG_DEFINE] if args.diagnostics else []
     jobs = [(s, obj_dir / (s.stem + ".o")) for s in srcs]
-    todo = [(s, o) for s, o in jobs if (args.check or _stale(s, o))
+    todo = [(s, o) for s, o in jobs
+            if (args.check or _stale(s, o) or _cmd_changed(o, compile_cmd(s, o, includes, defines)))
             and (not args.only or args.only in s.name)]
     t0 = time.time()
     inc = f"CUTLASS: {includes[0]}  " if includes else ""
-    print(f"[{lib}] nvcc: {nvcc()}  {inc}units: {len(todo)}/{len(jobs)}  -j{args.j}", flush=True)
+    variant = "diagnostics" if args.diagnostics else "production"
+    print(f"[{lib}] {variant}  nvcc: {nvcc()}  {inc}units: {len(todo)}/{len(jobs)}  -j{args.j}",
+          flush=True)
     try:
         with ThreadPoolExecutor(max_workers=max(1, args.j)) as ex:
-            futs = [ex.submit(compile_one, s, o, includes, args.verbose) for s, o in todo]
+            futs = [ex.submit(compile_one, s, o, includes, defines, args.verbose) for s, o in todo]
             for f in futs:
                 src, dt = f.result()
                 print(f"  {src.name}: {dt:.0f} s", flush=True)
@@ -133,9 +166,17 @@ def _build(lib: str, args, includes: list[Path], obj_dir: Path) -> int:
     if args.check:
         print(f"[{lib}] compile check OK ({time.time() - t0:.0f} s)")
         return 0
-    LIB_DIR.mkdir(parents=True, exist_ok=True)
-    out = LIB_DIR / LIBS[lib][1]
-    cmd = [nvcc(), "-shared", *ARCH, "-cudart", "static", "-o", str(out), *[str(o) for _, o in jobs]]
+    lib_dir = DIAG_LIB_DIR if args.diagnostics else LIB_DIR
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    out = lib_dir / LIBS[lib][1]
+    # Export the C ABI (moonep_*) and nothing else: -fvisibility=hidden does not cover the
+    # C++ library's inline functions that some headers instantiate with default visibility
+    # (std::ctype<char>::do_widen in the CUTLASS units), and scripts/check_abi.py requires every
+    # export to have a prototype.
+    vscript = obj_dir / f"{LIBS[lib][1]}.map"
+    vscript.write_text("{\n  global: moonep_*;\n  local: *;\n};\n")
+    cmd = [nvcc(), "-shared", *ARCH, "-cudart", "static", "-Xlinker", f"--version-script={vscript}",
+           "-o", str(out), *[str(o) for _, o in jobs]]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         print(f"link failed:\n{' '.join(cmd)}\n{r.stdout}{r.stderr}", file=sys.stderr)

@@ -1,9 +1,9 @@
 """Python model of the device planner's split steps for one expert serving many quotas
-(csrc/plan_kernels.cu split_one_expert_steps, WIP branch, session 8), checked against the
-per-donor split greedy with the kernel's packed-key tie rules (largest quota, ties -> lowest
-rank; most tokens left, ties -> lowest local expert).
+(csrc/plan_kernels.cu split_one_expert_steps), checked against the per-donor split greedy with
+the kernel's packed-key tie rules (largest quota, ties -> lowest rank; most tokens left, ties ->
+lowest local expert).
 
-    python3 scripts/models/split_steps.py        # ~20 s on one core
+    python3 diagnostics/models/split_steps.py        # ~20 s on one core
 """
 import random
 

@@ -1,9 +1,9 @@
 """Python model of the device planner's batched rank quotas (csrc/plan_kernels.cu:
-rank_quotas_order and the step in plan_group_kernel, session 8), checked against the
-round-by-round greedy of moonep_ops.planner.rank_quotas with the kernel's packed-key tie rules
+rank_quotas_order and the step in plan_group_kernel), checked against the
+round-by-round greedy of moonep_ops.ops.plan rank_quotas with the kernel's packed-key tie rules
 (donor: largest balance, ties -> lowest rank; receiver: smallest balance, ties -> lowest rank).
 
-    python3 scripts/models/rank_quotas_batch.py        # ~20 s on one core
+    python3 diagnostics/models/rank_quotas_batch.py        # ~20 s on one core
 """
 import random
 

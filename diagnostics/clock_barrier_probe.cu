@@ -1,13 +1,14 @@
 // When does a warp's clock64 right after __syncthreads() read?  One warp arrives ~5,000 cycles
 // late; every warp records clock64 before the barrier, right after it, and again after one
-// volatile shared load.  On the H200 (session 10) warp 0's read right after the barrier came
-// 70-105 cycles after the block started, long before the late warp arrived: __syncthreads() is
+// volatile shared load.  On the H200 warp 0's read right after the barrier comes 70-105 cycles
+// after the block started, long before the late warp arrives: __syncthreads() is
 // BAR.SYNC.DEFER_BLOCKING, and the warp goes on issuing until a memory instruction.  After the
 // shared load the read is past the late warp's arrival.  This is why the device planner's
-// thread-0 stage stamps are warp 0's arrivals (benchmarks/plan_warp_stamps.py).
+// thread-0 stage stamps are warp 0's arrivals (diagnostics/plan_warp_stamps.py).
+// Standalone: needs neither moonep library.
 //
 //   nvcc -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/clock_barrier_probe \
-//        benchmarks/clock_barrier_probe.cu && /tmp/clock_barrier_probe
+//        diagnostics/clock_barrier_probe.cu && /tmp/clock_barrier_probe
 #include <cuda_runtime.h>
 
 #include <cstdio>
