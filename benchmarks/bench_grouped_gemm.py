@@ -13,7 +13,7 @@ to 20 % slower than the same kernel timed first.
   torch     torch._grouped_mm (weights pre-concatenated, not timed; its wgrad writes bf16, so it
             is like-for-like with wgrad_lp; ours "wgrad" is the fp32 read-modify-write op);
   dense     torch.mm with the same FLOPs (all routed rows as one GEMM).
-Prints one table per kind and the targets of issue 5 (met / not met), writes
+Prints one table per kind and the targets of docs/grouped_gemm.md (met / not met), writes
 bench_grouped_gemm.json and bench_grouped_gemm.md under --out.
 """
 from __future__ import annotations

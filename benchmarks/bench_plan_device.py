@@ -32,6 +32,7 @@ import time
 import torch
 
 import moonep_ops  # noqa: F401
+from moonep_ops import native
 from moonep_ops import planner as pdv
 from moonep_ops.geometry import Geometry
 from moonep_ops.testing import histogram, make_routing, maxvio
@@ -109,15 +110,30 @@ def time_graph(fn, launches, reps):
     return time_graphs([capture(fn, launches)], launches, reps)[0]
 
 
+def _hook(name):
+    """A diagnostics hook of libmoonep_ep.so (only a --diagnostics build has them), or None."""
+    return getattr(native.ep(), name, None)
+
+
+def _debug_stop(stop):
+    _hook("plan_debug_stop")(stop)
+
+
+def _debug_stamps(buf):
+    _hook("plan_debug_stamps")(None if buf is None else buf.data_ptr())
+
+
 def capture_with(fn, launches, stop=99, pdl=True):
     """A graph of fn captured with the debug knobs set (they act at launch, i.e. at capture)."""
-    pdv.debug_stop(stop)
-    pdv.debug_pdl(pdl)
+    if stop == 99 and pdl and _hook("plan_debug_stop") is None:
+        return capture(fn, launches)             # the production library: nothing to set
+    _hook("plan_debug_stop")(stop)
+    _hook("plan_debug_pdl")(int(pdl))
     try:
         return capture(fn, launches)
     finally:
-        pdv.debug_stop(99)
-        pdv.debug_pdl(True)
+        _hook("plan_debug_stop")(99)
+        _hook("plan_debug_pdl")(1)
 
 
 def time_eager(fn, iters):
@@ -144,6 +160,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or not pdv.device_planner_available():
         print("needs a CUDA device and libmoonep_ep.so (python -m moonep_ops.build --lib ep)")
         return 1
+    diag = _hook("plan_debug_stop") is not None
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
           f"graph of {a.launches} launches, best/median of {a.reps} replays (us per plan)")
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -173,11 +190,12 @@ def main(argv=None) -> int:
             pdv.plan_into(hist, topk, rank, R, s, tp, NvS, err, bufs, group_only=True)
         run_full = (lambda hist=hist, topk=topk, R=R, s=s, NvS=geo.NvS, err=err, bufs=bufs:  # noqa: E731
                     pdv.plan_into(hist, topk, rank, R, s, tp, NvS, err, bufs))
-        # Default, and the A/B variants of the group kernel, replayed interleaved.
-        gs = [capture_with(run_group, a.launches), capture_with(run_full, a.launches),
-              capture_with(run_group, a.launches, pdl=False),
-              capture_with(run_full, a.launches, pdl=False),
-              capture_with(run_group, a.launches, stop=198)]
+        # Default, and (diagnostics build) the A/B variants of the group kernel, interleaved.
+        gs = [capture_with(run_group, a.launches), capture_with(run_full, a.launches)]
+        if diag:
+            gs += [capture_with(run_group, a.launches, pdl=False),
+                   capture_with(run_full, a.launches, pdl=False),
+                   capture_with(run_group, a.launches, stop=198)]
         grp, full, *ab = time_graphs(gs, a.launches, a.reps)
         variants.append((R, E, kind, grp, *ab))
         if (R, E) != (8, 64) and kind != "zipf":
@@ -192,6 +210,10 @@ def main(argv=None) -> int:
         print(f"| {R} | {E} | {s} | {K} | {kind} | {maxvio(tpe):.2f} | {grp[0]:.1f} | {grp[1]:.1f} "
               f"| {full[0]:.1f} | {full[1]:.1f} | {eager:.0f} | {int(err.item())}"
               f"{'' if same else ' MISMATCH vs torch'} |", flush=True)
+    if not diag:
+        print("\n(the A/B variants and the stage tables need the diagnostics build: "
+              "python -m moonep_ops.build --diagnostics; MOONEP_LIB_DIR=moonep_ops/lib/diagnostics)")
+        return 0
     print("\nA/B variants: without programmatic dependent launch, and with every greedy loop round "
           "by round (stop 198: no batched split, rank quotas or single-donor closed form; best / "
           "median us, replayed interleaved with the rows above)")
@@ -207,7 +229,7 @@ def main(argv=None) -> int:
           "from the block's start to the end of the dependency wait; total = after the wait. "
           "Thread 0 stamps right after each barrier, before it completes (BAR.SYNC."
           "DEFER_BLOCKING): a stage column is warp 0's arrival to arrival; the last warp's "
-          "view is benchmarks/plan_warp_stamps.py")
+          "view is diagnostics/plan_warp_stamps.py")
     print("| R | E | routing | run | wait | load | validate+quotas | split | layout "
           "| pieces+writes | total | total us at the clock |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -217,18 +239,18 @@ def main(argv=None) -> int:
                                ("warm, rank quotas round by round (197)", a.launches, 197),
                                ("warm, every greedy round by round (198)", a.launches, 198)):
             rows = []
-            pdv.debug_stop(stop)
+            _debug_stop(stop)
             for _ in range(7):
                 _busy()
                 for i in range(n):
                     if i == n - 1:
                         st.zero_()
-                        pdv.debug_stamps(st)
+                        _debug_stamps(st)
                     fn()
-                pdv.debug_stamps(None)
+                _debug_stamps(None)
                 v = st.tolist()
                 rows.append([v[i + 1] - v[i] for i in range(6)] + [v[6] - v[1]])
-            pdv.debug_stop(99)
+            _debug_stop(99)
             med = [statistics.median(c) for c in zip(*rows)]
             clk = _clock()
             us = f"{med[-1] / clk:.1f} at {clk} MHz" if isinstance(clk, (int, float)) and clk else "?"
@@ -241,11 +263,11 @@ def main(argv=None) -> int:
     for R, E, s, K, kind, fn in stages:
         ts = []
         for stop in (0, 1, 2, 3, 4, 99):
-            pdv.debug_stop(stop)
+            _debug_stop(stop)
             try:
                 ts.append(time_graph(fn, a.launches, a.reps)[0])
             finally:
-                pdv.debug_stop(99)
+                _debug_stop(99)
         diffs = [ts[0]] + [ts[i] - ts[i - 1] for i in range(1, len(ts))]
         print(f"| {R} | {E} | {kind} | " + " | ".join(f"{x:.1f}" for x in diffs)
               + f" | {ts[-1]:.1f} |", flush=True)

@@ -44,11 +44,13 @@ __device__ __forceinline__ int32_t load_err(const int32_t* err) {
 
 // ------------------------------------------------------------------------------------------
 // Barrier: signal every peer, then wait for every peer; a timeout sets MOONEP_ERR_TIMEOUT and
-// returns (no trap, no hang).  After a timeout the group is broken: later barriers no longer
-// wait, and the host reports the flag (Buffer.check_errors()).
+// returns (no trap, no hang), recording the first timed-out barrier's op, the peer it waited
+// for and its epoch in err[1..3], so the host can say which op lost which rank.  After a
+// timeout the group is broken: later barriers no longer wait, and the host reports the flag
+// (Buffer.check_errors()).
 // ------------------------------------------------------------------------------------------
 __global__ void barrier_kernel(uint64_t* const* sig_peers, uint64_t* epoch, int rank, int R,
-                               int32_t* err, long long timeout_ns) {
+                               int32_t* err, long long timeout_ns, int op) {
   // Let a kernel launched with programmatic dependent launch (the planner's group kernel, right
   // after the histogram barrier) become resident and set up while this one waits; it still
   // waits for this kernel's completion (griddepcontrol.wait) before reading anything.
@@ -68,6 +70,12 @@ __global__ void barrier_kernel(uint64_t* const* sig_peers, uint64_t* epoch, int 
   for (int p = threadIdx.x; p < R; p += blockDim.x) {
     while (ld_acquire_sys(mine + p) < t) {
       if (static_cast<long long>(globaltimer_ns() - t0) > timeout_ns) {
+        // details of the first timeout only (err[1] is 0 until then): op, missing peer + 1,
+        // epoch of the barrier (low 31 bits)
+        if (atomicCAS(err + 1, 0, op) == 0) {
+          err[2] = p + 1;
+          err[3] = static_cast<int32_t>(t & 0x7fffffff);
+        }
         atomicOr(err, MOONEP_ERR_TIMEOUT);
         break;
       }
@@ -468,10 +476,10 @@ int64_t max_chunks_of(const TensorTable& tt) {
 using moonep_ep::fail;
 
 MOONEP_EXPORT int moonep_ep_barrier(void* sig_peers, void* epoch, int rank, int R, void* err,
-                                    long long timeout_ns, void* stream) {
+                                    long long timeout_ns, int op, void* stream) {
   barrier_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<uint64_t* const*>(sig_peers), static_cast<uint64_t*>(epoch), rank, R,
-      static_cast<int32_t*>(err), timeout_ns);
+      static_cast<int32_t*>(err), timeout_ns, op);
   return fail(cudaGetLastError(), "moonep_ep_barrier");
 }
 

@@ -38,7 +38,7 @@
 #include <cuda_runtime_api.h>  // cudaStream_t
 
 // Bumped whenever an exported signature changes (moonep_ops/native.py checks it at load).
-#define MOONEP_EP_ABI_VERSION 2
+#define MOONEP_EP_ABI_VERSION 3
 
 #ifdef __cplusplus
 #define MOONEP_EXPORT extern "C" __attribute__((visibility("default")))
@@ -101,13 +101,17 @@ MOONEP_EXPORT const char* moonep_ep_last_error(void);
  *                    not symmetric).
  * @param rank        this rank, in [0, R).
  * @param R           ranks of the group.
- * @param err         device int32 [1]: error word (MOONEP_ERR_TIMEOUT set on a timeout).
+ * @param err         device int32 [4]: err[0] the error word (MOONEP_ERR_TIMEOUT set on a
+ *                    timeout); on the group's first timeout err[1] = op, err[2] = the peer it
+ *                    waited for + 1, err[3] = the barrier's epoch (low 31 bits); all 0 before.
  * @param timeout_ns  nanoseconds (of the device's %globaltimer) a thread waits for one peer
  *                    before it gives up.
+ * @param op          the caller's code of this barrier (> 0), recorded on a timeout (the Python
+ *                    side's table: moonep_ops/native.py BARRIER_OPS).
  * @param stream      cudaStream_t to launch on.
  */
 MOONEP_EXPORT int moonep_ep_barrier(void* sig_peers, void* epoch, int rank, int R, void* err,
-                                    long long timeout_ns, void* stream);
+                                    long long timeout_ns, int op, void* stream);
 
 /**
  * Histogram exchange: the bincount of this rank's expert ids, written with (bad-ids flag, s,

@@ -45,7 +45,7 @@ def report():
     torch.cuda.synchronize()
     for r, b in enumerate(bufs):
         be = b.backend
-        print("rank", r, "epoch", int(be.epoch.item()), "err", int(be.err.item()),
+        print("rank", r, "epoch", int(be.epoch.item()), "err", be.err.tolist(),
               "sig", be.sig.tolist(), flush=True)
 try:
     if {case!r} == "all_remote":

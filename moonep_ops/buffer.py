@@ -176,14 +176,23 @@ class Buffer:
         return pool
 
     def check_errors(self) -> None:
-        """Raise if a device kernel flagged an error (bad ids, histograms that disagree, a
-        barrier timeout).  Reads one int from the device: a host sync, so call it at logging
-        points, not inside captured code.  Host backends raise eagerly and have no error word."""
+        """Raise if a device kernel flagged an error: ``native.DataPlaneTimeout`` (a
+        ``TimeoutError``) naming the op and the rank it waited for when a cross-rank barrier
+        timed out, else ``native.DataPlaneError`` (bad ids, histograms that disagree, plan
+        overflow).  Reads the device: a host sync, so call it at logging points, not inside
+        captured code.  Host backends raise eagerly and have no error word."""
         self._order.drain()                   # async ops in flight write the error word too
-        word = self.backend.error_word()
-        if word:
-            raise RuntimeError(f"moonep data plane error on rank {self.rank}: "
-                               f"{native.describe_errors(word)} (error word {word:#x})")
+        word, op, peer = self.backend.error_details()
+        if not word:
+            return
+        msg = (f"moonep data plane error on rank {self.rank}: {native.describe_errors(word)} "
+               f"(error word {word:#x})")
+        if word & native.ERR_TIMEOUT:
+            msg += (f"; the first timeout was in {op or 'an unknown op'}, waiting for rank {peer} "
+                    f"(timeout {self.backend.timeout_ns / 1e9:g} s): rank {peer} did not reach the "
+                    "same op, or died")
+            raise native.DataPlaneTimeout(msg, word, op, peer)
+        raise native.DataPlaneError(msg, word)
 
     @property
     def alive(self) -> bool:

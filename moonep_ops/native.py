@@ -31,7 +31,7 @@ from typing import Optional
 # Bumped with every exported signature change; the library reports its own value, and a mismatch
 # makes the library "not loadable" rather than risking a call with the wrong arguments.
 GEMM_ABI_VERSION = 7       # cutlass_kernels/moonep_gemm.h
-EP_ABI_VERSION = 2         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
+EP_ABI_VERSION = 3         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 
 _vpp = POINTER(c_void_p)
 _i64p = POINTER(c_int64)
@@ -60,7 +60,8 @@ EP_PROTOTYPES: dict[str, tuple] = {
     "moonep_ep_abi_version": (c_int, []),
     "moonep_ep_last_error": (c_char_p, []),
     # data plane (csrc/ep_kernels.cu)
-    "moonep_ep_barrier": (c_int, [c_void_p, c_void_p, c_int, c_int, c_void_p, c_longlong, c_void_p]),
+    "moonep_ep_barrier": (c_int, [c_void_p, c_void_p, c_int, c_int, c_void_p, c_longlong, c_int,
+                                  c_void_p]),
     "moonep_ep_hist_publish": (c_int, [c_void_p, c_int, c_int, c_int, c_int, c_int, c_int, c_void_p,
                                        c_void_p, c_void_p]),
     "moonep_ep_dispatch_send": (c_int, [c_void_p, c_int64, c_void_p, c_void_p, c_int, c_int, c_int,
@@ -236,3 +237,29 @@ _ERR_TEXT = {ERR_BAD_IDS: "a rank passed expert ids outside [0, E)",
 
 def describe_errors(word: int) -> str:
     return "; ".join(text for bit, text in _ERR_TEXT.items() if word & bit) or "none"
+
+
+# Codes the data plane passes to moonep_ep_barrier (recorded on a timeout: err[1]).
+BARRIER_OPS = {1: "dispatch (histogram exchange)", 2: "dispatch (rows sent)",
+               3: "dispatch (rows received)", 4: "combine (rows staged)",
+               5: "combine (rows gathered)", 6: "prefetch_weight (slots free)",
+               7: "prefetch_weight (slots filled)", 8: "reduce_grad (grads complete)",
+               9: "reduce_grad (grads read)"}
+BARRIER_CODE = {"hist": 1, "sent": 2, "received": 3, "staged": 4, "gathered": 5,
+                "slots_free": 6, "slots_filled": 7, "grads_complete": 8, "grads_read": 9}
+
+
+class DataPlaneError(RuntimeError):
+    """A device kernel of the data plane set the error word (``Buffer.check_errors``)."""
+
+    def __init__(self, message: str, word: int):
+        super().__init__(message)
+        self.word = word
+
+
+class DataPlaneTimeout(DataPlaneError, TimeoutError):
+    """A cross-rank barrier timed out: ``op`` (BARRIER_OPS) waited for ``missing_rank``."""
+
+    def __init__(self, message: str, word: int, op: str, missing_rank: int):
+        super().__init__(message, word)
+        self.op, self.missing_rank = op, missing_rank

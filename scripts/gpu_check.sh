@@ -1,71 +1,84 @@
 #!/usr/bin/env bash
-# Everything that needs the H200, in one call (device tool):  bash scripts/gpu_check.sh
-#   1. install carried wheels (expecttest) and the package; print the environment
-#   2. tests: the whole suite on the GPU box (CPU tests on torch 2.11 + every CUDA test);
-#      cuda: only the CUDA test files (tests/*_cuda.py)
-#      nccl: (several GPUs) the multi-rank cases of test_data_plane / test_moe over NCCL
-#   3. dataplane: device planner latency, dispatch/combine bandwidth, eager vs CUDA-graph steps,
-#      the 1000-step soak
-#   4. moe: MoE layer step benchmark (eager vs compiled vs reduce-overhead)
-#      job: the main job under torchrun on every GPU (not in the default STAGES)
-#   5. gemm: scripts/gpu_check_gemm.sh (build if needed, CUDA tests, calibrate, bench)
-# The libraries are built on the CPU machine (python -m moonep_ops.build) and carried:
-#   run(command="bash scripts/gpu_check.sh", carry=["moonep_ops/lib", ".gpu_carry"])
-# Results land in $OUT; a short table is printed last.
+# Everything that needs the GPU, in one script, ending with a short table (stage, result, time).
+#
+#   bash scripts/gpu_check.sh                     # every stage of the default list
+#   STAGES=tests,gemm bash scripts/gpu_check.sh   # some stages
+#
+# On the H200 of the device tool, with the libraries built on the CPU machine and carried (the
+# device's 16 cores build them in ~3.5 min instead, when nvidia-cutlass is carried in .whl/):
+#   run(command="bash scripts/gpu_check.sh", carry=["moonep_ops/lib", ".whl"])
+# Stages:
+#   build      build moonep_ops/lib (production) and moonep_ops/lib/diagnostics if they are
+#              missing or do not load (python -m moonep_ops.build -j 16 [--diagnostics])
+#   tests      every CUDA test: tests/*_cuda.py
+#   diag       the planner tests that need the diagnostics build (its debug knobs)
+#   vranks     diagnostics/virtual_rank_timeouts.py (virtual ranks at R = 8, fresh processes)
+#   dataplane  device planner latency, dispatch/combine bandwidth, eager vs CUDA-graph steps
+#   moe        the MoE layer step (eager, compiled, CUDA graphs)
+#   soak       2,000 compiled steps, new routing every step, NaN batches every 100 steps
+#   gemm       the grouped-GEMM model zoo (ours vs torch._grouped_mm vs dense; the calibration
+#              data the cost model is fitted on)
+#   nccl, job  several GPUs only: the multi-rank tests over NCCL; the main job under torchrun
+# Logs and results land in $OUT (default /tmp/gpu_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
+# NVLink multicast stays off (it can take a shared host's GPUs out of service).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
-STAGES=${STAGES:-tests,dataplane,moe,gemm}
-[ -d .gpu_carry/wheels ] && $PY -m pip install -q --no-index --no-deps .gpu_carry/wheels/*.whl 2>&1 | tail -1
+STAGES=${STAGES:-build,tests,diag,vranks,dataplane,moe,soak,gemm}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/moonep_site .whl/*.whl 2>&1 | tail -1
+  export PYTHONPATH=/tmp/moonep_site
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-$PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
-summary=()
-if [[ $STAGES == *tests* ]]; then
-  timeout ${T_TESTS:-300} $PY -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest_all.log" | tail -15
-  summary+=("tests: $(tail -1 "$OUT/pytest_all.log")")
+$PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(), torch.cuda.device_count(), 'GPU(s)')"
+nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader
+NG=$($PY -c "import torch; print(torch.cuda.device_count())")
+rows=()
+
+# stage NAME TIMEOUT_S COMMAND...: run it, log to $OUT/NAME.log, keep a summary row
+stage() {
+  local name=$1 limit=$2; shift 2
+  [[ ",$STAGES," == *",$name,"* ]] || return 0
+  echo "==== $name"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n ${TAIL:-15} "$OUT/$name.log"
+  local last
+  last=$(grep -E "passed|failed|PASS|FAIL|error|Error" "$OUT/$name.log" | tail -1 | cut -c1-110)
+  rows+=("| $name | $([ $rc = 0 ] && echo ok || echo "rc $rc") | $((SECONDS - t0)) s | ${last:-} |")
+}
+
+libs_ok() {   # $1: library folder
+  MOONEP_LIB_DIR=$1 $PY -c "import sys; from moonep_ops import native as n; sys.exit(n.gemm() is None or n.ep() is None)"
+}
+build() {
+  libs_ok moonep_ops/lib || $PY -m moonep_ops.build -j 16 || return 1
+  libs_ok moonep_ops/lib/diagnostics || $PY -m moonep_ops.build -j 16 --diagnostics || return 1
+  $PY scripts/check_abi.py && $PY scripts/check_abi.py --diagnostics
+}
+stage build 600 build
+stage tests ${T_TESTS:-420} $PY -m pytest -q -rs tests/ -k cuda -p no:cacheprovider
+stage diag 120 env MOONEP_LIB_DIR=moonep_ops/lib/diagnostics $PY -m pytest -q -rs \
+  tests/test_plan_device_cuda.py -k "packed or batched or batches or pdl" -p no:cacheprovider
+stage vranks 200 $PY diagnostics/virtual_rank_timeouts.py
+stage dataplane 300 bash -c "$PY benchmarks/bench_plan_device.py --skip-torch-graph && \
+  $PY benchmarks/bench_data_plane_cuda.py"
+stage moe 200 $PY benchmarks/bench_moe_step.py
+stage soak 300 $PY benchmarks/soak_cuda.py --steps 2000 --nan-every 100
+stage gemm 420 $PY benchmarks/bench_gemm_zoo.py --out "$OUT" --time-limit-s 360
+if [ "$NG" -ge 2 ]; then
+  stage nccl 300 env MOONEP_TEST_DIST=nccl $PY -m pytest -q -rs tests/test_data_plane.py \
+    tests/test_moe.py -p no:cacheprovider
+  stage job 330 $PY -m torch.distributed.run --standalone --nproc-per-node "$NG" -m apps.job \
+    -E 256 -K 8 --dim 2048 --ffn 1024 --layers 9 --tokens 4096 --steps 2 --maxvio 0.2 20 \
+    --no-compile --no-progress --out "$OUT/job"
 fi
-if [[ $STAGES == *cuda* ]]; then
-  timeout ${T_CUDA:-300} $PY -m pytest -q -rs tests/*_cuda.py 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
-  summary+=("cuda tests: $(tail -1 "$OUT/pytest_cuda.log")")
-fi
-if [[ $STAGES == *nccl* ]]; then   # several GPUs: the multi-rank test cases over NCCL, a GPU per rank
-  NG=$($PY -c "import torch; print(torch.cuda.device_count())")
-  if [ "$NG" -ge 2 ]; then
-    MOONEP_TEST_DIST=nccl timeout ${T_NCCL:-300} $PY -m pytest -q -rs tests/test_data_plane.py \
-      tests/test_moe.py 2>&1 | tee "$OUT/pytest_nccl.log" | tail -6
-    summary+=("nccl tests (R <= $NG): $(tail -1 "$OUT/pytest_nccl.log")")
-  fi
-fi
-if [[ $STAGES == *dataplane* ]]; then
-  [ -f benchmarks/bench_plan_device.py ] && timeout ${T_PLAN:-200} $PY benchmarks/bench_plan_device.py 2>&1 | tee "$OUT/bench_plan_device.log" | tail -12
-  timeout ${T_WST:-60} $PY benchmarks/plan_warp_stamps.py 2>&1 | tee "$OUT/plan_warp_stamps.log" | tail -6
-  timeout ${T_DP:-240} $PY benchmarks/bench_data_plane_cuda.py 2>&1 | tee "$OUT/bench_data_plane.log" | tail -16
-  timeout ${T_SOAK:-240} $PY benchmarks/soak_cuda.py 2>&1 | tee "$OUT/soak.log" | tail -3
-  summary+=("soak: $(tail -1 "$OUT/soak.log")")
-  NG=$($PY -c "import torch; print(torch.cuda.device_count())")
-  if [ "$NG" -ge 2 ]; then      # several GPUs: MoonEP vs the NCCL all-to-all baseline
-    timeout ${T_MG:-240} $PY -m torch.distributed.run --nproc_per_node=$NG \
-      benchmarks/bench_multigpu_dispatch.py 2>&1 | tee "$OUT/bench_multigpu.log" | grep -v "^W\|^\*" | tail -8
-  fi
-fi
-if [[ $STAGES == *job* ]]; then    # the main job under torchrun on every GPU (CUDA backends)
-  NG=$($PY -c "import torch; print(torch.cuda.device_count())")
-  # JOB_ARGS default: the 9-layer, 256-expert, top-8 setting of issue #8 (about 200 s at R=2,
-  # most of it start-up and the profile; a shorter timeout kills it before the table prints).
-  JOB_ARGS=${JOB_ARGS:--E 256 -K 8 --hidden 2048 --ffn 1024 --layers 9 --tokens 4096 --steps 2 --maxvio 0.2 20 --no-compile --profile}
-  timeout ${T_JOB:-330} $PY -m torch.distributed.run --standalone --nproc-per-node $NG \
-    -m moonep_ops $JOB_ARGS --no-progress --out "$OUT/job" 2>&1 | tee "$OUT/job.log" | grep -v "^W1" | tail -16
-  summary+=("job: $(grep -c '^| ' "$OUT/job.log") table rows")
-fi
-if [[ $STAGES == *moe* ]]; then
-  timeout ${T_MOE:-200} $PY benchmarks/bench_moe_step.py 2>&1 | tee "$OUT/bench_moe_step.log" | tail -12
-  summary+=("moe: $(tail -1 "$OUT/bench_moe_step.log")")
-fi
-if [[ $STAGES == *gemm* ]]; then
-  OUT=$OUT bash scripts/gpu_check_gemm.sh 2>&1 | tee "$OUT/gemm.log" | tail -40
-fi
-echo "==== summary ===="
-printf '%s\n' "${summary[@]}"
+echo
+echo "| stage | result | time | last line |"
+echo "|---|---|---|---|"
+printf '%s\n' "${rows[@]}"

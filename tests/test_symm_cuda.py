@@ -316,9 +316,9 @@ def test_barrier_timeout_sets_flag_without_hanging():
     b0 = Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=vg.backend(0, timeout_s=0.2))
     Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=vg.backend(1))  # never calls
     b0.check_errors()
-    b0.backend.barrier()             # rank 1 never arrives
+    b0.backend.barrier("staged")     # rank 1 never arrives
     torch.cuda.synchronize()
-    with pytest.raises(RuntimeError, match="timed out"):
+    with pytest.raises(TimeoutError, match="timed out"):
         b0.check_errors()
     # the group is broken now: later ops return quickly with zeros instead of hanging
     x = torch.randn(4, 8, device=vg.device)
@@ -326,6 +326,48 @@ def test_barrier_timeout_sets_flag_without_hanging():
     h, w, cu, plan = b0.dispatch(x, t)
     torch.cuda.synchronize()
     assert not h.any()
+
+
+def test_a_rank_that_stops_mid_step_is_named_within_the_timeout():
+    """Fault test: rank 1 of 2 virtual ranks runs the first op of a step (dispatch) with rank 0
+    and then stops calling.  Rank 0's combine times out; check_errors raises a TimeoutError that
+    names the op and the missing rank, within the configured timeout; the process can build a
+    new Buffer and run a clean step afterwards."""
+    import time
+    from moonep_ops import native
+    from moonep_ops.backends import VirtualGroup
+    timeout = 0.5
+    vg = VirtualGroup(2)
+    bufs = [Buffer(8, 16, 2, 4, dtype=torch.float32, device=vg.device,
+                   backend=vg.backend(r, timeout_s=timeout)) for r in range(2)]
+    xs = [torch.randn(8, 16, device=vg.device) for _ in range(2)]
+    ts = [torch.randint(0, 4, (8, 2), dtype=torch.int32, device=vg.device) for _ in range(2)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for r in range(2):                                  # both ranks dispatch
+        with torch.cuda.stream(streams[r]):
+            outs.append(bufs[r].dispatch(xs[r], ts[r]))
+    t0 = time.perf_counter()
+    with torch.cuda.stream(streams[0]):                 # only rank 0 combines
+        h, _, _, plan = outs[0]
+        bufs[0].combine(plan, h)
+        with pytest.raises(native.DataPlaneTimeout) as info:
+            bufs[0].check_errors()
+    elapsed = time.perf_counter() - t0
+    e = info.value
+    assert e.missing_rank == 1 and e.op.startswith("combine"), str(e)
+    assert "rank 1" in str(e) and "combine" in str(e)
+    assert elapsed < timeout + 5.0, f"the timeout took {elapsed:.1f} s"
+    bufs[1].check_errors()                              # rank 1 itself saw no error
+    torch.cuda.synchronize()
+    # a new group works
+    vg2 = VirtualGroup(1)
+    b = Buffer(8, 16, 2, 4, dtype=torch.float32, device=vg2.device, backend=vg2.backend(0))
+    x = torch.randn(8, 16, device=vg2.device)
+    h, _, _, plan = b.dispatch(x, torch.randint(0, 4, (8, 2), dtype=torch.int32, device=vg2.device))
+    y, _ = b.combine(plan, h)
+    b.check_errors()
+    torch.testing.assert_close(y, 2 * x)
 
 
 def test_bad_ids_flag_on_device(monkeypatch):

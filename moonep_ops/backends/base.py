@@ -117,6 +117,11 @@ class Backend(abc.ABC):
         return 0; a device backend's read is a host sync."""
         return 0
 
+    def error_details(self) -> tuple[int, str, int]:
+        """(error word, the op of the first barrier timeout or "", the rank it waited for or
+        -1).  Host backends: (0, "", -1)."""
+        return 0, "", -1
+
     def clear_errors(self) -> None:
         """Reset the error word (device backends)."""
 

@@ -275,7 +275,8 @@ class SymmBackend(Backend):
             self.y_stage, self.y_peers = self._region(NvS * rb, torch.uint8)
             self.w_stage, self.w_peers = self._region(NvS, torch.float32)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.err = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # [word, op of the first timeout, missing peer + 1, epoch]: csrc/moonep_ep.h
+        self.err = torch.zeros(4, dtype=torch.int32, device=self.device)
 
     _REGIONS = ("sig", "sig_peers", "hist", "hist_peers", "x_stage", "x_peers", "desc",
                 "desc_peers", "wland", "wland_peers", "ptab", "ptab_peers", "y_stage", "y_peers",
@@ -309,7 +310,13 @@ class SymmBackend(Backend):
     # -- errors -------------------------------------------------------------------------------
     def error_word(self) -> int:
         """Reads the device error word (a host sync: call it at logging points)."""
-        return int(self.err.item())
+        return int(self.err[0].item())
+
+    def error_details(self) -> tuple[int, str, int]:
+        """(word, op of the first barrier timeout or "", the peer it waited for or -1); one host
+        read."""
+        word, op, peer, _ = self.err.tolist()
+        return word, native.BARRIER_OPS.get(op, ""), peer - 1
 
     def clear_errors(self) -> None:
         self.err.zero_()
@@ -318,9 +325,12 @@ class SymmBackend(Backend):
     def _stream(self):
         return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
 
-    def barrier(self) -> None:
+    def barrier(self, what: str) -> None:
+        """One cross-rank barrier; ``what`` names it (native.BARRIER_CODE) for a timeout's
+        report."""
         _call("barrier", self.sig_peers.data_ptr(), self.epoch.data_ptr(), self.rank,
-              self.world_size, self.err.data_ptr(), self.timeout_ns, self._stream())
+              self.world_size, self.err.data_ptr(), self.timeout_ns, native.BARRIER_CODE[what],
+              self._stream())
 
     # -- Backend methods ----------------------------------------------------------------------
     def dispatch(self, x_sD, topk_sK, w_sK, total, reject):
@@ -328,8 +338,8 @@ class SymmBackend(Backend):
         if reject:
             raise ValueError(f"moonep dispatch: {reject}")
         if self.planner == "device" and spec.policy not in _plan.DEVICE_POLICIES:
-            raise ValueError(f"planner='device' plans policies {_plan.DEVICE_POLICIES}, the "
-                             f"Buffer's is {spec.policy!r}")
+            raise ValueError(f"planner='device' plans policy 'moonep' only "
+                             f"({_plan.DEVICE_POLICIES}), the Buffer's is {spec.policy!r}")
         if self.planner == "device" and not _plan.device_planner_available():
             raise RuntimeError("the device planner is not available in libmoonep_ep.so")
         # Histogram exchange, planning and the input checks run on the device: bad input sets
@@ -338,7 +348,7 @@ class SymmBackend(Backend):
         R, E, K = spec.R, spec.E, spec.K
         _call("hist_publish", topk_sK.data_ptr(), s * K, E, self.rank, R, s, total,
               self.hist_peers.data_ptr(), self.err.data_ptr(), self._stream())
-        self.barrier()
+        self.barrier("hist")
         hist_RX = self.hist.view(R, E + 3)
         # The torch planner (planner="torch", or a policy the device planner lacks) runs on
         # device tensors: sync-free, many small kernels.  Ids the histogram kernel flagged as
@@ -360,11 +370,11 @@ class SymmBackend(Backend):
               self.rank, spec.R, spec.S, spec.NvS, nvs_s, self.x_stage.data_ptr(),
               self.desc_peers.data_ptr(), self.wland_peers.data_ptr(), self.epoch.data_ptr(),
               self.err.data_ptr(), stream)
-        self.barrier()
+        self.barrier("sent")
         _call("dispatch_recv", h.data_ptr(), w.data_ptr(), nvs_s, self.row_bytes,
               self.desc.data_ptr(), self.wland.data_ptr(), self.x_peers.data_ptr(), spec.R, spec.S,
               self.epoch.data_ptr(), self.err.data_ptr(), self.num_sms, stream)
-        self.barrier()
+        self.barrier("received")
         return h, w
 
     def combine(self, h_MD, w_M, dst_N):
@@ -382,14 +392,14 @@ class SymmBackend(Backend):
             _call("combine_stage", h_MD.data_ptr(), n_rows, self.row_bytes, w_ptr,
                   self.y_stage.data_ptr(), self.w_stage.data_ptr(), stream)
             rows_of, y_peers, w_peers = None, self.y_peers.data_ptr(), self.w_peers.data_ptr()
-        self.barrier()
+        self.barrier("staged")
         y = torch.empty((s, spec.D), dtype=h_MD.dtype, device=h_MD.device)
         w_sK = (torch.empty((s, spec.K), dtype=torch.float32, device=h_MD.device)
                 if w_M is not None else None)
         _call("combine_recv", y.data_ptr(), w_sK.data_ptr() if w_sK is not None else None, s,
               spec.K, spec.D, _DTYPE_CODE[h_MD.dtype], dst_N.data_ptr(), spec.NvS, spec.NvS,
               rows_of, y_peers, w_peers, spec.R, self.err.data_ptr(), stream)
-        self.barrier()       # peers have read this rank's rows before it may reuse them
+        self.barrier("gathered")       # peers have read this rank's rows before it may reuse them
         return y, w_sK
 
     def _table(self, local, slots, what):
@@ -404,20 +414,20 @@ class SymmBackend(Backend):
             return
         spec = self.spec
         n, lp, pp, rb = self._table(local, slots, "prefetch_weight")
-        self.barrier()        # peers are done with the slots' previous contents
+        self.barrier("slots_free")        # peers are done with the slots' previous contents
         _call("push_weights", n, lp, pp, rb, etc_RB.data_ptr(), spec.R, spec.epn, self.rank,
               self.err.data_ptr(), self.num_sms, self._stream())
-        self.barrier()        # every slot filled before anyone computes with it
+        self.barrier("slots_filled")        # every slot filled before anyone computes with it
 
     def reduce_grad(self, etc_RB, local, slots):
         if not local:
             return
         spec = self.spec
         n, lp, pp, rb = self._table(local, slots, "reduce_grad")
-        self.barrier()        # every rank's slot grads are complete
+        self.barrier("grads_complete")        # every rank's slot grads are complete
         _call("reduce_grads", n, lp, pp, rb, etc_RB.data_ptr(), spec.R, spec.epn, self.rank,
               self.err.data_ptr(), self.num_sms, _DTYPE_CODE[local[0].dtype], self._stream())
-        self.barrier()        # every owner has read the slots
+        self.barrier("grads_read")        # every owner has read the slots
         sp = _ptrs([t.data_ptr() for t in slots])
         _call("zero_slots", n, sp, rb, etc_RB.data_ptr(), spec.epn, self.rank, self.num_sms,
               self._stream())

@@ -22,10 +22,12 @@ def enable_backward_tracing() -> None:
 
 
 def sgd_step(model: nn.Module, params: Sequence[nn.Parameter], lr: float, *,
-             mean: bool = False) -> Callable[[Tensor, Tensor], Tensor]:
+             mean: bool = False, skip_nonfinite: bool = False) -> Callable[[Tensor, Tensor], Tensor]:
     """``step(x, gy) -> loss``: loss = sum(model(x) * gy) (divided by its size if ``mean``),
-    backward, ``p -= lr * p.grad`` for every p of ``params``, grads cleared.  Compiles with
-    ``fullgraph=True`` (also ``mode="reduce-overhead"`` on the CUDA backend)."""
+    backward, ``p -= lr * p.grad`` for every p of ``params``, grads cleared.  With
+    ``skip_nonfinite`` a step whose loss is not finite updates nothing (decided on the device, no
+    host sync), as a loss scaler skips an overflowing step.  Compiles with ``fullgraph=True``
+    (also ``mode="reduce-overhead"`` on the CUDA backend)."""
     params = list(params)
 
     def step(x: Tensor, gy: Tensor) -> Tensor:
@@ -35,8 +37,12 @@ def sgd_step(model: nn.Module, params: Sequence[nn.Parameter], lr: float, *,
             loss = loss / out.numel()
         loss.backward()
         with torch.no_grad():
+            ok = torch.isfinite(loss) if skip_nonfinite else None
             for p in params:
-                p.sub_(p.grad * lr)
+                d = p.grad * lr
+                if ok is not None:
+                    d = torch.where(ok, d, torch.zeros_like(d))
+                p.sub_(d)
                 p.grad = None
         return loss.detach()
 
