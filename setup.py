@@ -17,7 +17,9 @@ setup(
     # Upper bound keeps pip from resolving a newer (CUDA, multi-GB) torch on CPU machines.
     install_requires=["torch>=2.11,<2.15", "numpy"],
     extras_require={
-        "test": ["pytest", "expecttest", "selenium"],   # + Debian chromium, chromium-driver
+        # + Debian chromium, chromium-driver.  transformers: exact pin (tests/test_integrations_hf.py
+        # relies on its block classes and output collector); it pulls no torch.
+        "test": ["pytest", "expecttest", "selenium", "transformers==5.24.0"],
         "demo": ["matplotlib", "tqdm"],                  # the main job's plots and progress bar
         "gpu": ["triton", "nvidia-cutlass", "cuda-python"],
     },

@@ -291,6 +291,28 @@ def test_converted_model_equals_hf(name, ov):
         model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bf16_close_to_hf(name):
+    """bf16: the router is HF's bitwise (above); the experts sum the K rows in fp32 and round
+    once where HF rounds per expert, so the logits agree to about one bf16 ulp, not bitwise.
+    DeepSeek-V3's router stays fp32 (fp32 logits) inside the bf16 model."""
+    model = tiny(name).to(torch.bfloat16)
+    for _, blk in sparse_blocks(model):
+        if name == "deepseek_v3":
+            blk.gate.float()
+    ref = copy.deepcopy(model)
+    hf.convert_model(model, capacity=CAP, token_padding=TP)
+    ids = batch(0)
+    with torch.no_grad():
+        want = ref(input_ids=ids, labels=ids, output_router_logits=True)
+        got = model(input_ids=ids, labels=ids, output_router_logits=True)
+    assert got.logits.dtype == torch.bfloat16
+    assert maxdiff(got.logits, want.logits) <= 4e-2 < 0.2 * want.logits.abs().max().item()
+    assert maxdiff(got.loss, want.loss) <= 1e-2
+    for a, b in zip(got.router_logits, want.router_logits):
+        assert a.dtype == b.dtype == (torch.float32 if name == "deepseek_v3" else torch.bfloat16)
+
+
 @pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "deepseek_v3"])
 def test_router_logits_and_aux_loss_with_padding_and_hooks(name):
     """HF installs its capturing hooks lazily (on the first recorded forward): convert before and
@@ -619,6 +641,22 @@ def case_deepseek_v3(ctx):
     _equivalence_case(ctx, "deepseek_v3")
 
 
+def case_subgroups(ctx):
+    """EP over subgroups (R = 4 processes as 2 EP groups of 2): ownership by the group rank,
+    expert grads summed within the group only, full_state_dict gathered within the group."""
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]     # every rank creates both
+    group = halves[ctx.rank // 2]
+    r = dist.get_rank(group)
+    model = tiny("deepseek_v3")
+    ref = copy.deepcopy(model)
+    hf.convert_model(model, group=group, capacity=CAP, token_padding=TP)
+    layer = model.model.layers[1].mlp
+    assert layer.moe.owned_experts() == range(r * E // 2, (r + 1) * E // 2)
+    compare_run(ref, model, batch(ctx.rank), group=group)
+    assert_same_state(hf.full_state_dict(model), ref.state_dict())
+    layer.moe.buffer.destroy()
+
+
 def case_compiled_model(ctx):
     """torch.compile(model, fullgraph=True) over the gloo data plane: the unconverted model's
     results on each rank's batch, one graph, no recompile when the routing changes."""
@@ -703,7 +741,8 @@ def case_refusals_under_ep(ctx):
 MULTI_RANK = multi_rank_cases(globals(), ranks=(1, 2, 4),
                               only_at={"case_refusals_under_ep": (2, 4),
                                        "case_compiled_model": (2,),
-                                       "case_data_parallel_recipe": (2,)})
+                                       "case_data_parallel_recipe": (2,),
+                                       "case_subgroups": (4,)})
 _results = cached_runner(__name__, MULTI_RANK, timeout_s=420, pg_timeout_s=120)
 
 

@@ -249,6 +249,10 @@ def _check_block(name: str, block: nn.Module, fam: Family, R: int) -> _Conversio
         if getattr(ex, flag, want) != want:
             raise NotImplementedError(f"{where}: experts.{flag}={getattr(ex, flag)!r}; MoonEP "
                                       f"converts {layout}")
+    gate_fn = getattr(type(ex), "_apply_gate", None)
+    if gate_fn is not None and getattr(gate_fn, "__name__", "") != "_default_apply_gate":
+        raise NotImplementedError(f"{where}: {type(ex).__name__} overrides _apply_gate (not "
+                                  "act(gate) * up)")
     if fam.model_type == "mixtral" and float(getattr(block, "jitter_noise", 0.0)) > 0:
         raise NotImplementedError(
             f"{where}: router_jitter_noise={block.jitter_noise} > 0 -- Mixtral then multiplies "
@@ -532,11 +536,12 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
         if why is not None:
             raise NotImplementedError(why)
     if not todo:
-        done = any(isinstance(m, MoonEPBlock) for m in model.modules())
-        warnings.warn(f"convert_model: {type(model).__name__} has no "
-                      f"{'unconverted ' if done else ''}sparse-MoE block "
-                      f"({'already converted' if done else 'supported: ' + str([f.block_class for f in FAMILIES])}"
-                      "); returned unchanged", UserWarning, stacklevel=2)
+        if any(isinstance(m, MoonEPBlock) for m in model.modules()):
+            why = "no unconverted sparse-MoE block (already converted)"
+        else:
+            why = f"no sparse-MoE block (supported: {[f.block_class for f in FAMILIES]})"
+        warnings.warn(f"convert_model: {type(model).__name__} has {why}; returned unchanged",
+                      UserWarning, stacklevel=2)
         return model
     devices = {c.device for c in todo}
     if len(devices) != 1:
