@@ -507,7 +507,8 @@ def test_refuses_gpt_oss():
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
 def test_refuses_non_silu(name):
-    _refused(tiny(name, hidden_act="gelu"), NotImplementedError, r"(Qwen3MoeSparseMoeBlock|DeepseekV3MoE) at .*: hidden_act='gelu'")
+    _refused(tiny(name, hidden_act="gelu"), NotImplementedError,
+             r"(Qwen3MoeSparseMoeBlock|DeepseekV3MoE) at .*: hidden_act='gelu'")
 
 
 def test_refuses_mixtral_jitter_and_checks_every_block_first():
@@ -565,7 +566,8 @@ def test_more_tokens_than_capacity_raise():
 def _spy_plans(model):
     """Record the plan of every dispatch of the model's Buffers (eager)."""
     plans = []
-    for buf in {id(b.moe.buffer): b.moe.buffer for b in hf.converted_blocks(model).values()}.values():
+    layers = hf.converted_blocks(model).values()
+    for buf in {id(b.moe.buffer): b.moe.buffer for b in layers}.values():
         orig = buf.dispatch
 
         def spy(*a, _orig=orig, **kw):

@@ -3,7 +3,7 @@
     from moonep_ops.integrations import hf
     model = AutoModelForCausalLM.from_pretrained(path)       # every rank: the same full model
     hf.convert_model(model, group=ep_group, capacity=S)      # in place; collective over ep_group
-    loss = model(input_ids=ids_r, labels=ids_r).loss         # each rank its own batch, B*T <= S tokens
+    loss = model(input_ids=ids_r, labels=ids_r).loss         # each rank its own batch, <= S tokens
     loss.backward()
     sd = hf.full_state_dict(model)                           # collective: the unconverted layout
     if rank == 0:
