@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 CHILD = r"""
-import os, sys, time
+import faulthandler, os, sys, time
 sys.path.insert(0, os.path.join({root!r}, "tests"))
 sys.path.insert(0, {root!r})
 import torch
@@ -50,19 +50,27 @@ def report():
 try:
     if {case!r} == "all_remote":
         c = t._setup(R, **t.CONFIGS["all_remote"])
+        if {premove}:               # every rank's inputs on the GPU before any rank's first op
+            for key in ("xs", "ws", "ts"):
+                c[key] = [v.cuda() for v in c[key]]
+            torch.cuda.synchronize()
         bufs = [Buffer(c["S"], c["H"], c["K"], c["E"], token_padding=c["tp"], dtype=c["dtype"],
                        device=vg.device, backend=vg.backend(r)) for r in range(R)]
         streams = [torch.cuda.Stream() for _ in range(R)]
         outs = []
         for r in range(R):
             th = time.time()
+            # where the host blocks, if it does: every thread's stack after 3 s
+            faulthandler.dump_traceback_later(3, exit=False)
             with torch.cuda.stream(streams[r]):
                 outs.append(t.rank_ops(c, bufs[r], r))
+            faulthandler.cancel_dump_traceback_later()
             print("rank", r, "queued in %.3f s" % (time.time() - th), flush=True)
         report()
         for r in range(R):
             t.verify_rank(c, bufs[r], r, outs[r])
     else:
+        faulthandler.dump_traceback_later(4, exit=False)
         def mk(r, *a, **k):
             b = Buffer(*a, device=vg.device, backend=vg.backend(r), **k)
             bufs.append(b)
@@ -82,17 +90,18 @@ def main():
     results = []
     for case in ("all_remote", "moe_reference"):
         for mode in sys.argv[1:] or ("default",):
-            env = dict(os.environ, MOONEP_BARRIER_TIMEOUT_S="15", CUDA_DEVICE_MAX_CONNECTIONS="32",
+            env = dict(os.environ, MOONEP_BARRIER_TIMEOUT_S="6", CUDA_DEVICE_MAX_CONNECTIONS="32",
                        CUDA_MODULE_LOADING="EAGER", PYTHONPATH=ROOT)
             if mode == "async":
                 env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
-            code = CHILD.format(root=ROOT, warm=mode == "warm", case=case)
+            code = CHILD.format(root=ROOT, warm=mode == "warm", case=case,
+                                premove=mode == "premove")
             t0 = time.time()
             try:
                 r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                    text=True, timeout=120)
                 out = (r.stdout + r.stderr).strip()
-                print(out[-4000:])
+                print(out[-6000:])
                 tail = out.splitlines()
                 verdict = tail[-1][:200] if tail else f"exit {r.returncode}"
             except subprocess.TimeoutExpired:

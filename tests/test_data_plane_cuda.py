@@ -58,7 +58,7 @@ def test_torch_backend_plans_on_device(nccl_world, monkeypatch):
     """On CUDA the torch.distributed backend plans with the device planner (not the torch
     planner's hundreds of small kernels), and gets the torch planner's plan."""
     from moonep_ops import planner as plan_device
-    if not plan_device.available():
+    if not plan_device.device_planner_available():
         pytest.skip("libmoonep_ep.so not built")
     calls = []
     real = plan_device.plan_on_device
