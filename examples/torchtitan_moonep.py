@@ -1,0 +1,303 @@
+#!/usr/bin/env python
+"""Train a tiny torchtitan 0.3.0 MoE model (Qwen3-MoE or DeepSeek-V3) with MoonEP expert
+parallelism, driven by torchtitan's own Trainer.
+
+MoonEP is switched on by one line of the Trainer config, torchtitan's override mechanism::
+
+    config.override.imports.append(moonep_override(capacity=local_batch_size * seq_len))
+
+(on torchtitan's CLI: ``--override.imports 'moonep_ops.integrations.torchtitan.moonep={"capacity": N}'``).
+Everything else is torchtitan's: router, load-balancing bias and its optimizer hook, shared
+experts, FSDP2, parameter names and checkpoint layout.  ``--baseline`` runs torchtitan's own
+all-to-all EP instead, on the same data from the same weights, to compare the losses.
+
+    # CPU, gloo (EP divides the number of ranks)
+    torchrun --nproc-per-node 2 examples/torchtitan_moonep.py --model qwen3 --ep 2
+    torchrun --nproc-per-node 2 examples/torchtitan_moonep.py --model qwen3 --ep 2 --baseline
+    # GPUs, NCCL: the same command (token_padding 128 on CUDA for the grouped-GEMM tiles)
+    torchrun --nproc-per-node 4 examples/torchtitan_moonep.py --model dsv3 --ep 4
+
+Needs torchtitan 0.3.0 installed without its dependencies plus its pure-Python needs (see
+docs/integrations.md).  The tiny models use SDPA attention (FlexAttention needs compiled flex
+kernels) and a synthetic token stream (no tokenizer or dataset download): every run sees the same
+global batch at every step, split over the data-parallel ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+if not torch.cuda.is_available():
+    # CPU-only torch: shim the few torchtitan imports that assume CUDA/triton (before torchtitan's
+    # models are imported).  Not needed, and not run, on a machine with CUDA.
+    from moonep_ops.integrations import torchtitan_cpu
+
+    torchtitan_cpu.install()
+    gloo_parallelize = torchtitan_cpu.gloo_parallelize
+else:
+    def gloo_parallelize(fn):
+        return fn
+
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import torchtitan.models.deepseek_v3 as tt_dsv3  # noqa: E402
+import torchtitan.models.qwen3 as tt_qwen3  # noqa: E402
+from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
+from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
+from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
+from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
+from torchtitan.components.optimizer import (LRSchedulersContainer, default_adamw,  # noqa: E402
+                                             register_moe_load_balancing_hook)
+from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
+from torchtitan.config import OverrideConfig  # noqa: E402
+from torchtitan.config.configs import (CompileConfig, DebugConfig, ParallelismConfig,  # noqa: E402
+                                       TrainingConfig)
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: E402
+from torchtitan.models.common import (ComplexRoPE, CosSinRoPE, Embedding, Linear,  # noqa: E402
+                                      RMSNorm, ScaledDotProductAttention)
+from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from moonep_ops.integrations.torchtitan import moonep_layers, moonep_override  # noqa: E402
+
+VOCAB, SEQ_LEN, GLOBAL_BATCH = 256, 32, 8      # global batch: sequences per step, all ranks
+
+
+# -- tiny models (D = 64, E = 8 experts of F = 32, top-2) ------------------------------------------
+def _sdpa(cfg):
+    # The registry's attention is FlexAttention; SDPA (causal, no masks) runs everywhere.
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return cfg
+
+
+def qwen3_tiny() -> tt_qwen3.Qwen3Model.Config:
+    """Qwen3-MoE shape: softmax router, route_norm, no shared expert, 2 MoE layers."""
+    dim, head_dim = 64, 16
+    return _sdpa(tt_qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB, dim=dim, norm=tt_qwen3._qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim,
+                                        param_init=tt_qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB,
+                              param_init=tt_qwen3._LINEAR_INIT),
+        layers=tt_qwen3._build_qwen3_moe_layers(
+            fuse_qkv=False, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim,
+            moe_hidden_dim=32, num_experts=8, top_k=2, attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=SEQ_LEN, theta=1e6),
+            moe_comm_backend="standard")))
+
+
+def dsv3_tiny() -> tt_dsv3.DeepSeekV3Model.Config:
+    """DeepSeek-V3 shape: MLA, 1 dense + 2 MoE layers with a shared expert, sigmoid router with
+    node-limited groups (4 groups, top-2), route_norm, route_scale 2.5."""
+    dim = 64
+    layers = tt_dsv3._build_dsv3_layers(
+        n_layers=3, n_dense_layers=1, dim=dim, n_heads=4, q_lora_rank=0, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mscale=0.70,
+        dense_hidden_dim=128, moe_hidden_dim=32, num_experts=8, num_shared_experts=1,
+        router_top_k=2, router_score_func="sigmoid", router_num_expert_groups=4,
+        router_num_limited_groups=2, router_route_scale=2.5, router_route_norm=True,
+        attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=8, max_seq_len=SEQ_LEN, theta=10000.0))
+    return _sdpa(tt_dsv3.DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=dim,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim,
+                                        param_init=tt_dsv3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=tt_dsv3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB,
+                              param_init=tt_dsv3._output_linear_init(dim)),
+        layers=layers, mtp_layers=[]))
+
+
+MODELS = {"qwen3": (qwen3_tiny, tt_qwen3.parallelize_qwen3),
+          "dsv3": (dsv3_tiny, tt_dsv3.parallelize_deepseekv3)}
+
+
+# -- synthetic tokens (what the Trainer builds from config; no downloads) --------------------------
+class TinyTokenizer(BaseTokenizer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        vocab_size: int = VOCAB
+
+    def __init__(self, config: Config, *, tokenizer_path: str | None = None):
+        super().__init__()
+        self.vocab_size, self.eos_id = config.vocab_size, 0
+
+    def encode(self, *args, **kwargs) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, *args, **kwargs) -> str:
+        raise NotImplementedError
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+
+def global_batch(step: int, seed: int = 1234) -> torch.Tensor:
+    """[GLOBAL_BATCH, SEQ_LEN + 1] learnable rows for ``step``: arithmetic progressions mod VOCAB."""
+    g = torch.Generator().manual_seed(seed + step)
+    start = torch.randint(0, VOCAB, (GLOBAL_BATCH, 1), generator=g)
+    stride = torch.randint(1, 8, (GLOBAL_BATCH, 1), generator=g)
+    return (start + stride * torch.arange(SEQ_LEN + 1)) % VOCAB
+
+
+class SyntheticLoader(BaseDataLoader):
+    """This data-parallel rank's rows of the same global batch, every run."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        num_batches: int = 1000
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer=None,
+                 seq_len: int, local_batch_size: int, snapshot_every_n_steps=None):
+        assert seq_len == SEQ_LEN and local_batch_size * dp_world_size == GLOBAL_BATCH
+        self.n, self.lo, self.hi = config.num_batches, dp_rank * local_batch_size, \
+            (dp_rank + 1) * local_batch_size
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        for step in range(self.n):
+            rows = global_batch(step)[self.lo:self.hi]
+            yield {"input": rows[:, :-1].contiguous()}, rows[:, 1:].contiguous()
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+# -- the Trainer config: torchtitan's own, plus one override line for MoonEP ------------------------
+def trainer_config(model: str, ep: int, *, moonep: bool = True, steps: int = 3, lr: float = 3e-3,
+                   param_dtype: str = "float32", token_padding: int | None = None,
+                   spmd_backend: str = "partial_dtensor", compile_backend: str | None = None,
+                   ac: str = "none", capacity: int | None | str = "job",
+                   dump_folder: str | None = None) -> Trainer.Config:
+    """torchtitan's Trainer.Config for the tiny ``model`` on all ranks with EP degree ``ep``.
+    ``moonep``: add MoonEP's override (capacity "job": local_batch_size * seq_len, what the job
+    gives each rank; None: taken from the first forward).  ``ac``: "none", "full", "selective"."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if world % ep or GLOBAL_BATCH % world:
+        raise ValueError(f"EP={ep} must divide the {world} ranks, which must divide {GLOBAL_BATCH}")
+    factory, parallelize = MODELS[model]
+    local_batch = GLOBAL_BATCH // world
+    config = Trainer.Config(
+        model_spec=ModelSpec(name=model, flavor="tiny", model=factory(),
+                             parallelize_fn=gloo_parallelize(parallelize), pipelining_fn=None,
+                             post_optimizer_build_fn=register_moe_load_balancing_hook,
+                             state_dict_adapter=None),
+        hf_assets_path="unused",
+        dump_folder=dump_folder or os.path.join(tempfile.gettempdir(), "torchtitan_moonep"),
+        tokenizer=TinyTokenizer.Config(), dataloader=SyntheticLoader.Config(),
+        optimizer=default_adamw(lr=lr), lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0),
+        training=TrainingConfig(local_batch_size=local_batch, seq_len=SEQ_LEN, steps=steps,
+                                max_norm=1.0, mixed_precision_param=param_dtype,
+                                disable_cuda_graphs=True),
+        # partial_dtensor: torchtitan's own all-to-all under the default spmd_types backend uses
+        # gloo's list all_to_all, which refuses uneven splits (the baseline needs this on CPU).
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1, expert_parallel_degree=ep,
+                                      spmd_backend=spmd_backend),
+        activation_checkpoint={"none": None, "full": FullAC.Config(),
+                               "selective": SelectiveAC.Config()}[ac],
+        compile=CompileConfig(enable=compile_backend is not None, components=["model"],
+                              backend=compile_backend or "inductor"),
+        metrics=MetricsProcessor.Config(log_freq=1), checkpoint=CheckpointManager.Config(enable=False),
+        debug=DebugConfig(seed=0), loss=CrossEntropyLoss.Config(), override=OverrideConfig())
+    if moonep:
+        if token_padding is None:
+            token_padding = 128 if torch.cuda.is_available() else 1
+        # S = tokens per rank per MoE forward = local_batch_size * seq_len / (cp * tp)
+        if capacity == "job":
+            capacity = local_batch * SEQ_LEN
+        config.override.imports.append(
+            moonep_override(capacity=capacity, token_padding=token_padding))
+    return config
+
+
+def reference_state_dict(model: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full initial weights, the same in every process and run (a plain unsharded build)."""
+    torch.manual_seed(seed)
+    m = MODELS[model][0]().build()
+    m.init_weights(buffer_device=None)
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def train(model: str, ep: int, *, moonep: bool = True, steps: int = 3, **kw) -> dict:
+    """Build torchtitan's Trainer, load the reference weights, train ``steps`` steps.  Returns
+    {"steps": [{step, loss, grad_norm}], "layout": expert_layout(model), "expert_bias": [...]}.
+    Needs torch.distributed initialised (torchrun, or the caller)."""
+    trainer = Trainer(trainer_config(model, ep, moonep=moonep, steps=steps, **kw))
+    net = trainer.model_parts[0]
+    assert bool(moonep_layers(net)) == moonep      # the override replaced every RoutedExperts
+    set_model_state_dict(net, reference_state_dict(model),
+                         options=StateDictOptions(full_state_dict=True, strict=True))
+    layout = expert_layout(net)
+    records = []
+    log = trainer.metrics_processor.log
+
+    def record(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        # logged after the optimizer step, so expert_bias_E holds this step's balancing update
+        bias = [(b.full_tensor() if isinstance(b, DTensor) else b).tolist()
+                for n, b in net.named_buffers() if n.endswith("expert_bias_E")]
+        records.append({"step": step, "loss": float(global_avg_loss),
+                        "grad_norm": float(grad_norm), "expert_bias": bias})
+        return log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+
+    trainer.metrics_processor.log = record
+    trainer.train()
+    trainer.close()
+    return {"steps": records, "layout": layout}
+
+
+def expert_layout(model: torch.nn.Module) -> dict[str, tuple]:
+    """key -> (global shape, local shape, placements) of the routed experts' state-dict entries."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if ".routed_experts." in k:
+            local = v.to_local() if isinstance(v, DTensor) else v
+            out[k] = (tuple(v.shape), tuple(local.shape),
+                      tuple(str(p) for p in getattr(v, "placements", ())))
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen3")
+    p.add_argument("--ep", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="FSDP2 param dtype (torchtitan's default is bfloat16)")
+    p.add_argument("--baseline", action="store_true",
+                   help="torchtitan's own all-to-all EP instead of MoonEP")
+    p.add_argument("--spmd-backend", choices=["partial_dtensor", "spmd_types", "full_dtensor"],
+                   default="partial_dtensor", help="torchtitan's parallelism.spmd_backend")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile every block (fullgraph), backend inductor by default "
+                        "(aot_eager on machines without a C++ toolchain)")
+    p.add_argument("--ac", choices=["none", "full", "selective"], default="none",
+                   help="activation checkpointing of every block")
+    args = p.parse_args(argv)
+    if not dist.is_initialized():
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    what = "torchtitan a2a EP" if args.baseline else "MoonEP"
+    out = train(args.model, args.ep, moonep=not args.baseline, steps=args.steps, lr=args.lr,
+                param_dtype=args.param_dtype, spmd_backend=args.spmd_backend,
+                compile_backend=args.compile, ac=args.ac)
+    if dist.get_rank() == 0:
+        for r in out["steps"]:
+            print(f"[{what} {args.model} R={dist.get_world_size()} EP={args.ep}] step {r['step']} "
+                  f"loss {r['loss']:.8f} grad_norm {r['grad_norm']:.6f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
