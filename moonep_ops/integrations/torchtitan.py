@@ -85,11 +85,24 @@ under torchtitan's default bf16 FSDP params), and a hot expert's weight grad is 
 its home and slot parts.  So losses agree to bf16 rounding, not bitwise (tests/
 test_integrations_torchtitan.py states the tolerance).
 
-Limits: CUDA graphs of torchtitan's Trainer (``training.disable_cuda_graphs`` is required with EP
-and the standard dispatcher config kept here, as for torchtitan's own all-to-all); expert tensor
+What was run (CPU, gloo, torch 2.13; tests/test_integrations_torchtitan.py and
+examples/torchtitan_moonep.py): Qwen3-MoE and DeepSeek-V3 tiny configs at EP = 2 and 4 (also EP = 2
+on 4 ranks, experts FSDP-sharded over efsdp = 2) with spmd_backend "partial_dtensor"; the same
+with "full_dtensor", full and selective activation checkpointing, FSDP params in bf16, and
+torch.compile of every block (fullgraph=True; aot_eager: no graph break and no recompile over 4
+steps, inductor: runs).
+Not run: spmd_backend "spmd_types" (torchtitan's default; on this CPU torch torchtitan's own FSDP
+wrapping fails there before any MoE code runs; the expert weights are then plain local slices,
+which ``bind`` accepts), CUDA (the symmetric-memory data plane and CUTLASS grouped GEMMs are
+MoonEP's CUDA path; its own CUDA tests cover them, not inside torchtitan), pipeline parallelism,
+TP or CP together with EP, Float8/MXFP8 converters (they target GroupedExperts' ``_grouped_mm``
+seam, which MoonEP's experts do not call).
+
+Limits: torchtitan's Trainer CUDA graphs (``training.disable_cuda_graphs`` is required with EP and
+the standard dispatcher config kept here, as for torchtitan's own all-to-all); expert tensor
 parallelism does not exist in torchtitan 0.3.0 (with EP, the tp axis only shards tokens, which
-MoonEP takes per rank); pipeline parallelism is untested.  The ``capacity`` must be the same on
-every rank (torchtitan pads every rank to the same token count; the Buffer checks it).
+MoonEP takes per rank).  The capacity must be the same on every rank (torchtitan pads every rank
+to the same token count; the Buffer checks the settings at construction).
 """
 from __future__ import annotations
 
@@ -103,6 +116,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from torchtitan.config import OverrideConfig, apply_overrides, derive, override
+from torchtitan.distributed.spmd_types import maybe_set_sparse_mesh
 from torchtitan.models.common.moe import RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
@@ -267,9 +281,10 @@ class MoonEPRoutedExperts(RoutedExperts):
         ids_TK = topk_expert_ids_BLK.reshape(T, K).to(torch.int32)
         w_TK = topk_scores_BLK.reshape(T, K).float()
         h_MD, w_M, cu_G, plan = buf.dispatch(x_TD, ids_TK, w_TK)
-        w1, w3, w2 = self._expert_weights()
-        y_MD, _, _ = torch.ops.moonep.moe_experts(h_MD, cu_G, plan.experts_to_copy, w1, w3, w2,
-                                                  self.pool_name)
+        with maybe_set_sparse_mesh():                  # as RoutedExperts does (spmd_types only)
+            w1, w3, w2 = self._expert_weights()
+            y_MD, _, _ = torch.ops.moonep.moe_experts(h_MD, cu_G, plan.experts_to_copy, w1, w3,
+                                                      w2, self.pool_name)
         z_MD = (y_MD.float() * w_M[:, None]).to(COMPUTE_DTYPE)
         out_TD, _ = buf.combine(plan, z_MD)
         return out_TD.to(x_BLD.dtype).view(B, -1, D)
@@ -280,12 +295,13 @@ class MoonEPRoutedExperts(RoutedExperts):
         return f"moonep: {where}, token_padding={self.token_padding}, policy={self.policy}"
 
 
-@override(target=RoutedExperts.Config,
+@override(target=RoutedExperts.Config, exact=True,
           description="MoonEP expert parallelism (perfect load balance) for the routed experts")
 def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None, token_padding: int = 1,
            policy: str = "moonep", backend: str = "auto") -> MoonEPRoutedExperts.Config:
     """The override factory: ``RoutedExperts.Config`` -> ``MoonEPRoutedExperts.Config``, every
-    field of the matched config kept (``derive``).  The token dispatcher becomes torchtitan's
+    field of the matched config kept (``derive``).  Exact match: a model's own subclass of
+    ``RoutedExperts`` is left alone (its behaviour would be lost).  The token dispatcher becomes torchtitan's
     standard one (used only at EP = 1; DeepEP/HybridEP buffers are not allocated), and its
     ``num_max_tokens_per_rank``, when it has one, is the default capacity."""
     disp = cfg.token_dispatcher
