@@ -17,8 +17,15 @@ all-to-all EP instead, on the same data from the same weights, to compare the lo
     # GPUs, NCCL: the same command (token_padding 128 on CUDA for the grouped-GEMM tiles)
     torchrun --nproc-per-node 4 examples/torchtitan_moonep.py --model dsv3 --ep 4
 
-Needs torchtitan 0.3.0 installed without its dependencies plus its pure-Python needs (see
-docs/integrations.md), and examples/torchtitan_tiny.py beside this file: the tiny models (SDPA
+Needs torchtitan 0.3.0 without its dependencies (so that pip never replaces your torch) plus its
+pure-Python needs (docs/integrations.md, "torchtitan")::
+
+    pip install torchtitan==0.3.0 --no-deps
+    pip install spmd_types==0.2.3 einops tyro safetensors
+    pip install torchdata==0.11.0 --no-deps
+    pip install tokenizers tensorboard "datasets>=3.6.0,<4.8.0"
+
+and examples/torchtitan_tiny.py beside this file: the tiny models (SDPA
 attention: FlexAttention needs compiled flex kernels), a synthetic token stream (no tokenizer or
 dataset download: every run sees the same global batch at every step, split over the
 data-parallel ranks) and the shared initial weights.
@@ -39,24 +46,24 @@ import torch.distributed as dist
 from torchtitan_tiny import (GLOBAL_BATCH, MODELS, SEQ_LEN, VOCAB, expert_layout, global_batch,
                              reference_state_dict)
 
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
-from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402
-from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
-from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
-from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
-from torchtitan.components.optimizer import (LRSchedulersContainer, default_adamw,  # noqa: E402
+from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import (LRSchedulersContainer, default_adamw,
                                              register_moe_load_balancing_hook)
-from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
-from torchtitan.config import OverrideConfig  # noqa: E402
-from torchtitan.config.configs import (CompileConfig, DebugConfig, ParallelismConfig,  # noqa: E402
+from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.config import OverrideConfig
+from torchtitan.config.configs import (CompileConfig, DebugConfig, ParallelismConfig,
                                        TrainingConfig)
-from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: E402
-from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
-from torchtitan.trainer import Trainer  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.trainer import Trainer
 
-from moonep_ops.integrations.torchtitan import moonep_layers, moonep_override  # noqa: E402
+from moonep_ops.integrations.torchtitan import moonep_layers, moonep_override
 
 if torch.cuda.is_available():
     def gloo_parallelize(fn):
@@ -202,10 +209,13 @@ def main(argv=None) -> None:
     p.add_argument("--ac", choices=["none", "full", "selective"], default="none",
                    help="activation checkpointing of every block")
     args = p.parse_args(argv)
-    if not dist.is_initialized():
-        os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if "RANK" not in os.environ:          # plain `python`: one process (EP = 1, torchtitan's path)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+    # the Trainer initialises torch.distributed itself (NCCL on GPUs, gloo on CPU)
     what = "torchtitan a2a EP" if args.baseline else "MoonEP"
+    if args.ep == 1:
+        what += " (EP = 1: torchtitan's local experts)"
     out = train(args.model, args.ep, moonep=not args.baseline, steps=args.steps, lr=args.lr,
                 param_dtype=args.param_dtype, spmd_backend=args.spmd_backend,
                 compile_backend=args.compile, ac=args.ac)

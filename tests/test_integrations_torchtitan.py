@@ -8,7 +8,7 @@ driven (both paths run torchtitan's parallelize_fn with EP + FSDP2, its AdamW wi
 load-balancing hook, its loss normalisation and EP-aware clip_grad_norm_):
   cheap (~10 s, no torch pulled in): torchtitan's models only; the steps are driven by hand
       pip install torchtitan==0.3.0 --no-deps
-      pip install spmd_types==0.2.3 einops tyro safetensors --no-deps
+      pip install spmd_types==0.2.3 einops tyro safetensors
   full (+ ~70 s): torchtitan's Trainer drives them (examples/torchtitan_moonep.py's ``train``)
       pip install torchdata==0.11.0 --no-deps
       pip install tokenizers tensorboard "datasets>=3.6.0,<4.8.0"
