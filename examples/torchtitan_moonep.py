@@ -14,7 +14,7 @@ all-to-all EP instead, on the same data from the same weights, to compare the lo
     # CPU, gloo (EP divides the number of ranks)
     torchrun --nproc-per-node 2 examples/torchtitan_moonep.py --model qwen3 --ep 2
     torchrun --nproc-per-node 2 examples/torchtitan_moonep.py --model qwen3 --ep 2 --baseline
-    # GPUs, NCCL: the same command (token_padding 128 on CUDA for the grouped-GEMM tiles)
+    # GPUs, NCCL: the same command
     torchrun --nproc-per-node 4 examples/torchtitan_moonep.py --model dsv3 --ep 4
 
 Needs torchtitan 0.3.0 without its dependencies (so that pip never replaces your torch) plus its
@@ -154,8 +154,7 @@ def trainer_config(model: str, ep: int, *, moonep: bool = True, steps: int = 3, 
         metrics=MetricsProcessor.Config(log_freq=1), checkpoint=CheckpointManager.Config(enable=False),
         debug=DebugConfig(seed=0), loss=CrossEntropyLoss.Config(), override=OverrideConfig())
     if moonep:
-        if token_padding is None:
-            token_padding = 128 if torch.cuda.is_available() else 1
+        # token_padding None: MoonEP's default, 128 on NCCL (the grouped GEMM's tiles), else 1
         # S = tokens per rank per MoE forward = local_batch_size * seq_len / (cp * tp)
         if capacity == "job":
             capacity = local_batch * SEQ_LEN

@@ -252,7 +252,7 @@ def _count_slots():
 
 
 def _train_by_hand(model: str, ep: int, *, moonep: bool, steps: int = 3, lr: float = 3e-3,
-                   capacity="job"):
+                   capacity="job", token_padding=None):
     """What torchtitan's Trainer.train_step does for this job (examples/torchtitan_moonep.py's
     trainer_config), without the Trainer: same parallelize_fn (EP, FSDP2 over gloo), same AdamW and
     MoE load-balancing hook, same LR schedule, loss normalisation and EP-aware grad clipping.
@@ -271,7 +271,7 @@ def _train_by_hand(model: str, ep: int, *, moonep: bool, steps: int = 3, lr: flo
     _update_from_config(cfg, parallelism)
     if moonep:
         mtt.apply_moonep(cfg, capacity=local_batch * tiny.SEQ_LEN if capacity == "job" else capacity,
-                         token_padding=1)
+                         token_padding=token_padding)
     with torch.device("meta"):
         net = cfg.build()
     compile_config = CompileConfig(enable=False)
@@ -311,22 +311,23 @@ def _train_by_hand(model: str, ep: int, *, moonep: bool, steps: int = 3, lr: flo
     return {"steps": records, "layout": layout}
 
 
-def _train(model, ep, *, moonep, capacity="job"):
-    kw = {"capacity": capacity} if moonep else {}
+def _train(model, ep, *, moonep, capacity="job", token_padding=None):
+    kw = {"capacity": capacity, "token_padding": token_padding} if moonep else {}
     if HARNESS == "trainer":
         import torchtitan_moonep as example                  # torchtitan's Trainer
         return example.train(model, ep, moonep=moonep, steps=3, **kw)
     return _train_by_hand(model, ep, moonep=moonep, steps=3, **kw)
 
 
-def _compare(model, ep, capacity="job"):
+def _compare(model, ep, capacity="job", token_padding=None):
     """capacity "job": local_batch_size * seq_len given to the override; None: MoonEP takes it
-    from the first forward (the Buffer is then built inside the first MoE forward)."""
+    from the first forward (the Buffer is then built inside the first MoE forward).
+    token_padding None: MoonEP's default (1 on gloo)."""
     os.environ.setdefault("LOCAL_RANK", "0")
     _count_slots()
     base = _train(model, ep, moonep=False)
     _DISPATCHED.clear()
-    moon = _train(model, ep, moonep=True, capacity=capacity)
+    moon = _train(model, ep, moonep=True, capacity=capacity, token_padding=token_padding)
     world = torch.distributed.get_world_size()
     if torch.distributed.get_rank() == 0 and os.environ.get("MOONEP_TT_TABLE"):
         with open(f"{os.environ['MOONEP_TT_TABLE']}.{model}.w{world}.ep{ep}.json", "w") as f:
@@ -352,7 +353,7 @@ def case_qwen3_ep2(ctx):
 
 
 def case_qwen3_ep4(ctx):
-    _compare("qwen3", 4)
+    _compare("qwen3", 4, token_padding=8)          # segments padded: zero rows, same losses
 
 
 def case_dsv3_ep2(ctx):

@@ -22,8 +22,8 @@ Override kwargs (all optional):
                  configs get it from the job), else the token count of the first forward (eager
                  only: under torch.compile give it explicitly; a later, larger forward, e.g. a
                  validation batch, then raises).
-  token_padding  segment alignment of MoonEP's receive buffer (128 for the CUDA grouped GEMM's
-                 tiles; 1 on CPU).
+  token_padding  segment alignment of MoonEP's receive buffer.  Default: 128 on an NCCL ep group
+                 (the CUDA grouped GEMM's tiles), else 1.
   policy         planner policy (``moonep_ops.POLICIES``; "moonep": exact MoonEP).
   backend        MoonEP data-plane backend ("auto": symmetric memory on CUDA, torch.distributed
                  collectives on gloo).
@@ -137,8 +137,11 @@ _BUFFERS: "weakref.WeakValueDictionary[tuple, Buffer]" = weakref.WeakValueDictio
 
 
 def _shared_buffer(group: dist.ProcessGroup, S: int, D: int, K: int, E: int, *,
-                   token_padding: int, policy: str, backend: str) -> Buffer:
-    """The process's Buffer for these settings on ``group`` (collective when it is built)."""
+                   token_padding: Optional[int], policy: str, backend: str) -> Buffer:
+    """The process's Buffer for these settings on ``group`` (collective when it is built).
+    ``token_padding`` None: 128 on an NCCL group (the CUDA grouped GEMM's tiles), else 1."""
+    if token_padding is None:
+        token_padding = 128 if dist.get_backend(group) == "nccl" else 1
     # id(group) is unique while the Buffer lives: the Buffer's backend holds the group.
     key = (id(group), S, D, K, E, token_padding, policy, backend)
     buf = _BUFFERS.get(key)
@@ -162,7 +165,7 @@ class MoonEPRoutedExperts(RoutedExperts):
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
         capacity: Optional[int] = None
-        token_padding: int = 1
+        token_padding: Optional[int] = None
         policy: str = "moonep"
         backend: str = "auto"
 
@@ -172,8 +175,10 @@ class MoonEPRoutedExperts(RoutedExperts):
                                             or isinstance(config.capacity, bool)
                                             or config.capacity < 1):
             raise ValueError(f"capacity must be a positive int or None, got {config.capacity!r}")
-        if not isinstance(config.token_padding, int) or config.token_padding < 1:
-            raise ValueError(f"token_padding must be a positive int, got {config.token_padding!r}")
+        if config.token_padding is not None and (not isinstance(config.token_padding, int)
+                                                 or config.token_padding < 1):
+            raise ValueError(f"token_padding must be a positive int or None, got "
+                             f"{config.token_padding!r}")
         if config.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {config.policy!r}")
         self.capacity = config.capacity
@@ -297,8 +302,9 @@ class MoonEPRoutedExperts(RoutedExperts):
 
 @override(target=RoutedExperts.Config, exact=True,
           description="MoonEP expert parallelism (perfect load balance) for the routed experts")
-def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None, token_padding: int = 1,
-           policy: str = "moonep", backend: str = "auto") -> MoonEPRoutedExperts.Config:
+def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None,
+           token_padding: Optional[int] = None, policy: str = "moonep",
+           backend: str = "auto") -> MoonEPRoutedExperts.Config:
     """The override factory: ``RoutedExperts.Config`` -> ``MoonEPRoutedExperts.Config``, every
     field of the matched config kept (``derive``).  Exact match: a model's own subclass of
     ``RoutedExperts`` is left alone (its behaviour would be lost).  The token dispatcher becomes torchtitan's
