@@ -120,6 +120,25 @@ def test_override_swaps_routed_experts_and_keeps_their_config(model):
         assert m.router is router and m.shared_experts is shared   # router, shared: untouched
 
 
+@pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in _TRAINER_DEPS),
+                    reason="torchtitan's CLI config needs the Trainer's packages")
+def test_cli_override_entry_replaces_every_moe_layer_of_a_registry_config():
+    """What a torchtitan user types: --override.imports 'moonep_ops...moonep={"capacity": N}'."""
+    from torchtitan.config import ConfigManager, apply_overrides
+
+    cfg = ConfigManager().parse_args([
+        "--module", "qwen3", "--config", "qwen3_moe_debug",
+        "--parallelism.expert_parallel_degree", "4", "--training.disable_cuda_graphs",
+        "--override.imports", mtt.OVERRIDE + '={"capacity": 16384}'])
+    assert cfg.override.imports == [(mtt.OVERRIDE, {"capacity": 16384})]
+    cfg.model_spec.model.update_from_config(config=cfg)     # what Trainer.__init__ does, in order
+    lines = apply_overrides(cfg.override, cfg)
+    moes = [layer.moe for layer in cfg.model_spec.model.layers]
+    assert len(lines) == len(moes) == 8
+    assert all(type(m.routed_experts) is mtt.MoonEPRoutedExperts.Config
+               and m.routed_experts.capacity == 16384 for m in moes)
+
+
 def test_capacity_defaults_to_the_dispatchers_num_max_tokens_per_rank():
     cfg = RoutedExperts.Config(
         inner_experts=tiny.qwen3_tiny().layers[0].moe.routed_experts.inner_experts,

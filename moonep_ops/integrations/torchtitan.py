@@ -7,10 +7,10 @@ in ``override.imports``::
     # CLI (kwargs optional; capacity = local_batch_size * seq_len / (cp * tp))
     torchrun --nproc-per-node 8 -m torchtitan.train --module qwen3 --config qwen3_moe_debug \\
         --parallelism.expert_parallel_degree 8 --training.disable_cuda_graphs \\
-        --override.imports 'moonep_ops.integrations.torchtitan.moonep={"capacity": 16384, "token_padding": 128}'
+        --override.imports 'moonep_ops.integrations.torchtitan.moonep={"capacity": 16384}'
 
     # Python (a Trainer.Config you build)
-    config.override.imports.append(moonep_override(capacity=16384, token_padding=128))
+    config.override.imports.append(moonep_override(capacity=16384))
 
     # no Trainer: after model_config.update_from_config(...), before model_config.build()
     apply_moonep(model_config, capacity=16384)
