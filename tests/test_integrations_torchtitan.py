@@ -251,7 +251,7 @@ def test_moonep_block_compiles_fullgraph():
     buf.destroy()
 
 
-# -- torchtitan's Trainer on gloo ranks: MoonEP against torchtitan's all-to-all EP -------------------
+# -- training steps on 4 gloo ranks: MoonEP against torchtitan's all-to-all EP ---------------------
 _DISPATCHED = []
 
 
