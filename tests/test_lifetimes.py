@@ -30,7 +30,7 @@ def _rss() -> int:
 
 def _layer_forward(buf: Buffer, x: torch.Tensor) -> torch.Tensor:
     """The MoE layer on ``buf`` (the one place that knows the layer's constructor)."""
-    return MoonEPMoE(buf, F)(x)
+    return MoonEPMoE.for_buffer(buf, F)(x)
 
 
 def _inputs():
