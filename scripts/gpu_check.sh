@@ -65,7 +65,7 @@ stage build 600 build
 stage tests ${T_TESTS:-420} $PY -m pytest -q -rs tests/ -k cuda -p no:cacheprovider
 stage diag 120 env MOONEP_LIB_DIR=moonep_ops/lib/diagnostics $PY -m pytest -q -rs \
   tests/test_plan_device_cuda.py -k "packed or batched or batches or pdl" -p no:cacheprovider
-stage vranks 200 $PY diagnostics/virtual_rank_timeouts.py ${VRANK_MODES:-default}
+stage vranks 200 $PY diagnostics/virtual_rank_timeouts.py ${VRANK_MODES:-default premove}
 stage dataplane 300 bash -c "$PY benchmarks/bench_plan_device.py --skip-torch-graph && \
   $PY benchmarks/bench_data_plane_cuda.py"
 stage moe 200 $PY benchmarks/bench_moe_step.py
