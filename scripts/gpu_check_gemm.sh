@@ -4,8 +4,8 @@
 #      carried in .gpu_carry/cutlass (include/ and tools/util/include/);
 #   2. CUDA tests (tests/test_grouped_gemm_cuda.py) and the CPU suite;
 #   3. with CALIB=1: calibration -> moonep_ops/gemm/tuning.py (copied to $OUT); by default the
-#      committed constants are used (a refit from an earlier run's measurements needs no GPU:
-#      benchmarks/calibrate_grouped_gemm.py --from-json FILE);
+#      committed constants are used (a refit from committed measurements needs no GPU:
+#      benchmarks/fit_gemm_cost_model.py moonep_ops/gemm/calibration/*.json);
 #   4. the benchmark sweep with those constants.
 # Results land in $OUT (default /tmp/gemm_out); the last lines printed are the targets table.
 set -uo pipefail
