@@ -19,7 +19,7 @@ setup(
     extras_require={
         # Everything a test imports (+ Debian chromium, chromium-driver for the browser test).
         # transformers is pinned: the Hugging Face integration is tested against that version.
-        # scipy: the grouped-GEMM cost model's fit (benchmarks/calibrate_grouped_gemm.py).
+        # scipy: the grouped-GEMM cost model's fit (benchmarks/fit_gemm_cost_model.py).
         "test": ["pytest", "expecttest", "selenium", "scipy", "transformers==5.24.0", "safetensors"],
         "demo": ["matplotlib", "tqdm"],                  # the main job's plots and progress bar
         "gpu": ["triton", "nvidia-cutlass", "cuda-python"],

@@ -265,12 +265,15 @@ def measure_case(mods, wg, h, proj, O, I, kind, rounds, device) -> dict:
     t = common.time_interleaved(fns, rounds=rounds, device=device)
     meta = t.pop("_meta")
     pick = cm.select(counts, O, I, kind, rows=M)
+    if hasattr(cm, "call_candidates"):          # the never-lose rule's family and its configs
+        family, cands = cm.call_candidates(kind, M, len(counts), O, I)
+    else:
+        family, cands = None, cm.candidates(kind, M, len(counts))
     rec = dict(hist=h["id"], proj=proj, kind=kind, O=O, I=I, M=M, rows=int(sum(counts)),
                us={n: _r(v["us"]) for n, v in t.items()},
                spread={n: _r(v["spread"], 4) for n, v in t.items()},
                k=meta["k"], rounds=meta["rounds"], sleep_us=_r(meta["sleep_us"], 1),
-               cpu_us=meta["cpu_us"], pick=pick,
-               candidates=list(cm.candidates(kind, M, len(counts))),
+               cpu_us=meta["cpu_us"], pick=pick, family=family, candidates=list(cands),
                device_pick=device_pick(mods, wg, kind, cu, M))
     return rec
 
@@ -303,7 +306,9 @@ def run(args, hists, mods, device: str, out_dir: Path, meta: dict) -> dict:
     doc = dict(schema=SCHEMA, complete=False, meta=meta,
                configs={k: [dict(name=c.name, BM=c.BM, BN=c.BN, BK=c.BK, CM=c.CM, CN=c.CN,
                                  pingpong=c.pingpong, swap=getattr(c, "swap", False),
-                                 max_mean_rows=getattr(c, "max_mean_rows", 0))
+                                 max_mean_rows=getattr(c, "max_mean_rows", 0),
+                                 min_mean_rows=getattr(c, "min_mean_rows", 0),
+                                 family=getattr(c, "family", "moonep"))
                              for c in mods.cost_model.CONFIGS[k]] for k in args.kinds},
                hists=hists, cases=[], probes={}, clocks=[])
     t0 = time.time()

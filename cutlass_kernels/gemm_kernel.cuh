@@ -3,7 +3,8 @@
 // is taken from the config index that the prep kernel (prep.cu) chose on the device.  So choosing
 // costs no extra launch (a launch per candidate would cost each unchosen one ~10 us to walk its
 // empty groups and exit).  Requirements checked below: same block size, same cluster shape.
-// One translation unit per kind (kernel_<kind>.cu).
+// One translation unit per family of a kind (configs.h): kernel_<kind>.cu (cluster 1 x 2) and
+// kernel_<kind>_2x1.cu (torch._grouped_mm's kernels, cluster 2 x 1).
 //
 // Layouts (CUTLASS convention: A is M x K, B is N x K, D is M x N):
 //   fwd   A = x  [M,K] RowMajor      B = W_g [N,K] ColumnMajor (K contiguous)  D = y  RowMajor
@@ -228,11 +229,13 @@ struct GroupedGemm {
 namespace moonep {
 
 // Kernel parameters of a fused launch: every config's CUTLASS Params (TMA descriptor templates,
-// scheduler params) plus the device word holding the chosen config index.
+// scheduler params) plus the device word holding the chosen config index (the kind's index; the
+// family's first config is `first`).
 template <class... Ks>
 struct FusedParams {
   cute::tuple<typename Ks::Params...> p;
   const int* chosen;
+  int first;
 };
 
 template <class K0, class... Ks>
@@ -252,7 +255,11 @@ __global__ void __launch_bounds__(FirstKernel<Ks...>::type::MaxThreadsPerBlock,
                                   FirstKernel<Ks...>::type::MinBlocksPerMultiprocessor)
     fused_grouped_gemm(CUTLASS_GRID_CONSTANT FusedParams<Ks...> const fp) {
   extern __shared__ char smem[];
-  run_chosen(fp, smem, *fp.chosen, std::make_index_sequence<sizeof...(Ks)>{});
+  // Launched as a programmatic dependent of the prep kernel (MOONEP_GEMM_PDL): wait until the
+  // prep grid has completed and its writes (the chosen word, the problem arrays) are visible,
+  // before reading any of them.  Without that launch attribute this returns at once.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  run_chosen(fp, smem, *fp.chosen - fp.first, std::make_index_sequence<sizeof...(Ks)>{});
 }
 
 // All configs of one kind (Gs = GroupedGemm<...> types), launched as one kernel.
@@ -306,8 +313,10 @@ struct FusedKind {
   }
 
   // r[c] holds config c's problem arrays and CUTLASS workspace; `chosen` is the device word the
-  // prep kernel wrote.  One launch on r[0].stream.
-  static int run(RunArgs const* r, const int* chosen, char* err, int err_len) {
+  // prep kernel wrote (the kind's config index; this family's config 0 is `first`).  One launch
+  // on r[0].stream.
+  static int run(RunArgs const* r, const int* chosen, int first, int pdl, char* err,
+                 int err_len) {
     FP fp;
     dim3 grid(1, 1, 1);
     cutlass::Status st = init_all(fp, r, grid, std::make_index_sequence<kN>{});
@@ -316,6 +325,7 @@ struct FusedKind {
       return -1;
     }
     fp.chosen = chosen;
+    fp.first = first;
     auto kernel = &fused_grouped_gemm<typename Gs::Kernel...>;
     // Every call, as CUTLASS's adapter does: the attribute belongs to the current device's
     // context, so a once-per-process static would miss the second GPU of a multi-GPU process.
@@ -332,13 +342,17 @@ struct FusedKind {
     cfg.blockDim = K0::get_block_shape();
     cfg.dynamicSmemBytes = kSmem;
     cfg.stream = reinterpret_cast<cudaStream_t>(r[0].stream);
-    cudaLaunchAttribute attrs[1];
+    cudaLaunchAttribute attrs[2];
     attrs[0].id = cudaLaunchAttributeClusterDimension;
     attrs[0].val.clusterDim.x = G0::cm;
     attrs[0].val.clusterDim.y = G0::cn;
     attrs[0].val.clusterDim.z = 1;
+    // pdl: the CTAs may start while the prep kernel (launched just before on this stream, which
+    // triggers at its start) still runs; fused_grouped_gemm waits for its grid first.
+    attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attrs;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = pdl ? 2 : 1;
     const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, fp);
     if (e != cudaSuccess) {
       snprintf(err, err_len, "fused grouped GEMM launch failed: %s (grid %u x %u x %u, smem %d)",
@@ -351,7 +365,8 @@ struct FusedKind {
 
 }  // namespace moonep
 
-// Defines moonep::kind_entry_<KIND> for the fused kernel of the listed GroupedGemm configs.
+// Defines moonep::kind_entry_<KIND> for the fused kernel of the listed GroupedGemm configs (KIND:
+// the kind's name, suffixed _2x1 for its torch-kernel family).
 #define MOONEP_DEFINE_KIND(KIND, ...)                                                     \
   namespace moonep {                                                                     \
   using Fused_##KIND = FusedKind<__VA_ARGS__>;                                           \

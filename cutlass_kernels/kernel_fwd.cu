@@ -1,7 +1,9 @@
-// fwd: y = x W^T.  Config order = configs.h MOONEP_GEMM_CONFIGS (checked at registration).
+// fwd: y = x W^T, family 0 (cluster 1 x 2; the device cost model chooses among these per call).
+// Config order = configs.h MOONEP_GEMM_CONFIGS (checked at registration).
 #include "gemm_kernel.cuh"
 MOONEP_DEFINE_KIND(fwd, GroupedGemm<0, 128, 256, 64, 1, 2, false, 64>,
                         GroupedGemm<0, 128, 128, 64, 1, 2, true>,
                         GroupedGemm<4, 256, 80, 64, 1, 2, false>,
                         GroupedGemm<4, 256, 96, 64, 1, 2, false>,
-                        GroupedGemm<0, 64, 256, 64, 1, 2, true>)
+                        GroupedGemm<0, 64, 256, 64, 1, 2, true>,
+                        GroupedGemm<4, 256, 128, 64, 1, 2, false>)

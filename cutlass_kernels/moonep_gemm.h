@@ -26,8 +26,11 @@
 extern "C" {
 #endif
 
-// Bumped whenever an exported signature changes (moonep_ops/native.py checks it at load).
-#define MOONEP_GEMM_ABI_VERSION 7
+// Bumped whenever an exported signature, the config table or the meaning of an argument changes
+// (moonep_ops/native.py checks it at load).  8: two families of configs per kind (cluster 1 x 2
+// and torch._grouped_mm's 2 x 1), one per call; more configs, so a longer tuning table; the
+// MOONEP_GEMM_PDL flag.
+#define MOONEP_GEMM_ABI_VERSION 8
 #define MOONEP_API __attribute__((visibility("default")))
 
 // kind: 0 fwd (y = x W^T), 1 dgrad (dx = dy W), 2 wgrad (dW += dy^T x, fp32),
@@ -38,6 +41,11 @@ extern "C" {
 //       slots are zero outside a backward (reduce_grad re-zeroes what it consumes), so zeroing
 //       the unused slots again would only burn O*I*2 bytes of bandwidth per unused slot.
 #define MOONEP_GEMM_KEEP_EMPTY_SLOTS 1
+//   MOONEP_GEMM_PDL  launch the GEMM kernel as a programmatic dependent launch of the prep
+//       kernel: its CTAs may start (launch, rasterise, occupy SMs) while the prep kernel finishes,
+//       and wait on the device for the prep grid's results before reading them.  Hides part of
+//       the per-call launch gap; results are identical.
+#define MOONEP_GEMM_PDL 2
 
 /**
  * The ABI version this library was built with (MOONEP_GEMM_ABI_VERSION).
@@ -52,7 +60,10 @@ MOONEP_API const char* moonep_gemm_last_error(void);
 
 /**
  * Compiled configs of `kind` (0..3), in the order of moonep_ops/gemm/cost_model.py CONFIGS and
- * of the config index below; 0 for an invalid kind.
+ * of the config index below; 0 for an invalid kind.  The configs of a kind that share a cluster
+ * shape (moonep_gemm_config_info's cluster_m, cluster_n) form a FAMILY, one fused kernel, and
+ * follow one after the other: family 0 (cluster 1 x 2) first, then, for fwd, dgrad and wgrad_lp,
+ * family 1 (cluster 2 x 1: torch._grouped_mm's cooperative 128x256x64 and ping-pong 64x128x128).
  */
 MOONEP_API int moonep_gemm_num_configs(int kind);
 
@@ -77,7 +88,8 @@ MOONEP_API size_t moonep_gemm_workspace_bytes(int kind, int G, int sm_count);
 /**
  * One grouped GEMM over the G groups of a receive buffer, on `stream`: a prep kernel (reads
  * cu_seqlens, writes the problem arrays into the workspace, chooses the config, zeroes output
- * tails), then one launch of the kind's fused CUTLASS kernel, which runs the chosen config.
+ * tails), then one launch of the fused CUTLASS kernel of the call's family (that of the forced
+ * config or of every candidate), which runs the chosen config.
  * Group g owns rows [cu_seqlens[g-1], cu_seqlens[g]) of the buffer (cu_seqlens[-1] := 0),
  * clamped to [0, m] on the device, so bad offsets never read or write out of bounds.  Group g
  * uses weight (or weight grad) g of B (D for wgrad) when g < epn, else g - epn of B_slot
@@ -93,9 +105,9 @@ MOONEP_API size_t moonep_gemm_workspace_bytes(int kind, int G, int sm_count);
  *             empty group is zeroed (slot groups: unless MOONEP_GEMM_KEEP_EMPTY_SLOTS).
  *
  * @param kind             0 fwd, 1 dgrad, 2 wgrad, 3 wgrad_lp.
- * @param config           config index to force, or -1: the device cost model evaluates every
- *                         config in cand_mask and runs the one cost_model.pick chooses (the
- *                         cheapest; near-ties to the least MMA work).
+ * @param config           config index to force (any family), or -1: the device cost model
+ *                         evaluates every config in cand_mask and runs the one cost_model.pick
+ *                         chooses (the cheapest; near-ties to the least MMA work).
  * @param raster           tile order of the persistent scheduler: 0 along m (co-resident CTAs
  *                         share a weight slice), 1 along n.
  * @param A                device, first operand (see the kinds above).
@@ -120,9 +132,11 @@ MOONEP_API size_t moonep_gemm_workspace_bytes(int kind, int G, int sm_count);
  *                         config >= 0.
  * @param cand_mask        bit c: config c is a candidate of the device choice (config == -1
  *                         only); bits past the kind's configs are ignored, and a mask with no
- *                         valid bit means every config.  At most 5 fwd/dgrad candidates.
- * @param flags            MOONEP_GEMM_* bits (MOONEP_GEMM_KEEP_EMPTY_SLOTS: wgrad_lp only);
- *                         an unknown bit fails.
+ *                         valid bit means every config of family 0.  The candidates must be of
+ *                         one family (else -1); at most 6 fwd/dgrad candidates (the op passes
+ *                         at most 5: the prep kernel's cost grows with each).
+ * @param flags            MOONEP_GEMM_* bits (MOONEP_GEMM_KEEP_EMPTY_SLOTS: wgrad_lp only;
+ *                         MOONEP_GEMM_PDL: any kind); an unknown bit fails.
  * @param workspace        device scratch of at least moonep_gemm_workspace_bytes(kind, G,
  *                         sm_count) bytes, no initialisation needed; one per concurrent call.
  *                         Bytes 0-3 (int32) receive the index of the config that ran (written

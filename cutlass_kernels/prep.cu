@@ -9,8 +9,9 @@
 //      candidate config at once, each on its share of block 0's threads, and picks the
 //      cheapest (see prep_kernel for the parallel forms of the model and of the LPT sort);
 //   4. writes the problem-shape / pointer / stride arrays, which do not depend on the config (in
-//      block 1, beside block 0's choice; for wgrad it sorts the groups too); the kind's fused
-//      kernel (gemm_kernel.cuh) then runs the chosen config's branch, in one launch;
+//      block 1, beside block 0's choice; for wgrad it sorts the groups too); the fused kernel of
+//      the call's family (gemm_kernel.cuh; configs.h: the configs of one cluster shape) then runs
+//      the chosen config's branch, in one launch;
 //   5. (blocks >= 2, at most 32) zeroes the output rows past cu_seqlens[G-1] for fwd and dgrad,
 //      and the dW of empty groups for wgrad_lp.
 #include <cuda_runtime.h>
@@ -26,6 +27,7 @@
 namespace moonep {
 
 extern const KindEntry kind_entry_fwd, kind_entry_dgrad, kind_entry_wgrad, kind_entry_wgrad_lp;
+extern const KindEntry kind_entry_fwd_2x1, kind_entry_dgrad_2x1, kind_entry_wgrad_lp_2x1;
 
 namespace {
 
@@ -56,11 +58,17 @@ constexpr size_t kAlign = 256;
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-// Configs per kind: names and geometry from configs.h, kernels from the kind's fused entry; the
-// two must agree config by config (checked once, reported by every call if not).
+// Configs per kind: names and geometry from configs.h, kernels from the fused entries of the
+// kind's families (family f's configs are [first[f], first[f] + n) of the kind); the two must
+// agree config by config (checked once, reported by every call if not).
 struct Registry {
-  const KindEntry* kind[kNumKinds] = {&kind_entry_fwd, &kind_entry_dgrad, &kind_entry_wgrad,
-                                      &kind_entry_wgrad_lp};
+  const KindEntry* fam[kNumKinds][kMaxFamilies] = {{&kind_entry_fwd, &kind_entry_fwd_2x1},
+                                                   {&kind_entry_dgrad, &kind_entry_dgrad_2x1},
+                                                   {&kind_entry_wgrad, nullptr},
+                                                   {&kind_entry_wgrad_lp, &kind_entry_wgrad_lp_2x1}};
+  int nfam[kNumKinds] = {};
+  int first[kNumKinds][kMaxFamilies] = {};
+  int famof[kNumKinds][kMaxConfigs] = {};  // family of config c
   const char* name[kNumKinds][kMaxConfigs] = {};
   ConfigGeom geom[kNumKinds][kMaxConfigs] = {};
   int n[kNumKinds] = {};
@@ -71,13 +79,40 @@ struct Registry {
 #define MOONEP_REGISTER(KIND, NAME, ...) add(#KIND, #NAME, ConfigGeom{__VA_ARGS__});
     MOONEP_GEMM_CONFIGS(MOONEP_REGISTER)
     for (int k = 0; k < kNumKinds; ++k) {
-      bool ok = kind[k]->n == n[k];
-      for (int c = 0; ok && c < n[k]; ++c)
-        ok = memcmp(&kind[k]->geoms[c], &geom[k][c], sizeof(ConfigGeom)) == 0;
+      int total = 0;
+      bool ok = true;
+      for (int f = 0; f < kMaxFamilies && fam[k][f]; ++f) {
+        first[k][f] = total;
+        nfam[k] = f + 1;
+        const KindEntry* e = fam[k][f];
+        for (int c = 0; ok && c < e->n; ++c) {
+          ok = total + c < n[k] && memcmp(&e->geoms[c], &geom[k][total + c], sizeof(ConfigGeom)) == 0;
+          if (ok) famof[k][total + c] = f;
+        }
+        total += e->n;
+      }
+      ok = ok && total == n[k];
+      // the configs of one swap class share one set of strides (prep writes one per class)
+      for (int c = 0; ok && c < n[k]; ++c) {
+        int c0 = 0;
+        while (geom[k][c0].swap != geom[k][c].swap) ++c0;
+        StrideBytes a{}, b{};
+        strides(k, c0, 64, 128, 256, &a);
+        strides(k, c, 64, 128, 256, &b);
+        ok = memcmp(&a, &b, sizeof(a)) == 0;
+      }
       if (!ok && !mismatch[0])
         snprintf(mismatch, sizeof(mismatch),
                  "kernel_*.cu and configs.h disagree on the configs of kind %d (rebuild)", k);
     }
+  }
+  const KindEntry* entry(int k, int c) const { return fam[k][famof[k][c]]; }
+  int local(int k, int c) const { return c - first[k][famof[k][c]]; }
+  size_t workspace_bytes(int k, int c, int G, int sm) const {
+    return entry(k, c)->workspace_bytes(local(k, c), G, sm);
+  }
+  void strides(int k, int c, int M, int N, int K, StrideBytes* out) const {
+    entry(k, c)->strides(local(k, c), M, N, K, out);
   }
   void add(const char* kind_name, const char* config, ConfigGeom g) {
     int k = strcmp(kind_name, "fwd") == 0     ? 0
@@ -120,7 +155,7 @@ Layout layout(int kind, int G, int sm_count) {
     }
   for (int c = 0; c < reg.n[kind]; ++c) {
     L.cutlass[c] = off;
-    off = align_up(off + reg.kind[kind]->workspace_bytes(c, G, sm_count));
+    off = align_up(off + reg.workspace_bytes(kind, c, G, sm_count));
   }
   L.total = off;
   return L;
@@ -130,9 +165,11 @@ Layout layout(int kind, int G, int sm_count) {
 // cost_model.py's formulas, computed on the host (in double, rounded to float once).
 struct Cand {
   int cfg;                    // config index
-  // fwd/dgrad: rows per row tile, its log2 (-1: not a power of two), tiles per row tile.  A
-  // swap config's token tiles round up to its cluster (CN), so its row tile is a whole cluster:
-  // bm = BN * CN rows, nt = CN * ceil(n_out / BM) (roundup(ceil(c/BN), CN) = CN * ceil(c/(BN*CN))).
+  // fwd/dgrad: rows per row tile, its log2 (-1: not a power of two), tiles per row tile.  The
+  // row tiles of a group round up to the cluster's extent along the rows, so a row tile is a
+  // whole cluster: plain bm = BM * CM rows, nt = CM * roundup(ceil(n_out / BN), CN); swap-AB
+  // (tokens along N) bm = BN * CN, nt = CN * roundup(ceil(n_out / BM), CM)
+  // (roundup(ceil(c/BN), CN) = CN * ceil(c/(BN*CN))).
   int bm, bm_shift, nt;
   int base, rem, d, Q, S, log2S;  // wgrad: t_w / P, t_w % P, gcd(rem, P), P / d, lanes per class
   unsigned magic_d;           // wgrad: udiv_small magic of d; fwd/dgrad: of bm (0: divide)
@@ -234,9 +271,11 @@ __device__ __forceinline__ float wgrad_tile(const Cand& C, int m) {
 }
 
 // fwd/dgrad: the candidates whose tile scans run side by side (the launcher refuses more).  The
-// rows kernel is compiled for 4 and for 5 chains and launched with the fewest that hold the
-// candidates: a fifth chain on zeros costs the 4-candidate calls ~200 SM cycles.
-constexpr int kScanCand = 5;
+// rows kernel is compiled for 4, 5 and 6 chains and launched with the fewest that hold the
+// candidates: a fifth chain on zeros costs the 4-candidate calls ~200 SM cycles.  The op's
+// candidate sets hold at most 5 (moonep_ops/gemm/cost_model.py); 6 is a whole family 0 of
+// fwd/dgrad (a mask with no valid bit, or MOONEP_GEMM_CANDIDATES).
+constexpr int kScanCand = 6;
 
 constexpr int kChunkPad = 33;  // sorted chunks of 32 groups, one word apart: no bank conflicts
 
@@ -371,6 +410,10 @@ __device__ __noinline__ void zero_tails(const PrepParams& p, Smem& sm) {
 template <int NT, bool RowsKind, int NScan = kScanCand>
 __global__ void __launch_bounds__(NT, 1) prep_kernel(const __grid_constant__ PrepParams p) {
   __shared__ Smem sm;
+  // A GEMM launched with MOONEP_GEMM_PDL may start its CTAs once every block of this grid has
+  // passed here; it waits for this grid's completion (griddepcontrol.wait) before reading what
+  // it wrote.  No effect on a GEMM launched without it.
+  asm volatile("griddepcontrol.launch_dependents;");
   if (blockIdx.x >= 2) {
     zero_tails(p, sm);
     return;
@@ -647,6 +690,7 @@ int fail(const char* msg) {
 template <int NT>
 void launch_prep(bool rows, int ncand, int blocks, cudaStream_t s, const PrepParams& p) {
   if (rows && ncand <= 4) prep_kernel<NT, true, 4><<<blocks, NT, 0, s>>>(p);
+  else if (rows && ncand == 5) prep_kernel<NT, true, 5><<<blocks, NT, 0, s>>>(p);
   else if (rows) prep_kernel<NT, true><<<blocks, NT, 0, s>>>(p);
   else prep_kernel<NT, false><<<blocks, NT, 0, s>>>(p);
 }
@@ -701,13 +745,20 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
 
   PrepParams p{};
   p.kind = kind; p.G = G; p.epn = epn; p.M = M; p.N = N; p.K = K; p.P = sm_count;
-  if (flags & ~MOONEP_GEMM_KEEP_EMPTY_SLOTS) return fail("unknown flags");
+  if (flags & ~(MOONEP_GEMM_KEEP_EMPTY_SLOTS | MOONEP_GEMM_PDL)) return fail("unknown flags");
   if ((flags & MOONEP_GEMM_KEEP_EMPTY_SLOTS) && kind != 3)
     return fail("MOONEP_GEMM_KEEP_EMPTY_SLOTS applies to wgrad_lp only");
   p.zero_groups = (flags & MOONEP_GEMM_KEEP_EMPTY_SLOTS) ? epn : G;
   p.nconf = nconf;
+  // One call runs one family (one fused kernel): the forced config's, or that of every
+  // candidate; a mask with no valid bit means every config of family 0.
   int mask = cand_mask & ((1 << nconf) - 1);
-  if (mask == 0) mask = (1 << nconf) - 1;
+  if (mask == 0) mask = (1 << (reg.nfam[kind] > 1 ? reg.first[kind][1] : nconf)) - 1;
+  const int family = config >= 0 ? reg.famof[kind][config] : reg.famof[kind][__builtin_ctz(mask)];
+  for (int c = 0; config < 0 && c < nconf; ++c)
+    if (((mask >> c) & 1) && reg.famof[kind][c] != family)
+      return fail("cand_mask holds configs of two families (cluster shapes): one call runs one "
+                  "fused kernel");
   p.cu = cu_seqlens;
   p.A = static_cast<const char*>(A);
   p.B = static_cast<const char*>(B);
@@ -730,7 +781,7 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     while (c0 < nconf && reg.geom[kind][c0].swap != o) ++c0;
     if (c0 == nconf) continue;  // a kind of swap configs only: no plain strides to write
     StrideBytes sb{};
-    reg.kind[kind]->strides(c0, pm, pn, pk, &sb);
+    reg.strides(kind, c0, pm, pn, pk, &sb);
     const unsigned char* sbsrc[4] = {sb.a, sb.b, sb.c, sb.d};
     const int sbsize[4] = {sb.size_a, sb.size_b, sb.size_c, sb.size_d};
     for (int a = 0; a < 4; ++a) {
@@ -765,20 +816,21 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     C.tau_sw = tuning[4 + 5 * c];
     C.tau0 = tuning[5 + 5 * c];
     const double tile_flops_us = peak * 1e6 / P * eta;  // flop per us of one CTA
-    C.bm = g.swap ? g.BN * g.CN : g.BM;  // rows per row tile (swap: a cluster of token tiles)
+    C.bm = g.swap ? g.BN * g.CN : g.BM * g.CM;  // rows per row tile: a cluster's extent
     C.bm_shift = -1;
     for (int sh = 0; sh < 31; ++sh)
       if ((1 << sh) == C.bm) C.bm_shift = sh;
     if (kind < 2) {
-      C.nt = g.swap ? (int)(g.CN * cdiv_ll(n_out, g.BM))
-                    : (int)(cdiv_ll(cdiv_ll(n_out, g.BN), g.CN) * g.CN);
+      C.nt = g.swap ? (int)(g.CN * (cdiv_ll(cdiv_ll(n_out, g.BM), g.CM) * g.CM))
+                    : (int)(g.CM * (cdiv_ll(cdiv_ll(n_out, g.BN), g.CN) * g.CN));
       // udiv_small needs x = rows + bm - 1 < 2^22 and bm <= 1024
       C.magic_d = C.bm_shift < 0 && C.bm <= 1024 && (long long)M + C.bm < (1 << 22) ? magic(C.bm) : 0;
       C.vol = (float)g.BM * (float)g.BN;
       C.tau = (float)(2.0 * g.BM * g.BN * k_red / tile_flops_us + tau_epi);
       C.inv_bw = (float)(1.0 / (hbm * 1e6 * bw_frac));
     } else {
-      const long long t_w = cdiv_ll(N, g.BM) * (cdiv_ll(cdiv_ll(K, g.BN), g.CN) * g.CN);
+      const long long t_w =
+          (cdiv_ll(cdiv_ll(N, g.BM), g.CM) * g.CM) * (cdiv_ll(cdiv_ll(K, g.BN), g.CN) * g.CN);
       if (t_w > (1 << 30)) return fail("N, K too large for the wgrad cost model");
       C.base = (int)(t_w / P);
       C.rem = (int)(t_w % P);
@@ -833,7 +885,7 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     return -1;
   }
 
-  // One launch of the kind's fused kernel; it runs the config the prep kernel wrote to `chosen`.
+  // One launch of the family's fused kernel; it runs the config the prep kernel wrote to `chosen`.
   RunArgs r[kMaxConfigs];
   for (int c = 0; c < nconf; ++c) {  // configs differ in shapes and CUTLASS workspace; a swap-AB
     const bool sw = reg.geom[kind][c].swap;  // config also in A <-> B and its strides
@@ -854,7 +906,10 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
     r[c].shapes = ws + L.shapes[c];
     r[c].cutlass_ws = ws + L.cutlass[c];
   }
-  if (reg.kind[kind]->run(r, p.chosen_out, g_err, sizeof(g_err)) != 0) return -1;
+  const int f0 = reg.first[kind][family];
+  const int pdl = (flags & MOONEP_GEMM_PDL) ? 1 : 0;
+  if (reg.fam[kind][family]->run(r + f0, p.chosen_out, f0, pdl, g_err, sizeof(g_err)) != 0)
+    return -1;
   return 0;
 }
 

@@ -30,7 +30,7 @@ from typing import Optional
 
 # Bumped with every exported signature change; the library reports its own value, and a mismatch
 # makes the library "not loadable" rather than risking a call with the wrong arguments.
-GEMM_ABI_VERSION = 7       # cutlass_kernels/moonep_gemm.h
+GEMM_ABI_VERSION = 8       # cutlass_kernels/moonep_gemm.h
 EP_ABI_VERSION = 3         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 
 _vpp = POINTER(c_void_p)

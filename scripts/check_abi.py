@@ -10,7 +10,10 @@ The headers are csrc/moonep_ep.h (libmoonep_ep.so) and cutlass_kernels/moonep_ge
 ``#ifdef MOONEP_DIAGNOSTICS`` belongs to the diagnostics build only.  For each library found:
   * every exported (defined, dynamic) symbol has a prototype of its build;
   * every prototype of its build is exported;
-  * a production library exports no diagnostics symbol.
+  * a production library exports no diagnostics symbol;
+and, library or not, each header's ABI version (MOONEP_*_ABI_VERSION) is the one
+moonep_ops/native.py expects (GEMM_ABI_VERSION, EP_ABI_VERSION; native.py refuses a library that
+reports another).
 The exports are read with ``nm -D --defined-only`` (binutils), or from the ELF .dynsym table
 directly where nm is missing.  The compiler checks that each definition matches its prototype
 (every .cu file includes its library's header).  Exit status 0: all checks pass; 1: a check
@@ -32,6 +35,11 @@ LIBS = {  # library file -> its public header
     "libmoonep_ep.so": ROOT / "csrc" / "moonep_ep.h",
     "libmoonep_gemm.so": ROOT / "cutlass_kernels" / "moonep_gemm.h",
 }
+VERSIONS = {  # header macro -> moonep_ops/native.py constant
+    "MOONEP_EP_ABI_VERSION": "EP_ABI_VERSION",
+    "MOONEP_GEMM_ABI_VERSION": "GEMM_ABI_VERSION",
+}
+NATIVE_PY = ROOT / "moonep_ops" / "native.py"
 DIAG_MACRO = "MOONEP_DIAGNOSTICS"
 
 
@@ -153,6 +161,24 @@ def check(lib: Path, header: Path, diagnostics: bool) -> list[str]:
     return problems
 
 
+def check_versions() -> list[str]:
+    """Each header's ABI version against moonep_ops/native.py's expectation (source text only)."""
+    native = NATIVE_PY.read_text()
+    problems = []
+    for header in LIBS.values():
+        for macro, const in VERSIONS.items():
+            m = re.search(rf"#define\s+{macro}\s+(\d+)", header.read_text())
+            if not m:
+                continue
+            n = re.search(rf"^{const}\s*=\s*(\d+)", native, re.M)
+            if not n:
+                problems.append(f"{NATIVE_PY.name}: no {const} (the header has {macro} {m.group(1)})")
+            elif n.group(1) != m.group(1):
+                problems.append(f"{header.name}: {macro} {m.group(1)}, but {NATIVE_PY.name} "
+                                f"expects {const} = {n.group(1)}")
+    return problems
+
+
 def markdown() -> str:
     out = []
     for lib, header in LIBS.items():
@@ -182,12 +208,16 @@ def main(argv=None) -> int:
         print(markdown())
         return 0
     lib_dir = args.lib_dir or (ROOT / "moonep_ops" / "lib" / ("diagnostics" if args.diagnostics else ""))
+    versions = check_versions()
     found = [(lib_dir / name, header) for name, header in LIBS.items() if (lib_dir / name).exists()]
     if not found:
+        for p in versions:
+            print("  " + p)
         print(f"no library in {lib_dir} (build it with python -m moonep_ops.build"
               f"{' --diagnostics' if args.diagnostics else ''})", file=sys.stderr)
-        return 2
-    problems = []
+        return 1 if versions else 2
+    print(f"ABI versions: {'OK' if not versions else f'{len(versions)} problem(s)'}")
+    problems = list(versions)
     for lib, header in found:
         n = len(exported_symbols(lib))
         p = check(lib, header, args.diagnostics)

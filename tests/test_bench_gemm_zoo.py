@@ -66,8 +66,7 @@ def test_fit_on_dry_run(dry_json, tmp_path):
     out = tmp_path / "tuning_fitted.py"
     out.write_text(src.read_text())
     rep = tmp_path / "fit.json"
-    assert fit.main([str(dry_json), "--write", str(out), "--report-out", str(rep),
-                     "--write-torch-model"]) == 0
+    assert fit.main([str(dry_json), "--write", str(out), "--report-out", str(rep)]) == 0
     r = json.loads(rep.read_text())
     for kind in bench.KINDS:
         ev = r["kinds"][kind]
@@ -81,10 +80,14 @@ def test_fit_on_dry_run(dry_json, tmp_path):
     assert t.EFFICIENCY["wgrad"] == mods.tuning.EFFICIENCY["wgrad"]      # not fitted: kept
     assert t.PEAK_TFLOPS == pytest.approx(mods.tuning.PEAK_TFLOPS, abs=0.05)  # partial fit
     assert "fit_gemm_cost_model" in t.CALIBRATION_SOURCES["fwd"]
-    assert t.TORCH_EFFICIENCY
+    assert dry_json.name in t.CALIBRATION_SOURCES["fwd"]
     for kind in bench.KINDS:
         for n, v in r["kinds"][kind]["constants"].items():
             assert t.EFFICIENCY[kind][n] == tuple(v)
+        assert not t.SEEDED.get(kind)                  # the dry run measures every config
+        nl = r["kinds"][kind]["never_lose"]
+        assert nl["held_out"]["n"] > 0 and len(nl["curve"]) == len(fit.MARGIN_GRID)
+        assert (kind in t.NEVER_LOSE_MARGIN) == (nl["margin"] is not None)
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad", "wgrad_lp"])
@@ -118,14 +121,38 @@ def test_fast_model_equals_library(kind):
 
 
 def test_torch_tiles_round_m_to_the_cluster():
-    g = fit.TORCH_GEOMS["torch_c128x256"]
+    mods = common.gemm_modules()
+    cm = mods.cost_model
+    g = fit.geom_of(cm.CONFIGS["fwd"][cm.config_index("fwd", "t128x256")])
     # 3 M tiles of 128 rows become 4 under the 2x1 cluster; N tiles are not rounded (CN = 1)
     assert fit.rows_tiles(np.array([384, 0, 256]), 768, g).tolist() == [4 * 3, 0, 2 * 3]
     assert fit.wgrad_tiles(768, 2048, g) == 6 * 8
+    assert fit.wgrad_tiles(640, 2048, g) == 6 * 8                   # 5 O tiles -> 6
+    lib = fit.Library(mods, 796.0, 4.2, 132)
     small = dict(counts=[128] * 64, rows=8192, N=4096, K=7168)      # 128 rows per group
     big = dict(counts=[512] * 16, rows=8192, N=4096, K=1536)
-    assert fit.torch_config("fwd", small) == "torch_p64x128"
-    assert fit.torch_config("fwd", big) == "torch_c128x256"
+    assert lib.torch_config("fwd", small) == "t64x128"
+    assert lib.torch_config("fwd", big) == "t128x256"
+    # the stand-in of a torch config is torch's time + the overhead, only where torch runs it
+    c = dict(big, us={}, torch_us=100.0)
+    assert fit.target_us(lib, "fwd", c, "t128x256", 2.0) == (102.0, "stand-in")
+    assert fit.target_us(lib, "fwd", c, "t64x128", 2.0) == (None, None)
+    assert fit.target_us(lib, "fwd", dict(c, us={"t64x128": 90.0}), "t64x128", 2.0) == \
+        (90.0, "measured")
+
+
+def test_margin_objective():
+    # rows: (rule ratio, ours us, torch-family us, torch us, best us, id)
+    rows = [(0.9, 120.0, 101.0, 100.0, 100.0, "a"),    # torch's kernel clearly faster
+            (1.2, 80.0, 101.0, 100.0, 80.0, "b")]      # ours clearly faster
+    m, curve = fit.fit_margin(rows)
+    assert m is not None and 0.9 <= 1 + m < 1.2
+    q = fit.rule_quality(rows, m)
+    assert q["sent_to_torch"] == 1 and q["below_098"] == 0 and q["vs_torch_min"] > 0.98
+    off = fit.rule_quality(rows, None)
+    assert off["sent_to_torch"] == 0 and off["below_098"] == 1 and off["objective"] < q["objective"]
+    # never better to send: no margin
+    assert fit.fit_margin([(0.9, 80.0, 101.0, 100.0, 80.0, "c")])[0] is None
 
 
 def test_case_file_covers_the_zoo():

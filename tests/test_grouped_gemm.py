@@ -5,7 +5,6 @@ cu_seqlens and multiplies with that group's weight in float64.
 """
 from __future__ import annotations
 
-import datetime
 import importlib
 import re
 from pathlib import Path
@@ -367,33 +366,159 @@ def test_native_loader_missing(tmp_path, monkeypatch):
         native.require_gemm()
 
 
-def test_candidate_mask_is_every_config_but_small_tiles_on_large_groups(monkeypatch):
-    # The configs of a kind are fused into one kernel, so a candidate costs no launch: the
-    # device model chooses among all of them, except that a config for small groups
-    # (max_mean_rows, p64x256) is left out when the buffer holds more rows per group.
-    monkeypatch.delenv("MOONEP_GEMM_CANDIDATES", raising=False)
+@pytest.fixture
+def no_gemm_env(monkeypatch):
+    for v in ("MOONEP_GEMM_CANDIDATES", "MOONEP_GEMM_FAMILY", "MOONEP_GEMM_PDL"):
+        monkeypatch.delenv(v, raising=False)
+    gg.clear_plan_cache()
+    yield
+    gg.clear_plan_cache()
+
+
+def test_candidate_mask_by_mean_rows(no_gemm_env):
+    # The "moonep" configs of a kind are fused into one kernel, so a candidate costs no launch:
+    # the device model chooses among all of them, except a config for small groups
+    # (max_mean_rows: p64x256) once the buffer holds more rows per group, and one for large groups
+    # (min_mean_rows: s256x128) while it holds fewer.  "torch" configs are never candidates.
     for kind in gemm_cost_model.KINDS:
         cfgs = gemm_cost_model.CONFIGS[kind]
-        full = (1 << len(cfgs)) - 1
-        assert gg.candidate_mask(kind, 64 * 96, 96) == full
-        big = gg.candidate_mask(kind, 65 * 96, 96)
-        for i, c in enumerate(cfgs):
-            assert bool((big >> i) & 1) == (c.max_mean_rows == 0), (kind, c.name)
+        for rows_per_group in (1, 64, 65, 255, 256, 4096):
+            mask = gg.candidate_mask(kind, rows_per_group * 96, 96)
+            for i, c in enumerate(cfgs):
+                want = (c.family == "moonep"
+                        and (not c.max_mean_rows or rows_per_group <= c.max_mean_rows)
+                        and (not c.min_mean_rows or rows_per_group >= c.min_mean_rows))
+                assert bool((mask >> i) & 1) == want, (kind, c.name, rows_per_group)
     assert any(c.max_mean_rows for c in gemm_cost_model.CONFIGS["fwd"] if c.BM == 64)
     assert "p64x256" not in gemm_cost_model.candidates("fwd", 32768, 64)
     assert "p64x256" in gemm_cost_model.candidates("dgrad", 4096, 64)
+    assert "s256x128" in gemm_cost_model.candidates("fwd", 256 * 32, 32)
+    assert "s256x128" not in gemm_cost_model.candidates("fwd", 255 * 32, 32)
 
 
-def test_select_skips_non_candidates():
-    # 96 groups of 40 rows: every config is a candidate; the same histogram in a buffer of 65
-    # rows per group leaves p64x256 out, and select() applies the same rule to the others.
+def test_at_most_five_candidates_per_call():
+    # The prep kernel's cost grows with each candidate (<= 5 us needs <= 5): every shape region.
+    for kind in gemm_cost_model.KINDS:
+        for rpg in list(range(1, 600, 7)) + [1023, 1024, 4096, 65536]:
+            for O, I in ((768, 2048), (2048, 768), (7168, 2048), (2880, 2880), (128, 4096)):
+                fam, names = gemm_cost_model.call_candidates(kind, rpg * 32, 32, O, I)
+                assert 1 <= len(names) <= 5, (kind, rpg, O, I, names)
+                assert {gemm_cost_model.CONFIGS[kind][gemm_cost_model.config_index(kind, n)].family
+                        for n in names} == {fam}
+
+
+def test_select_skips_non_candidates(monkeypatch):
+    # 96 groups of 40 rows: every "moonep" config but s256x128 is a candidate; the same histogram
+    # in a buffer of 65 rows per group leaves p64x256 out, and select() applies the same rule.
+    monkeypatch.setattr(gemm_tuning, "NEVER_LOSE_MARGIN", {})        # the moonep family only
     counts, N, K = np.full(96, 40), 2048, 7168
-    pred = gemm_cost_model.predict(counts, N, K, "dgrad")
+    cands = gemm_cost_model.candidates("dgrad", 40 * 96, 96)
+    assert "s256x128" not in cands and "t128x256" not in cands
+    pred = gemm_cost_model.predict(counts, N, K, "dgrad", configs=cands)
     vol = {n: gemm_cost_model.mma_volume(counts, N, K, "dgrad", n) for n in pred}
     others = {n: t for n, t in pred.items() if n != "p64x256"}
-    assert gemm_cost_model.select(counts, N, K, "dgrad") == gemm_cost_model.pick(pred, vol, "dgrad")
+    assert gemm_cost_model.select(counts, N, K, "dgrad") == gemm_cost_model.pick(
+        pred, vol, "dgrad", gemm_cost_model.tie_tolerance("dgrad", 40 * 96, 96))
     big = gemm_cost_model.select(counts, N, K, "dgrad", rows=65 * 96)
     assert big == gemm_cost_model.pick(others, vol, "dgrad") and big != "p64x256"
+
+
+def test_torch_config_is_torchs_rule():
+    # aten GroupMM.cu: small = (M <= 128 || N <= 128) -> ping-pong 64x128x128, else cooperative
+    # 128x256x64; 2-D x 3-D divides M by G (integer), 2-D x 2-D takes M = O, N = I.
+    tc = gemm_cost_model.torch_config
+    assert tc("fwd", 128 * 64, 64, 4096, 7168) == "t64x128"
+    assert tc("fwd", 129 * 64, 64, 4096, 7168) == "t128x256"
+    assert tc("fwd", 8192, 16, 128, 7168) == "t64x128"          # N = O <= 128
+    assert tc("dgrad", 8192, 16, 128, 7168) == "t128x256"       # dgrad's N is I
+    assert tc("dgrad", 8192, 16, 4096, 128) == "t64x128"
+    assert tc("wgrad_lp", 64, 64, 768, 2048) == "t128x256"      # wgrad: M/G plays no part
+    assert tc("wgrad_lp", 1 << 20, 8, 128, 2048) == "t64x128"
+    assert tc("wgrad", 8192, 16, 4096, 7168) is None            # no torch family for fp32 +=
+    for kind in ("fwd", "dgrad", "wgrad_lp"):
+        fam = {c.name: c for c in gemm_cost_model.CONFIGS[kind] if c.family == "torch"}
+        assert {(c.BM, c.BN, c.BK, c.CM, c.CN, c.pingpong) for c in fam.values()} == {
+            (128, 256, 64, 2, 1, False), (64, 128, 128, 2, 1, True)}
+
+
+def test_torch_family_tiles_round_m_to_the_cluster():
+    # CUTLASS's group scheduler rounds each group's M tiles up to the 2x1 cluster: 3 tiles of
+    # 128 rows become 4; the N tiles are not rounded (CN = 1)
+    t = gemm_cost_model.CONFIGS["fwd"][gemm_cost_model.config_index("fwd", "t128x256")]
+    tiles = gemm_cost_model._rows_tiles(np.array([384, 0, 256, 1]), 768, t)
+    assert tiles.tolist() == [4 * 3, 0, 2 * 3, 2 * 3]
+    assert gemm_cost_model.mma_volume([384, 0, 256], 768, 2048, "fwd", "t128x256") == 18 * 128 * 256
+    w = gemm_cost_model.CONFIGS["wgrad_lp"][gemm_cost_model.config_index("wgrad_lp", "t128x256")]
+    assert gemm_cost_model._wgrad_tiles(640, 2048, w) == 6 * 8        # 5 O tiles -> 6
+    # the 1x2 swap twin: token tiles of 128 in pairs, weight tiles of 256 not rounded (CM = 1)
+    s = gemm_cost_model.CONFIGS["fwd"][gemm_cost_model.config_index("fwd", "s256x128")]
+    assert gemm_cost_model._rows_tiles(np.array([384, 1, 0]), 768, s).tolist() == [4 * 3, 2 * 3, 0]
+
+
+def test_never_lose_rule(monkeypatch, no_gemm_env):
+    """family_for: the torch family exactly where the model on the shape's balanced probe predicts
+    torch's kernel within (1 + margin) of our best candidate; never for wgrad (fp32 +=); the op's
+    mask follows it (one family per call) and MOONEP_GEMM_FAMILY forces it."""
+    rows, G, O, I = 20480, 32, 768, 2048
+    probe = gemm_cost_model.balanced_probe(rows, G)
+    assert probe.tolist() == [1024] * 16 + [0] * 16           # (20480 - 127*32) // 16 -> 1024
+    assert gemm_cost_model.balanced_probe(100, 4).tolist() == [50, 50, 0, 0]
+    r = gemm_cost_model.never_lose_ratio("fwd", rows, G, O, I)
+    pred = gemm_cost_model.predict(probe, O, I, "fwd")
+    best = min(pred[n] for n in gemm_cost_model.candidates("fwd", rows, G))
+    assert r == pytest.approx(pred["t128x256"] / best)
+    for margin, fam in ((r - 1 + 1e-6, "torch"), (r - 1 - 1e-6, "moonep")):
+        monkeypatch.setattr(gemm_tuning, "NEVER_LOSE_MARGIN", {"fwd": margin})
+        gg.clear_plan_cache()
+        assert gemm_cost_model.family_for("fwd", rows, G, O, I) == fam
+        _, names = gemm_cost_model.call_candidates("fwd", rows, G, O, I)
+        mask = gg.candidate_mask("fwd", rows, G, O, I)
+        cfgs = gemm_cost_model.CONFIGS["fwd"]
+        assert {c.name for i, c in enumerate(cfgs) if (mask >> i) & 1} == set(names)
+        assert names == (["t128x256"] if fam == "torch" else
+                         gemm_cost_model.candidates("fwd", rows, G))
+        counts = [1024] * 16 + [0] * 16
+        assert (gemm_cost_model.select(counts, O, I, "fwd", rows=rows) == "t128x256") == (
+            fam == "torch")
+    monkeypatch.setattr(gemm_tuning, "NEVER_LOSE_MARGIN", {})
+    assert gemm_cost_model.family_for("fwd", rows, G, O, I) == "moonep"
+    monkeypatch.setattr(gemm_tuning, "NEVER_LOSE_MARGIN", {"wgrad": 10.0, "fwd": 10.0})
+    assert gemm_cost_model.family_for("wgrad", rows, G, O, I) == "moonep"
+    assert gemm_cost_model.family_for("fwd", 0, G, O, I) == "moonep"
+    gg.clear_plan_cache()
+    monkeypatch.setenv("MOONEP_GEMM_FAMILY", "moonep")
+    assert gg.candidate_mask("fwd", rows, G, O, I) == gg.candidate_mask("fwd", rows, G)
+    monkeypatch.setenv("MOONEP_GEMM_FAMILY", "torch")
+    assert gg.candidate_mask("fwd", 128 * G, G, O, I) == 1 << gemm_cost_model.config_index(
+        "fwd", "t64x128")
+    assert gg.candidate_mask("wgrad", rows, G, O, I) == gg.candidate_mask("wgrad", rows, G)
+    monkeypatch.setenv("MOONEP_GEMM_FAMILY", "bogus")
+    with pytest.raises(ValueError, match="MOONEP_GEMM_FAMILY"):
+        gg.candidate_mask("fwd", rows, G, O, I)
+    monkeypatch.delenv("MOONEP_GEMM_FAMILY")
+    monkeypatch.setenv("MOONEP_GEMM_CANDIDATES", "c128x256,t128x256")
+    with pytest.raises(ValueError, match="both families"):
+        gg.candidate_mask("fwd", rows, G, O, I)
+
+
+def test_families_are_contiguous_and_share_a_cluster():
+    # prep.cu: the configs of a family follow one after the other, family 0 ("moonep", cluster
+    # 1 x 2) first; one fused kernel per family needs one cluster shape
+    for kind, cfgs in gemm_cost_model.CONFIGS.items():
+        fams = [c.family for c in cfgs]
+        assert fams == sorted(fams, key=gemm_cost_model.FAMILIES.index), kind
+        for fam in set(fams):
+            assert len({(c.CM, c.CN) for c in cfgs if c.family == fam}) == 1, (kind, fam)
+        assert fams[0] == "moonep"
+    assert all(c.family == "moonep" for c in gemm_cost_model.CONFIGS["wgrad"])
+
+
+def test_abi_version_matches_header():
+    text = (ROOT / "cutlass_kernels" / "moonep_gemm.h").read_text()
+    assert int(re.search(r"#define MOONEP_GEMM_ABI_VERSION (\d+)", text).group(1)) == \
+        native.GEMM_ABI_VERSION
+    for flag, value in (("KEEP_EMPTY_SLOTS", gg._KEEP_EMPTY_SLOTS), ("PDL", gg._PDL)):
+        assert int(re.search(rf"#define MOONEP_GEMM_{flag} (\d+)", text).group(1)) == value
 
 
 def test_tie_tolerance_is_wider_only_on_small_groups():
@@ -411,9 +536,10 @@ def test_tie_tolerance_is_wider_only_on_small_groups():
     assert not gemm_cost_model.small_groups("wgrad_lp", 1, 64)
 
 
-def test_candidate_mask_env(monkeypatch):
+def test_candidate_mask_env(monkeypatch, no_gemm_env):
     monkeypatch.setenv("MOONEP_GEMM_CANDIDATES", "p128x128, c128x256")
     assert gg.candidate_mask("fwd", 1024, 8) == 0b011
+    assert gg.candidate_mask("fwd", 1024, 8, 4096, 4096) == 0b011
     monkeypatch.setenv("MOONEP_GEMM_CANDIDATES", "")
     assert gg.candidate_mask("wgrad", 1024, 8) == 0b111
 
@@ -429,13 +555,24 @@ def test_cxx_config_table_matches_python():
         assert [(c.name, c.BM, c.BN, c.BK, c.CM, c.CN, int(c.pingpong), c.EN, int(c.swap))
                 for c in cfgs] == from_cxx[kind]
         assert set(gemm_tuning.EFFICIENCY[kind]) == {c.name for c in cfgs}
-    # One fused kernel per kind: kernel_<kind>.cu lists the same configs in the same order.
+    # One fused kernel per family: kernel_<kind>.cu ("moonep") and kernel_<kind>_2x1.cu
+    # ("torch") list the family's configs in the same order, and prep.cu registers both.
+    unit = {"moonep": "kernel_{}.cu", "torch": "kernel_{}_2x1.cu"}
+    want = sorted({unit[c.family].format(k) for k, cfgs in gemm_cost_model.CONFIGS.items()
+                   for c in cfgs})
     units = sorted(p.name for p in (ROOT / "cutlass_kernels").glob("kernel_*.cu"))
-    assert units == sorted(f"kernel_{k}.cu" for k in gemm_cost_model.CONFIGS)
+    assert units == want
+    prep = (ROOT / "cutlass_kernels" / "prep.cu").read_text()
     for kid, (kind, cfgs) in enumerate(gemm_cost_model.CONFIGS.items()):
-        src = (ROOT / "cutlass_kernels" / f"kernel_{kind}.cu").read_text()
-        listed = re.findall(r"GroupedGemm<(\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (true|false)"
-                            r"(?:, (\d+))?>", src)
+        listed = []
+        for fam in gemm_cost_model.FAMILIES:
+            name = unit[fam].format(kind)
+            if (ROOT / "cutlass_kernels" / name).exists():
+                src = (ROOT / "cutlass_kernels" / name).read_text()
+                entry = name[len("kernel_"):-len(".cu")]
+                assert f"MOONEP_DEFINE_KIND({entry}," in src and f"&kind_entry_{entry}" in prep
+                listed += re.findall(r"GroupedGemm<(\d+), (\d+), (\d+), (\d+), (\d+), (\d+), "
+                                     r"(true|false)(?:, (\d+))?>", src)
         # swap-AB configs are kernel kinds 4 (fwd) and 5 (dgrad) in gemm_kernel.cuh
         assert [(int(k), *map(int, g[:5]), g[5] == "true", int(g[6] or 0)) for k, *g in listed] == \
             [(kid + 4 if c.swap else kid, c.BM, c.BN, c.BK, c.CM, c.CN, c.pingpong, c.EN)
@@ -461,8 +598,11 @@ def test_cost_model_basic(kind):
     counts = _zipf_counts(64, 32768, 0.8)
     pred = gemm_cost_model.predict(counts, N, K, kind)
     assert set(pred) == {c.name for c in gemm_cost_model.CONFIGS[kind]}
-    # the pick is the fastest predicted, or a near-tie (SELECT_TIE_TOL) with less MMA work
-    pick, fastest = gemm_cost_model.select(counts, N, K, kind), min(pred, key=pred.get)
+    # the pick is the fastest predicted of the call's family, or a near-tie (SELECT_TIE_TOL) with
+    # less MMA work
+    _, names = gemm_cost_model.call_candidates(kind, int(counts.sum()), len(counts), N, K)
+    fam = {n: pred[n] for n in names}
+    pick, fastest = gemm_cost_model.select(counts, N, K, kind), min(fam, key=fam.get)
     assert pred[pick] <= pred[fastest] * (1 + gemm_tuning.SELECT_TIE_TOL)
     vol = lambda n: gemm_cost_model.mma_volume(counts, N, K, kind, n)  # noqa: E731
     idx = lambda n: gemm_cost_model.config_index(kind, n)  # noqa: E731
@@ -471,11 +611,13 @@ def test_cost_model_basic(kind):
     floor_us = gemm_cost_model.flops(counts, N, K) / (gemm_tuning.PEAK_TFLOPS * 1e6 * max_eta)
     for name, t in pred.items():
         assert np.isfinite(t) and t >= floor_us, (name, t, floor_us)
-    # more rows never predicts less time
+    # more rows never predicts less time (up to a round's tau_sw: more tiles can move two group
+    # starts into one round, which pays the switch once)
     more = counts.copy()
     more[3] += 500
     pred2 = gemm_cost_model.predict(more, N, K, kind)
-    assert all(pred2[n] >= pred[n] for n in pred)
+    assert all(pred2[n] >= pred[n] * (1 - 1e-4) - gemm_tuning.EFFICIENCY[kind][n][2]
+               for n in pred)
     # nothing to do: launch cost only
     empty = gemm_cost_model.predict([0] * 64, N, K, kind)
     assert all(empty[c] == gemm_tuning.EFFICIENCY[kind][c][3] for c in empty)
@@ -583,49 +725,78 @@ def test_build_rebuilds_when_any_header_changes(tmp_path):
     assert build._stale(src, tmp_path / "missing.o")
 
 
-def test_calibration_refits_only_the_kinds_asked(tmp_path, monkeypatch):
-    """calibrate_grouped_gemm.py --from-json --kinds wgrad_lp: wgrad_lp's constants are refitted
-    from the measurements; every other kind, the dense peak and the copy bandwidth stay as the
-    tuning file has them (they were fitted together), and the source names what was refitted."""
-    import copy
+def _synthetic_zoo(path, kind, cases_spec, scale=1.3, peak=None, hbm=None):
+    """A zoo-format JSON (bench_gemm_zoo.py's schema) of one kind whose forced times are the
+    model's predictions x scale, half of the histograms held out, torch at the model's t128x256."""
     import json
+    hists, cases = [], []
+    for i, (G, O, I, counts) in enumerate(cases_spec):
+        hid = f"synthetic/ep{i}/s1/h{i}"
+        rows = int(sum(counts)) + 127 * G
+        hists.append(dict(id=hid, family="synthetic", ep=i, s=1, hist=f"h{i}", G=G, M=rows,
+                          counts=[int(c) for c in counts], held_out=bool(i % 2)))
+        pred = gemm_cost_model.predict(counts, O, I, kind)
+        us = {n: scale * v for n, v in pred.items()}
+        us["torch"] = scale * pred["t128x256"]
+        cases.append(dict(hist=hid, proj="p", kind=kind, O=O, I=I, M=rows, us=us))
+    cfgs = [dict(name=c.name) for c in gemm_cost_model.CONFIGS[kind]]
+    path.write_text(json.dumps(dict(
+        schema="moonep-gemm-zoo/1", complete=True, configs={kind: cfgs}, hists=hists, cases=cases,
+        meta=dict(peak_tflops=peak, hbm_tbps=hbm, sm_count=132), probes={})))
+    return path
+
+
+def test_calibration_refits_only_the_kinds_asked(tmp_path, monkeypatch):
+    """The one fit (benchmarks/fit_gemm_cost_model.py, on committed-format JSON), --kinds
+    wgrad_lp: wgrad_lp's constants are refitted from the measurements (every config, deterministic:
+    the same input twice gives the same file); every other kind, the dense peak and the copy
+    bandwidth stay as the tuning file has them (they were fitted together), and the source names
+    the input file.  calibrate_grouped_gemm.py --from-json delegates to it."""
+    import copy
     import runpy
     import sys
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    monkeypatch.setattr(sys, "argv", ["calibrate_grouped_gemm.py"])
-    import calibrate_grouped_gemm as cal
+    import fit_gemm_cost_model as fit
     before = copy.deepcopy(gemm_tuning.EFFICIENCY)
     peak, hbm = gemm_tuning.PEAK_TFLOPS, gemm_tuning.HBM_TBPS
-    # fit() sets the module's constants while it searches: give it copies
-    monkeypatch.setattr(gemm_tuning, "EFFICIENCY", copy.deepcopy(before))
-    monkeypatch.setattr(gemm_tuning, "PEAK_TFLOPS", peak)
-    monkeypatch.setattr(gemm_tuning, "HBM_TBPS", hbm)
     rng = np.random.default_rng(0)
-    cases = []
-    for G, N, K in ((32, 4096, 7168), (64, 2048, 7168), (48, 4096, 1536)):
-        counts = rng.integers(0, 900, G)
-        pred = gemm_cost_model.predict(counts, N, K, "wgrad_lp")
-        cases.append(dict(skew="synthetic", G=G, N=N, K=K, counts=counts.tolist(),
-                          us={n: 1.3 * v for n, v in pred.items()}))
-    src = tmp_path / "measured.json"
-    src.write_text(json.dumps(dict(peak_tflops=2 * peak, hbm_tbps=2 * hbm,
-                                   data={"wgrad_lp": cases, "fwd": []})))
-    out = tmp_path / "gemm_tuning.py"
-    cal.main(["--from-json", str(src), "--kinds", "wgrad_lp", "--write", str(out),
-              "--out", str(tmp_path)])
-    new = runpy.run_path(str(out))
+    spec = []
+    for i, (G, O, I) in enumerate(((32, 4096, 7168), (64, 2048, 7168), (48, 4096, 1536),
+                                   (16, 768, 2048), (32, 2048, 768), (8, 2880, 2880))):
+        spec.append((G, O, I, (rng.integers(0, 8, G) * 128).tolist()))
+    src = _synthetic_zoo(tmp_path / "zoo_synthetic.json", "wgrad_lp", spec * 4,
+                         peak=2 * peak, hbm=2 * hbm)
+    outs = []
+    for run in range(2):
+        out = tmp_path / f"tuning_{run}.py"
+        if run:     # a different starting file: the fit must not depend on it
+            text = (tmp_path / "tuning_0.py").read_text().replace("0.0", "0.5", 3)
+            out.write_text(text)
+        assert fit.main([str(src), "--kinds", "wgrad_lp", "--write", str(out)]) == 0
+        outs.append(runpy.run_path(str(out)))
+    new = outs[0]
+    assert outs[1]["EFFICIENCY"]["wgrad_lp"] == new["EFFICIENCY"]["wgrad_lp"]
     assert (new["PEAK_TFLOPS"], new["HBM_TBPS"]) == (round(peak, 1), round(hbm, 3))
     assert list(new["EFFICIENCY"]) == list(gemm_cost_model.KINDS)
     for kind in ("fwd", "dgrad", "wgrad"):
         assert new["EFFICIENCY"][kind] == {n: tuple(v) for n, v in before[kind].items()}
+    assert set(new["EFFICIENCY"]["wgrad_lp"]) == {c.name for c in gemm_cost_model.CONFIGS["wgrad_lp"]}
     assert new["EFFICIENCY"]["wgrad_lp"] != {n: tuple(v) for n, v in before["wgrad_lp"].items()}
-    assert new["CALIBRATION_SOURCES"]["wgrad_lp"].endswith(
-        f"refit from measured.json, {datetime.date.today().isoformat()}")
+    assert not new["SEEDED"].get("wgrad_lp")           # every wgrad_lp config measured
+    assert "zoo_synthetic.json" in new["CALIBRATION_SOURCES"]["wgrad_lp"]
+    assert "fit_gemm_cost_model" in new["CALIBRATION_SOURCES"]["wgrad_lp"]
     assert {k: new["CALIBRATION_SOURCES"][k] for k in ("fwd", "dgrad", "wgrad")} == {
         k: gemm_tuning.CALIBRATION_SOURCES[k] for k in ("fwd", "dgrad", "wgrad")}
+    assert set(new["NEVER_LOSE_MARGIN"]) <= {"fwd", "dgrad", "wgrad_lp"}
     with pytest.raises(SystemExit, match="unknown kind"):
-        cal.main(["--from-json", str(src), "--kinds", "wgrad,bogus", "--write", str(out)])
+        fit.main([str(src), "--kinds", "wgrad,bogus", "--write", str(tmp_path / "x.py")])
+    # calibrate_grouped_gemm.py --from-json runs the same fit
+    monkeypatch.setattr(sys, "argv", ["calibrate_grouped_gemm.py"])
+    import calibrate_grouped_gemm as cal
+    out = tmp_path / "tuning_cal.py"
+    assert cal.main(["--from-json", str(src), "--kinds", "wgrad_lp", "--write", str(out)]) == 0
+    assert runpy.run_path(str(out))["EFFICIENCY"] == new["EFFICIENCY"]
 
 
 def test_bench_report_and_kinds_option(monkeypatch, capsys):

@@ -270,16 +270,108 @@ def test_device_selector_agrees_with_python_model(kind):
             dx = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
             wsp = gg._launch(kind, -1, dy, wl, ws, dx, None, cu, epn, M, N, K)
         chosen = int(wsp[:4].view(torch.int32).item())
-        mask = gg.candidate_mask(kind, M, len(counts))
-        pred = gemm_cost_model.predict(counts, N, K, kind, configs=[
-            c.name for i, c in enumerate(gemm_cost_model.CONFIGS[kind]) if (mask >> i) & 1])
-        name = gemm_cost_model.CONFIGS[kind][chosen].name
+        sm = torch.cuda.get_device_properties(0).multi_processor_count
+        mask = gg.candidate_mask(kind, M, len(counts), N, K, sm)
+        fam, names = gemm_cost_model.call_candidates(kind, M, len(counts), N, K, sm_count=sm)
+        cfgs = gemm_cost_model.CONFIGS[kind]
+        assert {c.name for i, c in enumerate(cfgs) if (mask >> i) & 1} == set(names)
+        pred = gemm_cost_model.predict(counts, N, K, kind, configs=names, sm_count=sm)
+        name = cfgs[chosen].name
+        if len(names) == 1:                 # the torch family: torch's rule, no device model
+            assert name == names[0], (fam, names, name)
+            continue
         vol = {n: gemm_cost_model.mma_volume(counts, N, K, kind, n) for n in pred}
         tol = gemm_cost_model.tie_tolerance(kind, M, len(counts))
         window, slack = min(pred.values()) * (1 + tol), 1e-3
         assert pred[name] <= window * (1 + slack), (pred, name)
         assert not [n for n in pred if pred[n] <= window * (1 - slack) and vol[n] < vol[name]], \
             (pred, vol, name)
+
+
+@needs_lib
+@pytest.mark.parametrize("family", ["moonep", "torch"])
+@pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad_lp"])
+def test_device_runs_the_forced_family(kind, family, monkeypatch):
+    """MOONEP_GEMM_FAMILY forces the never-lose rule's family: the torch family runs torch's own
+    config (torch_config, no device model), the moonep family one of its candidates; both match
+    the reference, and the torch family matches torch._grouped_mm (the same kernel)."""
+    monkeypatch.setenv("MOONEP_GEMM_FAMILY", family)
+    gg.clear_plan_cache()
+    try:
+        for counts in (COUNTS["skewed_empty"], [512] * 8 + [0] * 8, [64] * 16):
+            N, K = 384, 512
+            x, wl, ws, cu = make(counts, N, K)
+            M, epn = x.shape[0], len(counts) // 2
+            want = gemm_cost_model.call_candidates(kind, M, len(counts), N, K, family=family)[1]
+            dy = torch.randn(M, N, device="cuda", generator=fresh_gen()).to(torch.bfloat16)
+            w = torch.cat([wl, ws])
+            if kind == "fwd":
+                out = poisoned(M, N, dtype=torch.bfloat16)
+                wsp = gg._launch(kind, -1, x, wl, ws, out, None, cu, epn, M, N, K)
+                ref, tref = ref_fwd(x, wl, ws, cu), torch._grouped_mm(x, w.transpose(-2, -1), offs=cu)
+                rows = int(sum(counts))
+            elif kind == "dgrad":
+                out = poisoned(M, K, dtype=torch.bfloat16)
+                wsp = gg._launch(kind, -1, dy, wl, ws, out, None, cu, epn, M, N, K)
+                ref, tref = ref_dgrad(dy, wl, ws, cu), torch._grouped_mm(dy, w, offs=cu)
+                rows = int(sum(counts))
+            else:
+                gl = poisoned(epn, N, K, dtype=torch.bfloat16)
+                gs = poisoned(epn, N, K, dtype=torch.bfloat16)
+                wsp = gg._launch(kind, -1, dy, x, None, gl, gs, cu, epn, M, N, K)
+                rl, rs = ref_wgrad(dy, x, cu, epn)
+                out, ref = torch.cat([gl, gs]), torch.cat([rl, rs])
+                tref = torch._grouped_mm(dy.t(), x, offs=cu)
+                tref = tref.masked_fill(~gg._nonempty_G11(cu), 0)
+                rows = None
+            name = gemm_cost_model.CONFIGS[kind][int(wsp[:4].view(torch.int32).item())].name
+            assert name in want, (name, want)
+            assert rel_err(out, ref) < TOL
+            if family == "torch":
+                a, b = (out, tref) if rows is None else (out[:rows], tref[:rows])
+                assert rel_err(a, b) < 2e-3, name   # the same kernel: bf16 rounding apart
+    finally:
+        gg.clear_plan_cache()
+
+
+@needs_lib
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_pdl_launch_matches(kind, monkeypatch):
+    """MOONEP_GEMM_PDL=1 (the GEMM as a programmatic dependent of the prep kernel): the same
+    results, automatic and forced, in both families, eager and in a captured graph."""
+    monkeypatch.setenv("MOONEP_GEMM_PDL", "1")
+    counts = COUNTS["skewed_empty"]
+    N, K = 384, 512
+    x, wl, ws, cu = make(counts, N, K)
+    M, epn = x.shape[0], len(counts) // 2
+    dy = torch.randn(M, N, device="cuda", generator=fresh_gen()).to(torch.bfloat16)
+    for config in _configs(kind):
+        if kind in ("fwd", "dgrad"):
+            a, cols = (x, N) if kind == "fwd" else (dy, K)
+            out = poisoned(M, cols, dtype=torch.bfloat16)
+            gg._launch(kind, config, a, wl, ws, out, None, cu, epn, M, N, K)
+            ref = ref_fwd(x, wl, ws, cu) if kind == "fwd" else ref_dgrad(dy, wl, ws, cu)
+            assert rel_err(out, ref) < TOL, config
+        else:
+            dt = torch.float32 if kind == "wgrad" else torch.bfloat16
+            gl = torch.zeros(epn, N, K, device="cuda", dtype=dt)
+            gs = torch.zeros_like(gl)
+            gg._launch(kind, config, dy, x, None, gl, gs, cu, epn, M, N, K)
+            rl, rs = ref_wgrad(dy, x, cu, epn)
+            assert rel_err(torch.cat([gl, gs]).float(), torch.cat([rl, rs])) < TOL, config
+    if kind == "fwd":
+        y = gg.grouped_mm(x, wl, ws, cu)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = gg.grouped_mm(x, wl, ws, cu)
+        for c2 in ([0, 1, 700, 3, 0, 2, 129, 64] * 2, [2100] + [0] * 15):
+            cu.copy_(torch.tensor(np.cumsum(c2), dtype=torch.int32))
+            y.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.all(y[sum(c2):] == 0)
+            assert rel_err(y, ref_fwd(x, wl, ws, cu)) < TOL
 
 
 @needs_lib

@@ -13,7 +13,9 @@ What the kernels do (cutlass_kernels/), and hence what the model counts:
   linearised in group order (M fastest inside a group), CTA p takes tiles p, p+P, p+2P, ...
 
 fwd / dgrad (all tiles cost the same; the ragged dimension only changes how many there are):
-  tiles_g = ceil(M_g/BM) * roundup(ceil(n_out/BN), CN)     (0 when M_g == 0; no M-cluster)
+  tiles_g = roundup(ceil(M_g/BM), CM) * roundup(ceil(n_out/BN), CN)     (0 when M_g == 0; the
+            group scheduler rounds each group's tile counts up to the cluster; swap-AB:
+            roundup(ceil(n_out/BM), CM) * roundup(ceil(M_g/BN), CN))
   tau     = 2*BM*BN*k_red / (PEAK/NUM_SMS * eta_c) + tau_epi  full tile even when M_g < BM;
             tau_epi is the epilogue time a tile adds (~0 when ping-pong overlaps it)
   The linear tile order is cut into rounds of P tiles.  A group's first-touch HBM bytes
@@ -28,10 +30,21 @@ wgrad (every non-empty group has the same tile count, but a tile costs ~ M_g):
   enters), and T(c) = tau0 + max_p.
 
 The constants (eta, bw_frac, tau_sw, tau0, tau_epi per config) live in moonep_ops/gemm/tuning.py and
-are fitted on the H200 by benchmarks/calibrate_grouped_gemm.py.  The same formulas run on the
-GPU inside the prep kernel (cutlass_kernels/prep.cu, one warp per config), which is how the op
-selects a config from device-resident counts without a host sync; this module is the reference
-and the API a user asks ("what does the model predict for these counts?").
+are fitted by benchmarks/fit_gemm_cost_model.py on the committed H200 measurements
+(moonep_ops/gemm/calibration/*.json).  The same formulas run on the GPU inside the prep kernel
+(cutlass_kernels/prep.cu, one warp per config), which is how the op selects a config from
+device-resident counts without a host sync; this module is the reference and the API a user
+asks ("what does the model predict for these counts?").
+
+Two families of configs per kind (cutlass_kernels/configs.h), one fused kernel each, one per call:
+  * "moonep" (cluster 1 x 2): the configs the device cost model chooses among, per call, from
+    the counts (`candidates`: the shape's candidate set, at most 5);
+  * "torch" (cluster 2 x 1; fwd, dgrad, wgrad_lp): torch._grouped_mm's own two sm90 kernels
+    on our per-group pointers (no weight copy), the one of them torch would run picked by
+    torch's own shape rule (`torch_config`).
+The host picks the family from static shapes (`family_for`, the never-lose rule: the model on
+the shape's balanced probe histogram, with a fitted margin), so a call never syncs and stays
+capturable; `call_candidates` is what one call's device choice ranges over.
 """
 from __future__ import annotations
 
@@ -43,6 +56,7 @@ import numpy as np
 from . import tuning as gemm_tuning
 
 KINDS = ("fwd", "dgrad", "wgrad", "wgrad_lp")
+FAMILIES = ("moonep", "torch")
 
 
 @dataclass(frozen=True)
@@ -61,16 +75,31 @@ class GemmConfig:
     # A candidate of the device selector only while the call's buffer holds at most this many
     # rows per group (M <= max_mean_rows * G; static shapes, so no sync); 0: always.
     max_mean_rows: int = 0
+    # ... and only while it holds at least this many (M >= min_mean_rows * G); 0: always.
+    min_mean_rows: int = 0
+
+    @property
+    def family(self) -> str:
+        """'torch' for torch._grouped_mm's kernels (cluster 2 x 1), 'moonep' for the configs
+        the device selector chooses among (cluster 1 x 2).  One fused kernel per family."""
+        return "torch" if self.CM > 1 else "moonep"
 
     def candidate_for(self, rows: int, groups: int) -> bool:
-        """Whether the selector considers this config for a buffer of ``rows`` rows in
-        ``groups`` groups (the max_mean_rows rule)."""
-        return not self.max_mean_rows or rows <= self.max_mean_rows * groups
+        """Whether the device selector considers this config for a buffer of ``rows`` rows
+        in ``groups`` groups: a "moonep" config within its max/min_mean_rows window (a "torch"
+        config is never a candidate of the device choice: `torch_config` picks it)."""
+        return (self.family == "moonep"
+                and (not self.max_mean_rows or rows <= self.max_mean_rows * groups)
+                and (not self.min_mean_rows or rows >= self.min_mean_rows * groups))
 
 
 # Must match cutlass_kernels/configs.h (checked by tests/test_grouped_gemm_cuda.py against the
-# library's moonep_gemm_config_info).  Clusters run along output columns only: an M-cluster rounds every
-# group's M-tile count up to the cluster size and those padding tiles still run the mainloop.
+# library's moonep_gemm_config_info).  Family "moonep" clusters run along output columns only (an
+# M-cluster rounds every group's M-tile count up to the cluster size and those padding tiles
+# still run the mainloop); family "torch" is torch._grouped_mm's 2 x 1 (it multicasts the weight
+# tile instead).  Candidate sets of "moonep" by mean rows per group (M / G): <= 64: c128x256,
+# p128x128, s256x80, s256x96, p64x256; 65-255: the first four; >= 256: the first four and
+# s256x128.  At most 5, the prep kernel's budget (a fifth costs it 0.2-0.7 us).
 CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
     "fwd": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False, EN=64),
@@ -81,6 +110,15 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
         # c128x256 there, eta 0.51-0.61 elsewhere), so a candidate only there: a fifth candidate
         # costs the prep kernel 0.2-0.7 us, past the 5 us budget at MoE sizes.
         GemmConfig("p64x256", 64, 256, 64, 1, 2, True, max_mean_rows=64),
+        # torch's cooperative 128x256x64 2x1 transposed (swap-AB: 256 weight rows x 128 tokens,
+        # the 1x2 cluster pairs token tiles sharing one multicast weight tile): the same tile
+        # area, bytes per k-step (16 + 16 KB) and 256-row token granularity, so it follows the
+        # torch kernel where that wins (groups of >= 256 rows, n_out an odd number of 256-column
+        # tiles) while the device still chooses per call.
+        GemmConfig("s256x128", 256, 128, 64, 1, 2, False, swap=True, min_mean_rows=256),
+        # family "torch": torch._grouped_mm's kernels (aten GroupMM.cu, sm90 bf16)
+        GemmConfig("t128x256", 128, 256, 64, 2, 1, False),
+        GemmConfig("t64x128", 64, 128, 128, 2, 1, True),
     ),
     "dgrad": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
@@ -88,6 +126,9 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
         GemmConfig("s256x80", 256, 80, 64, 1, 2, False, swap=True),
         GemmConfig("s256x96", 256, 96, 64, 1, 2, False, swap=True),
         GemmConfig("p64x256", 64, 256, 64, 1, 2, True, max_mean_rows=64),
+        GemmConfig("s256x128", 256, 128, 64, 1, 2, False, swap=True, min_mean_rows=256),
+        GemmConfig("t128x256", 128, 256, 64, 2, 1, False),
+        GemmConfig("t64x128", 64, 128, 128, 2, 1, True),
     ),
     "wgrad": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
@@ -98,6 +139,8 @@ CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False, EN=64),
         GemmConfig("c128x128", 128, 128, 64, 1, 2, False, EN=64),
         GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
+        GemmConfig("t128x256", 128, 256, 64, 2, 1, False),
+        GemmConfig("t64x128", 64, 128, 128, 2, 1, True),
     ),
 }
 
@@ -126,17 +169,19 @@ def _n_tiles(n_out: int, cfg: GemmConfig) -> int:
 
 
 def _rows_tiles(counts: np.ndarray, n_out: int, cfg: GemmConfig) -> np.ndarray:
-    """fwd/dgrad tiles of each group of ``counts`` rows.  Swap-AB: ceil(n_out / BM) weight tiles
-    times the group's token tiles ceil(M_g / BN), rounded up to the cluster's CN (its cluster
-    runs along the tokens); else ceil(M_g / BM) row tiles times ``_n_tiles``."""
+    """fwd/dgrad tiles of each group of ``counts`` rows; CUTLASS's group scheduler rounds a
+    group's tile counts up to the cluster.  Swap-AB: ceil(n_out / BM) weight tiles (rounded up
+    to CM) times the group's token tiles ceil(M_g / BN) (rounded up to CN); else
+    ceil(M_g / BM) row tiles (rounded up to CM: torch's 2 x 1) times ``_n_tiles``."""
     if cfg.swap:
-        return _cdiv(_cdiv(counts, cfg.BN), cfg.CN) * cfg.CN * _cdiv(n_out, cfg.BM)
-    return _cdiv(counts, cfg.BM) * _n_tiles(n_out, cfg)
+        return (_cdiv(_cdiv(counts, cfg.BN), cfg.CN) * cfg.CN
+                * (_cdiv(_cdiv(n_out, cfg.BM), cfg.CM) * cfg.CM))
+    return _cdiv(_cdiv(counts, cfg.BM), cfg.CM) * cfg.CM * _n_tiles(n_out, cfg)
 
 
 def _wgrad_tiles(O: int, I: int, cfg: GemmConfig) -> int:
     """Output tiles of one wgrad group (its [O, I] gradient): the same for every group."""
-    return _cdiv(O, cfg.BM) * _n_tiles(I, cfg)
+    return _cdiv(_cdiv(O, cfg.BM), cfg.CM) * cfg.CM * _n_tiles(I, cfg)
 
 
 def _constants(kind: str, name: str):
@@ -269,20 +314,106 @@ def tie_tolerance(kind: str, rows: int, groups: int) -> float:
 
 
 def candidates(kind: str, rows: int, groups: int) -> list[str]:
-    """The configs the device selector chooses among for a call whose buffer holds ``rows`` rows
-    in ``groups`` groups (shapes only: known on the host without a sync)."""
+    """The "moonep" configs the device selector chooses among for a call whose buffer holds
+    ``rows`` rows in ``groups`` groups (shapes only: known on the host without a sync)."""
     _check_kind(kind)
     return [c.name for c in CONFIGS[kind] if c.candidate_for(rows, groups)]
 
 
+def torch_config(kind: str, rows: int, groups: int, O: int, I: int) -> str | None:
+    """The "torch" config torch._grouped_mm itself would run for this call (its sm90 bf16 rule,
+    aten/src/ATen/native/cuda/GroupMM.cu): "small" (m <= 128 or n <= 128) -> ping-pong 64x128x128
+    (t64x128), else cooperative 128x256x64 (t128x256), both cluster 2 x 1.  fwd / dgrad (2-D x
+    3-D): m = rows // groups (the buffer's rows per group, padding included), n = O (fwd) or I
+    (dgrad); wgrad_lp (2-D x 2-D): m = O, n = I.  None for a kind without the family (wgrad)."""
+    _check_kind(kind)
+    fam = [c for c in CONFIGS[kind] if c.family == "torch"]
+    if not fam:
+        return None
+    if kind in ("fwd", "dgrad"):
+        m, n = rows // max(1, groups), (O if kind == "fwd" else I)
+    else:
+        m, n = O, I
+    small = m <= 128 or n <= 128
+    return next(c.name for c in fam if c.pingpong == small)
+
+
+def balanced_probe(rows: int, groups: int) -> np.ndarray:
+    """The stand-in histogram of a call's shape for the never-lose rule: the planner's balanced
+    routing of a token-padded buffer.  The epn = G/2 home groups share the rows the buffer holds
+    without its worst-case padding, rows - (tp-1)*G, rounded down to tp (tp =
+    tuning.NEVER_LOSE_PROBE_TP, the recommended token_padding); the G/2 redundant slots are
+    empty.  A buffer too small for that spreads its rows over the home groups as they are."""
+    tp = int(getattr(gemm_tuning, "NEVER_LOSE_PROBE_TP", 128))
+    epn = max(1, groups // 2)
+    per = (rows - (tp - 1) * groups) // epn // tp * tp
+    if per <= 0:
+        per = rows // epn
+    out = np.zeros(groups, dtype=np.int64)
+    out[:epn] = max(0, per)
+    return out
+
+
+def never_lose_ratio(kind: str, rows: int, groups: int, O: int, I: int, *,
+                     sm_count: int | None = None) -> float | None:
+    """Predicted time of the torch family's config over that of the best "moonep" candidate on
+    the shape's `balanced_probe` (None: the kind has no torch family, or nothing to do)."""
+    t = torch_config(kind, rows, groups, O, I)
+    cands = candidates(kind, rows, groups)
+    if t is None or rows <= 0 or not cands:
+        return None
+    probe = balanced_probe(rows, groups)
+    if not probe.any():
+        return None
+    pred = predict(probe, O, I, kind, sm_count=sm_count, configs=cands + [t])
+    return pred[t] / min(pred[n] for n in cands)
+
+
+def family_for(kind: str, rows: int, groups: int, O: int, I: int, *,
+               sm_count: int | None = None) -> str:
+    """The never-lose rule: which family a call of this static shape runs ("torch" or
+    "moonep").  "torch" (torch._grouped_mm's own kernel, `torch_config`) when the model on the
+    shape's `balanced_probe` predicts it at most (1 + NEVER_LOSE_MARGIN[kind]) times our best
+    candidate, else "moonep" (the device chooses among `candidates` from the real counts).  The
+    margin is fitted on the committed measurements (benchmarks/fit_gemm_cost_model.py): > 0
+    gives torch's kernel the near-ties, because the device's per-call choice only helps when the
+    counts are skewed while a loss to torch on a balanced call is what the rule exists to
+    prevent.  Shapes only: no sync, capturable; the op caches it per shape."""
+    margin = getattr(gemm_tuning, "NEVER_LOSE_MARGIN", {}).get(kind)
+    if margin is None:
+        return "moonep"
+    r = never_lose_ratio(kind, rows, groups, O, I, sm_count=sm_count)
+    return "torch" if r is not None and r <= 1.0 + float(margin) else "moonep"
+
+
+def call_candidates(kind: str, rows: int, groups: int, O: int, I: int, *,
+                    sm_count: int | None = None, family: str | None = None
+                    ) -> tuple[str, list[str]]:
+    """(family, configs) of one call: the never-lose rule's family (`family_for`, or
+    ``family`` when given), and the configs its device choice ranges over: `torch_config`'s one
+    config for "torch", `candidates` for "moonep"."""
+    fam = family or family_for(kind, rows, groups, O, I, sm_count=sm_count)
+    if fam not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {fam!r}")
+    t = torch_config(kind, rows, groups, O, I) if fam == "torch" else None
+    if fam == "torch" and t is None:
+        raise ValueError(f"{kind} has no torch family")
+    return fam, ([t] if t else candidates(kind, rows, groups))
+
+
 def select(counts: Sequence[int], O: int, I: int, kind: str = "fwd", *,
-           sm_count: int | None = None, rows: int | None = None) -> str:
-    """Name of the configuration the prep kernel picks among `candidates` (`pick`: the fastest
-    predicted, near-ties within `tie_tolerance` to the least MMA work, then the first listed).
-    ``rows``: the buffer's rows (default: the sum of ``counts``)."""
+           sm_count: int | None = None, rows: int | None = None,
+           family: str | None = None) -> str:
+    """Name of the configuration the op runs: the never-lose rule's family (`call_candidates`;
+    ``family`` forces one), then, among its configs, the one the prep kernel picks (`pick`: the
+    fastest predicted, near-ties within `tie_tolerance` to the least MMA work, then the first
+    listed).  ``rows``: the buffer's rows (default: the sum of ``counts``)."""
     c = _as_counts(counts)
     rows = int(c.sum()) if rows is None else int(rows)
-    pred = predict(c, O, I, kind, sm_count=sm_count, configs=candidates(kind, rows, len(c)))
+    _, names = call_candidates(kind, rows, len(c), O, I, sm_count=sm_count, family=family)
+    if len(names) == 1:
+        return names[0]
+    pred = predict(c, O, I, kind, sm_count=sm_count, configs=names)
     return pick(pred, {n: mma_volume(counts, O, I, kind, n) for n in pred}, kind,
                 tie_tolerance(kind, rows, len(c)))
 

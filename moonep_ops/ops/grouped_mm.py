@@ -28,15 +28,20 @@ compiled library):
       path): empty local groups are zeroed, empty slot groups are left untouched.
 
 Backends, picked per call from the device and dtype (never from data, so no host sync):
-  CUDA, bf16, libmoonep_gemm.so loaded  -> CUTLASS sm90 grouped kernels (cutlass_kernels/), with
-      the configuration chosen on the device from cu_seqlens by the cost model
-      (moonep_ops.gemm_cost_model) unless ``config`` forces one;
+  CUDA, bf16, libmoonep_gemm.so loaded  -> CUTLASS sm90 grouped kernels (cutlass_kernels/): the
+      never-lose rule picks the family from the static shape (cost_model.family_for, cached per
+      shape: torch._grouped_mm's own kernels where the model does not predict ours clearly
+      faster, else ours), then the configuration is chosen on the device from cu_seqlens by the
+      cost model (moonep_ops.gemm.cost_model), unless ``config`` forces one;
   CUDA, bf16, no library                -> torch._grouped_mm (the weights are concatenated first,
       and wgrad comes back in bf16 before it is added to the fp32 grads);
   CPU, or another dtype                 -> reference loop over groups (reads cu_seqlens on the
       host; on CUDA that is a sync, so it is only the path for non-bf16 dtypes).
 ``config``: -1 = automatic, otherwise an index into gemm_cost_model.CONFIGS[kind] (CUTLASS only).
 Env MOONEP_GEMM_BACKEND = auto (default) | torch | reference forces a backend (tests, bisecting).
+Env MOONEP_GEMM_FAMILY = auto (default) | moonep | torch forces the config family of automatic
+calls; MOONEP_GEMM_CANDIDATES = name,name (one family) narrows the device's candidates;
+MOONEP_GEMM_PDL = 1 launches the GEMM kernel as a programmatic dependent of the prep kernel.
 """
 from __future__ import annotations
 
@@ -143,7 +148,7 @@ def _check_dgrad(dy, w_local, w_slot, cu, config, values=True):
     return epn, O, I
 
 
-def _check_wgrad(dy, x, cu, epn, config, values=True):
+def _check_wgrad(dy, x, cu, epn, config, values=True, kind="wgrad"):
     # (a SymInt under dynamic-shape tracing: its value is checked by the real kernel's call)
     if not isinstance(epn, torch.SymInt) and (
             not isinstance(epn, int) or isinstance(epn, bool) or epn < 1):
@@ -163,7 +168,7 @@ def _check_wgrad(dy, x, cu, epn, config, values=True):
         raise ValueError("dy_MO and x_MI are on different devices")
     if not isinstance(epn, torch.SymInt):
         _check_cu(cu, 2 * epn, x.shape[0], x.device, values)
-    _check_config(config, "wgrad")
+    _check_config(config, kind)        # wgrad (fp32 +=) or wgrad_lp (written in dy's dtype)
     return dy.shape[1], x.shape[1]
 
 
@@ -327,23 +332,59 @@ def _tuning_table(kind: str, tie_tol: float):
     return _tables[key]
 
 
-def candidate_mask(kind: str, rows: int, groups: int) -> int:
-    """Configs the device selector chooses among (bit i = CONFIGS[kind][i]) for a buffer of
-    ``rows`` rows in ``groups`` groups.
-
-    All configs of a kind are branches of one fused kernel, launched once; a candidate costs only
-    its evaluation in the prep kernel (0.2-0.7 µs), so every config is a candidate except those
-    that can only win on small groups (gemm_cost_model.candidates).  Env MOONEP_GEMM_CANDIDATES
-    (comma-separated names) narrows the set."""
+@functools.lru_cache(maxsize=8192)
+def _plan(kind: str, rows: int, groups: int, O: int | None, I: int | None, sm: int | None,
+          family: str, names: str) -> int:
     cfgs = gemm_cost_model.CONFIGS[kind]
-    names = os.environ.get("MOONEP_GEMM_CANDIDATES", "")
-    wanted = ({n.strip() for n in names.split(",") if n.strip()} if names
-              else set(gemm_cost_model.candidates(kind, rows, groups)))
+    if names:
+        wanted = {n.strip() for n in names.split(",") if n.strip()}
+        fams = {c.family for c in cfgs if c.name in wanted}
+        if len(fams) > 1:
+            raise ValueError(f"MOONEP_GEMM_CANDIDATES={names!r} names configs of both families "
+                             f"({sorted(fams)}); one call runs one family's fused kernel")
+    elif O is None or I is None:
+        wanted = set(gemm_cost_model.candidates(kind, rows, groups))
+    else:
+        fam = None if family == "auto" else family
+        if fam == "torch" and gemm_cost_model.torch_config(kind, rows, groups, O, I) is None:
+            fam = "moonep"                                 # wgrad (fp32 +=): no torch family
+        wanted = set(gemm_cost_model.call_candidates(kind, rows, groups, O, I, sm_count=sm,
+                                                     family=fam)[1])
     mask = sum(1 << i for i, c in enumerate(cfgs) if c.name in wanted)
-    return mask or (1 << len(cfgs)) - 1
+    return mask or sum(1 << i for i, c in enumerate(cfgs) if c.family == "moonep")
+
+
+def candidate_mask(kind: str, rows: int, groups: int, O: int | None = None,
+                   I: int | None = None, sm_count: int | None = None) -> int:
+    """Configs the device selector chooses among (bit i = CONFIGS[kind][i]) for a call whose
+    buffer holds ``rows`` rows in ``groups`` groups, of weights [O, I].
+
+    With O and I: the never-lose rule's family (gemm_cost_model.call_candidates, on shapes only;
+    cached per shape): torch._grouped_mm's config for the torch family (one config: the prep
+    kernel skips the model), else the "moonep" candidates of the shape.  Without them: the
+    "moonep" candidates.  The configs of a family are branches of one fused kernel, launched
+    once; a candidate costs only its evaluation in the prep kernel (0.2-0.7 µs).  Env
+    MOONEP_GEMM_FAMILY = moonep | torch forces the family, MOONEP_GEMM_CANDIDATES
+    (comma-separated names, one family) the set."""
+    family = os.environ.get("MOONEP_GEMM_FAMILY", "auto").strip().lower() or "auto"
+    if family not in ("auto",) + gemm_cost_model.FAMILIES:
+        raise ValueError(f"MOONEP_GEMM_FAMILY must be auto, moonep or torch, got {family!r}")
+    return _plan(kind, int(rows), int(groups), None if O is None else int(O),
+                 None if I is None else int(I), sm_count, family,
+                 os.environ.get("MOONEP_GEMM_CANDIDATES", ""))
+
+
+def clear_plan_cache() -> None:
+    """Forget the per-shape plans (after changing gemm.tuning's constants in place)."""
+    _plan.cache_clear()
 
 
 _KEEP_EMPTY_SLOTS = 1      # moonep_gemm.h MOONEP_GEMM_KEEP_EMPTY_SLOTS
+_PDL = 2                   # moonep_gemm.h MOONEP_GEMM_PDL
+
+
+def _pdl_flag() -> int:
+    return _PDL if os.environ.get("MOONEP_GEMM_PDL", "0") not in ("", "0") else 0
 
 
 def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,
@@ -366,7 +407,7 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,
             d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
             cu.data_ptr(), G, epn, M, O, I,
             _tuning_table(kind, gemm_cost_model.tie_tolerance(kind, M, G)),
-            candidate_mask(kind, M, G), flags,
+            candidate_mask(kind, M, G, O, I, sm), flags | _pdl_flag(),
             workspace.data_ptr(), nbytes, sm, stream)
     native.gemm_check(rc, f"moonep grouped GEMM ({kind})")
     return workspace
@@ -479,7 +520,8 @@ def _check_wgrad_grads(dy, x, cu, grad_local, grad_slot, config, values=True,
             raise TypeError(f"{name} must be a Tensor, got {type(g).__name__}")
         if g.dim() != 3:
             raise ValueError(f"{name} must be 3-D [epn, O, I], got shape {tuple(g.shape)}")
-    O, I = _check_wgrad(dy, x, cu, grad_local.shape[0], config, values)
+    O, I = _check_wgrad(dy, x, cu, grad_local.shape[0], config, values,
+                        "wgrad_lp" if input_dtype else "wgrad")
     dt = (dy.dtype, f"{dy.dtype} (the input dtype)") if input_dtype else ()
     _check_grads(grad_local, grad_slot, grad_local.shape[0], O, I, x.device, *dt)
     return O, I
@@ -555,6 +597,12 @@ def _check_out_dtype(out_dtype, dy):
     return torch.float32 if out_dtype is None else out_dtype
 
 
+def _wgrad_kind(out_dtype) -> str:
+    # the config list a grouped_mm_wgrad config indexes: fp32 out (the += kernels) or written
+    # in the input dtype (wgrad_lp), as in the public grouped_mm_wgrad
+    return "wgrad" if out_dtype in (None, torch.float32) else "wgrad_lp"
+
+
 @torch.library.custom_op(
     "moonep::grouped_mm_wgrad", mutates_args=(),
     schema="(Tensor dy, Tensor x, Tensor cu_seqlens, int epn, int config=-1, "
@@ -562,7 +610,7 @@ def _check_out_dtype(out_dtype, dy):
 def _grouped_mm_wgrad_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor, epn: int,
                          config: int = -1, out_dtype: Optional[torch.dtype] = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    O, I = _check_wgrad(dy, x, cu_seqlens, epn, config)
+    O, I = _check_wgrad(dy, x, cu_seqlens, epn, config, kind=_wgrad_kind(out_dtype))
     dtype = _check_out_dtype(out_dtype, dy)
     if dtype != torch.float32:
         backend = backend_for(dy, O, I)
@@ -580,7 +628,8 @@ def _grouped_mm_wgrad_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Te
 
 @_grouped_mm_wgrad_op.register_fake
 def _(dy, x, cu_seqlens, epn, config=-1, out_dtype=None):
-    O, I = _check_wgrad(dy, x, cu_seqlens, epn, config, values=False)
+    O, I = _check_wgrad(dy, x, cu_seqlens, epn, config, values=False,
+                        kind=_wgrad_kind(out_dtype))
     dtype = _check_out_dtype(out_dtype, dy)
     return (x.new_empty(epn, O, I, dtype=dtype), x.new_empty(epn, O, I, dtype=dtype))
 
