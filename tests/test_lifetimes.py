@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -75,7 +77,7 @@ def _growth(cycles: int, keep=None) -> tuple[int, int]:
     return _rss() - before, nbytes
 
 
-def test_create_forward_destroy_keeps_rss_flat():
+def _rss_checks() -> None:
     torch.manual_seed(0)
     growth, pool_bytes = _growth(CYCLES)
     # a leaked pool per cycle would be 10x the band at least: the test is not vacuous
@@ -88,6 +90,17 @@ def test_create_forward_destroy_keeps_rss_flat():
     leaked, _ = _growth(n, keep)
     assert leaked > 2 * NOISE_BYTES, f"a leak of {n} pools grew RSS by {leaked / 2**20:.1f} MiB"
     del keep
+
+
+def test_create_forward_destroy_keeps_rss_flat():
+    """In a fresh process: RSS measures the heap, which earlier tests of the same process leave in
+    any state (freed memory the leaked pools could reuse unseen)."""
+    code = ("import sys; sys.path.insert(0, %r); import test_lifetimes as t; t._rss_checks(); "
+            "print('ok')" % os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-3000:]
 
 
 def test_destroy_returns_registry_counts():
