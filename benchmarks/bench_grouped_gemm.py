@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -33,6 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moonep_ops.gemm import cost_model as gemm_cost_model, tuning as gemm_tuning  # noqa: E402
 from moonep_ops.ops import grouped_mm as gg  # noqa: E402
+
+import gemm_bench_common as common  # noqa: E402
+from gemm_bench_common import gmean  # noqa: E402
 
 KINDS = ("fwd", "dgrad", "wgrad_lp", "wgrad")
 SKEWS = ("balanced", "zipf0.8", "zipf1.5", "hot20x", "tiny")
@@ -107,20 +109,6 @@ def time_interleaved(fns: dict, rounds: int = 5, iters: int = 3, warmup: int = 2
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
-def time_us(fn, iters: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(iters)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
-
-
 class Case:
     """Tensors of one (kind, counts, N, K) problem, and callables for every contender."""
 
@@ -193,24 +181,11 @@ def tflops(counts, N, K, us):
     return gemm_cost_model.flops(counts, N, K) / (us * 1e-6) / 1e12
 
 
-def compulsory_bytes(kind, counts, N, K) -> float:
-    """HBM bytes no schedule can avoid: the rows in and out, each used weight once (fwd/dgrad),
-    the gradients written once (wgrad_lp: every group, empty ones are zeroed) or read and
-    written in fp32 (wgrad: the nonempty groups)."""
-    c = np.asarray(counts)
-    M, nz = float(c.sum()), float((c > 0).sum())
-    if kind in ("fwd", "dgrad"):
-        return M * (N + K) * 2 + nz * N * K * 2
-    if kind == "wgrad_lp":
-        return M * (N + K) * 2 + len(c) * N * K * 2
-    return M * (N + K) * 2 + nz * N * K * 8
-
-
 def roofline_us(kind, counts, N, K, dense_us) -> float:
     """The case's bound: dense torch.mm with the same FLOPs, or its compulsory bytes at the
     device-copy bandwidth, whichever is slower.  ours / dense >= 0.95 is out of reach where the
     bytes bound dominates (the fp32 read-modify-write of wgrad)."""
-    return max(dense_us, compulsory_bytes(kind, counts, N, K) / (gemm_tuning.HBM_TBPS * 1e6))
+    return common.roofline_us(kind, counts, N, K, dense_us, gemm_tuning.HBM_TBPS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -376,11 +351,6 @@ def run_selector_cost(iters: int):
 # ------------------------------------------------------------------------------------------
 # report
 # ------------------------------------------------------------------------------------------
-
-def gmean(xs):
-    xs = [x for x in xs if x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
 
 def report(rows, stream, sel, env=None) -> str:
     L = []

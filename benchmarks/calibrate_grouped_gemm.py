@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_grouped_gemm import Case, histogram, time_interleaved, time_us  # noqa: E402
+from bench_grouped_gemm import Case, histogram, time_interleaved  # noqa: E402
+from gemm_bench_common import measure_ceilings  # noqa: E402
 from moonep_ops.gemm import cost_model as gemm_cost_model  # noqa: E402
 
 TUNING_PATH = Path(__file__).resolve().parent.parent / "moonep_ops" / "gemm" / "tuning.py"
@@ -44,20 +45,6 @@ def calibration_set():
     cases += [("uniform1", 128, None, 2048, 7168), ("uniform96", 96, None, 2048, 7168),
               ("uniform190", 64, None, 2048, 7168), ("lognormal1.0", 128, 16384, 2048, 7168)]
     return cases
-
-
-def measure_dense_and_copy():
-    a = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
-    t = time_us(lambda: torch.mm(a, b), iters=20, warmup=5)
-    peak = 2 * 8192**3 / (t * 1e-6) / 1e12
-    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t = time_us(lambda: dst.copy_(src), iters=20, warmup=5)
-    hbm = 2 * src.numel() / (t * 1e-6) / 1e12
-    del a, b, src, dst
-    torch.cuda.empty_cache()
-    return peak, hbm
 
 
 def measure(iters, kinds=gemm_cost_model.KINDS):
@@ -97,7 +84,7 @@ def main(argv=None):
     if args.from_json:
         src = Path(args.from_json)
     else:
-        peak, hbm = measure_dense_and_copy()
+        peak, hbm = measure_ceilings()
         print(f"dense bf16 8192^3: {peak:.0f} TF/s, device copy: {hbm:.2f} TB/s", flush=True)
         data = measure(args.iters, kinds)
         out = Path(args.out)

@@ -53,7 +53,6 @@ import json
 import math
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +60,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gemm_bench_common as common  # noqa: E402
+from moonep_ops.gemm import cost_model as _model  # noqa: E402  (the geometry FastModel shares)
 
 ROOT = Path(__file__).resolve().parent.parent
 # Fixed starting points of the config-by-config fit (the best of them is kept): the fit never
@@ -133,44 +133,15 @@ def load_records(paths, holdout_every: int = 0) -> tuple[dict, dict]:
 
 
 # ------------------------------------------------------------------------------------------
-# the model, vectorised over cases (same formulas as cost_model._predict_rows / _predict_wgrad)
+# the model, vectorised over cases (cost_model's own tile geometry and rounds; only the
+# constants vary during the fit)
 # ------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Geom:
-    name: str
-    BM: int
-    BN: int
-    CM: int = 1
-    CN: int = 1
-    swap: bool = False
-
-
-def geom_of(cfg) -> Geom:
-    return Geom(cfg.name, cfg.BM, cfg.BN, cfg.CM, cfg.CN, getattr(cfg, "swap", False))
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def rows_tiles(counts: np.ndarray, n_out: int, g: Geom) -> np.ndarray:
-    """fwd/dgrad tiles per group; CUTLASS's group scheduler rounds a group's tile counts up to
-    the cluster (an M-cluster, torch's 2x1, its M-tile count up to CM)."""
-    if g.swap:
-        return _cdiv(_cdiv(counts, g.BN), g.CN) * g.CN * (_cdiv(_cdiv(n_out, g.BM), g.CM) * g.CM)
-    return _cdiv(_cdiv(counts, g.BM), g.CM) * g.CM * (_cdiv(_cdiv(n_out, g.BN), g.CN) * g.CN)
-
-
-def wgrad_tiles(N: int, K: int, g: Geom) -> int:
-    return (_cdiv(_cdiv(N, g.BM), g.CM) * g.CM) * (_cdiv(_cdiv(K, g.BN), g.CN) * g.CN)
-
 
 class FastModel:
     """Predicted µs of one config on many cases, for a vector of constants, without Python loops
     over cases: everything that does not depend on the constants is precomputed."""
 
-    def __init__(self, kind: str, g: Geom, cases: list[dict], P: int, peak: float, hbm: float):
+    def __init__(self, kind: str, g, cases: list[dict], P: int, peak: float, hbm: float):
         self.kind, self.g, self.n = kind, g, len(cases)
         self.P, self.peak, self.hbm = P, peak, hbm
         if kind in ("fwd", "dgrad"):
@@ -184,24 +155,13 @@ class FastModel:
         for i, c in enumerate(cases):
             counts = np.asarray(c["counts"], dtype=np.int64)
             n_out, k_red = (c["N"], c["K"]) if self.kind == "fwd" else (c["K"], c["N"])
-            tiles = rows_tiles(counts, n_out, g)
-            T = int(tiles.sum())
             A.append(2.0 * g.BM * g.BN * k_red / (self.peak * 1e6 / P))
-            if T == 0:
+            round_bytes, switch = _model.row_rounds(counts, n_out, k_red, g, P)
+            if round_bytes.size == 0:
                 continue
-            bytes_g = np.where(counts > 0, n_out * k_red * 2.0 + counts * (n_out + k_red) * 2.0, 0.0)
-            ends = np.cumsum(tiles)
-            starts = ends - tiles
-            nz = tiles > 0
-            xs = np.concatenate(([0.0], ends[nz].astype(np.float64)))
-            ys = np.concatenate(([0.0], np.cumsum(bytes_g[nz])))
-            R = _cdiv(T, P)
-            bounds = np.minimum(np.arange(R + 1, dtype=np.float64) * P, T)
-            rb.append(np.diff(np.interp(bounds, xs, ys)))
-            s = np.zeros(R, dtype=bool)
-            s[(starts[nz] // P).astype(np.int64)] = True
-            sw.append(s)
-            idx.append(np.full(R, i, dtype=np.int64))
+            rb.append(round_bytes)
+            sw.append(switch)
+            idx.append(np.full(round_bytes.size, i, dtype=np.int64))
         self.A = np.asarray(A)
         self.rb = np.concatenate(rb) if rb else np.zeros(0)
         self.sw = np.concatenate(sw).astype(np.float64) if sw else np.zeros(0)
@@ -220,12 +180,10 @@ class FastModel:
                 continue
             self.nonempty[i] = True
             N, K = c["N"], c["K"]
-            t_w = wgrad_tiles(N, K, g)
+            t_w = _model.wgrad_tiles(N, K, g)
             C.append(2.0 * g.BM * g.BN * order / (self.peak * 1e6 / P))
             Mm.append((order * (N + K) * 2.0 + N * K * ob) / t_w / (self.hbm * 1e6 / P))
-            s_j = np.arange(order.size, dtype=np.int64)[:, None] * t_w
-            p = np.arange(P, dtype=np.int64)[None, :]
-            n = (s_j + t_w - 1 - p) // P - (s_j - 1 - p) // P
+            n = _model.wgrad_split(order.size, t_w, P)
             blocks.append(n.astype(np.float64))
             seg.append(order.size)
             nsw.append((n > 0).sum(axis=0).astype(np.float64))
@@ -384,7 +342,7 @@ def fit_kind(mods, lib: Library, kind: str, train: list[dict], overhead: float):
     full = [n for n, c in cfgs.items() if c.family == "moonep" and all(n in x["us"] for x in train)]
     fitted, how, method = {}, {}, None
     if full:
-        models = {n: FastModel(kind, geom_of(cfgs[n]), train, lib.P, lib.peak, lib.hbm) for n in full}
+        models = {n: FastModel(kind, cfgs[n], train, lib.P, lib.peak, lib.hbm) for n in full}
         meas = {n: np.array([x["us"][n] for x in train]) for n in full}
         trials = {}
         ind = _fit_independent(models, meas)
@@ -410,7 +368,7 @@ def fit_kind(mods, lib: Library, kind: str, train: list[dict], overhead: float):
                 kinds.add(k)
         if len(sub) < MIN_CASES:
             continue
-        fitted[n] = _fit_one(FastModel(kind, geom_of(cfg), sub, lib.P, lib.peak, lib.hbm),
+        fitted[n] = _fit_one(FastModel(kind, cfg, sub, lib.P, lib.peak, lib.hbm),
                              np.array(ys))
         how[n] = ("measured" if kinds == {"measured"} else
                   f"stand-in: torch._grouped_mm's measured time of this kernel on {len(sub)} "

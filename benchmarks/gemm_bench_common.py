@@ -169,7 +169,7 @@ def time_us(fn, iters: int = 10, warmup: int = 3) -> float:
 
 def measure_ceilings(n: int = 8192, copy_bytes: int = 1 << 31) -> tuple[float, float]:
     """(dense bf16 TF/s of an n^3 product on random data, device-copy TB/s counting read and
-    write): the same two ceilings calibrate_grouped_gemm.py measures."""
+    write): the two ceilings of the cost model (calibrate_grouped_gemm.py, bench_gemm_zoo.py)."""
     a = torch.randn(n, n, device="cuda").to(torch.bfloat16)
     b = torch.randn(n, n, device="cuda").to(torch.bfloat16)
     t = time_us(lambda: torch.mm(a, b), iters=20, warmup=5)
@@ -191,8 +191,7 @@ def measure_ceilings(n: int = 8192, copy_bytes: int = 1 << 31) -> tuple[float, f
 def compulsory_bytes(kind: str, counts, O: int, I: int) -> float:
     """HBM bytes no schedule avoids: the group rows in and out, each used weight once
     (fwd/dgrad), every group's gradient written once in bf16 (wgrad_lp; empty ones are zeroed)
-    or read and written in fp32 (wgrad, non-empty groups).  The same count as
-    bench_grouped_gemm.compulsory_bytes."""
+    or read and written in fp32 (wgrad, non-empty groups)."""
     M = float(sum(counts))
     nz = float(sum(1 for c in counts if c > 0))
     if kind in ("fwd", "dgrad"):

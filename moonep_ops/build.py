@@ -11,8 +11,8 @@ Public C ABI: ``cutlass_kernels/moonep_gemm.h`` and ``csrc/moonep_ep.h``
   --check      compile every translation unit to a temporary directory and link nothing
                (the CI compile check: catches a broken kernel build without a GPU);
   -j N         parallel nvcc jobs (default 1: each CUTLASS unit takes ~1 min and ~2 GB);
-  --only PAT   compile only units whose file name contains PAT (the link still takes every
-               unit's cached object);
+  --only PATS  compile only units whose file name contains one of the comma-separated PATS
+               (the link still takes every unit's cached object);
   --lib NAME   build only one library: gemm or ep (default: both);
   --diagnostics  compile with -DMOONEP_DIAGNOSTICS: the planner's debug hooks
                (moonep_plan_debug_*) and the kernels' clock64 stamps (moonep_ep.h,
@@ -148,7 +148,7 @@ def _build(lib: str, args, includes: list[Path], obj_dir: Path) -> int:
     jobs = [(s, obj_dir / (s.stem + ".o")) for s in srcs]
     todo = [(s, o) for s, o in jobs
             if (args.check or _stale(s, o) or _cmd_changed(o, compile_cmd(s, o, includes, defines)))
-            and (not args.only or args.only in s.name)]
+            and (not args.only or any(p in s.name for p in args.only.split(",") if p))]
     t0 = time.time()
     inc = f"CUTLASS: {includes[0]}  " if includes else ""
     variant = "diagnostics" if args.diagnostics else "production"

@@ -105,8 +105,7 @@ def test_fast_model_equals_library(kind):
         cases.append(dict(counts=counts, N=N, K=K, rows=sum(counts) + 127 * G))
     P, peak, hbm = int(tuning.NUM_SMS), float(tuning.PEAK_TFLOPS), float(tuning.HBM_TBPS)
     for cfg in cm.CONFIGS[kind]:
-        g = fit.Geom(cfg.name, cfg.BM, cfg.BN, cfg.CM, cfg.CN, getattr(cfg, "swap", False))
-        fm = fit.FastModel(kind, g, cases, P, peak, hbm)
+        fm = fit.FastModel(kind, cfg, cases, P, peak, hbm)
         consts = (rng.uniform(0.4, 1.1), rng.uniform(0.3, 1.0), rng.uniform(0, 3),
                   rng.uniform(0, 40), rng.uniform(0, 8))
         fast = fm.predict(consts)
@@ -123,11 +122,11 @@ def test_fast_model_equals_library(kind):
 def test_torch_tiles_round_m_to_the_cluster():
     mods = common.gemm_modules()
     cm = mods.cost_model
-    g = fit.geom_of(cm.CONFIGS["fwd"][cm.config_index("fwd", "t128x256")])
+    g = cm.CONFIGS["fwd"][cm.config_index("fwd", "t128x256")]
     # 3 M tiles of 128 rows become 4 under the 2x1 cluster; N tiles are not rounded (CN = 1)
-    assert fit.rows_tiles(np.array([384, 0, 256]), 768, g).tolist() == [4 * 3, 0, 2 * 3]
-    assert fit.wgrad_tiles(768, 2048, g) == 6 * 8
-    assert fit.wgrad_tiles(640, 2048, g) == 6 * 8                   # 5 O tiles -> 6
+    assert cm.rows_tiles(np.array([384, 0, 256]), 768, g).tolist() == [4 * 3, 0, 2 * 3]
+    assert cm.wgrad_tiles(768, 2048, g) == 6 * 8
+    assert cm.wgrad_tiles(640, 2048, g) == 6 * 8                   # 5 O tiles -> 6
     lib = fit.Library(mods, 796.0, 4.2, 132)
     small = dict(counts=[128] * 64, rows=8192, N=4096, K=7168)      # 128 rows per group
     big = dict(counts=[512] * 16, rows=8192, N=4096, K=1536)

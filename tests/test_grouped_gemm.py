@@ -445,14 +445,14 @@ def test_torch_family_tiles_round_m_to_the_cluster():
     # CUTLASS's group scheduler rounds each group's M tiles up to the 2x1 cluster: 3 tiles of
     # 128 rows become 4; the N tiles are not rounded (CN = 1)
     t = gemm_cost_model.CONFIGS["fwd"][gemm_cost_model.config_index("fwd", "t128x256")]
-    tiles = gemm_cost_model._rows_tiles(np.array([384, 0, 256, 1]), 768, t)
+    tiles = gemm_cost_model.rows_tiles(np.array([384, 0, 256, 1]), 768, t)
     assert tiles.tolist() == [4 * 3, 0, 2 * 3, 2 * 3]
     assert gemm_cost_model.mma_volume([384, 0, 256], 768, 2048, "fwd", "t128x256") == 18 * 128 * 256
     w = gemm_cost_model.CONFIGS["wgrad_lp"][gemm_cost_model.config_index("wgrad_lp", "t128x256")]
-    assert gemm_cost_model._wgrad_tiles(640, 2048, w) == 6 * 8        # 5 O tiles -> 6
+    assert gemm_cost_model.wgrad_tiles(640, 2048, w) == 6 * 8        # 5 O tiles -> 6
     # the 1x2 swap twin: token tiles of 128 in pairs, weight tiles of 256 not rounded (CM = 1)
     s = gemm_cost_model.CONFIGS["fwd"][gemm_cost_model.config_index("fwd", "s256x128")]
-    assert gemm_cost_model._rows_tiles(np.array([384, 1, 0]), 768, s).tolist() == [4 * 3, 2 * 3, 0]
+    assert gemm_cost_model.rows_tiles(np.array([384, 1, 0]), 768, s).tolist() == [4 * 3, 2 * 3, 0]
 
 
 def test_never_lose_rule(monkeypatch, no_gemm_env):

@@ -168,7 +168,7 @@ def _n_tiles(n_out: int, cfg: GemmConfig) -> int:
     return _cdiv(_cdiv(n_out, cfg.BN), cfg.CN) * cfg.CN
 
 
-def _rows_tiles(counts: np.ndarray, n_out: int, cfg: GemmConfig) -> np.ndarray:
+def rows_tiles(counts: np.ndarray, n_out: int, cfg: GemmConfig) -> np.ndarray:
     """fwd/dgrad tiles of each group of ``counts`` rows; CUTLASS's group scheduler rounds a
     group's tile counts up to the cluster.  Swap-AB: ceil(n_out / BM) weight tiles (rounded up
     to CM) times the group's token tiles ceil(M_g / BN) (rounded up to CN); else
@@ -179,7 +179,7 @@ def _rows_tiles(counts: np.ndarray, n_out: int, cfg: GemmConfig) -> np.ndarray:
     return _cdiv(_cdiv(counts, cfg.BM), cfg.CM) * cfg.CM * _n_tiles(n_out, cfg)
 
 
-def _wgrad_tiles(O: int, I: int, cfg: GemmConfig) -> int:
+def wgrad_tiles(O: int, I: int, cfg: GemmConfig) -> int:
     """Output tiles of one wgrad group (its [O, I] gradient): the same for every group."""
     return _cdiv(_cdiv(O, cfg.BM), cfg.CM) * cfg.CM * _n_tiles(I, cfg)
 
@@ -189,14 +189,15 @@ def _constants(kind: str, name: str):
     return float(eta), float(bw_frac), float(tau_sw), float(tau0), float(tau_epi)
 
 
-def _predict_rows(counts: np.ndarray, n_out: int, k_red: int, cfg: GemmConfig, kind: str,
-                  P: int, peak: float, hbm: float) -> float:
-    eta, bw_frac, tau_sw, tau0, tau_epi = _constants(kind, cfg.name)
-    tiles = _rows_tiles(counts, n_out, cfg)                    # [G]
+def row_rounds(counts: np.ndarray, n_out: int, k_red: int, cfg: GemmConfig,
+               P: int) -> tuple[np.ndarray, np.ndarray]:
+    """fwd/dgrad work of one config as rounds of P tiles (the persistent grid): the HBM bytes of
+    each round ([R], a group's weight and rows spread evenly over its tiles) and whether a CTA
+    starts a new group in it ([R] bool).  No constant enters: the fit precomputes these."""
+    tiles = rows_tiles(counts, n_out, cfg)                     # [G]
     T = int(tiles.sum())
     if T == 0:
-        return tau0
-    tau = 2.0 * cfg.BM * cfg.BN * k_red / (peak * 1e6 / P * eta) + tau_epi  # µs (peak: TF/s)
+        return np.zeros(0), np.zeros(0, dtype=bool)
     bytes_g = np.where(counts > 0, n_out * k_red * 2.0 + counts * (n_out + k_red) * 2.0, 0.0)
     # cumulative bytes as a piecewise-linear function of the linear tile index
     ends = np.cumsum(tiles)
@@ -206,9 +207,26 @@ def _predict_rows(counts: np.ndarray, n_out: int, k_red: int, cfg: GemmConfig, k
     ys = np.concatenate(([0.0], np.cumsum(bytes_g[nz])))
     R = _cdiv(T, P)
     bounds = np.minimum(np.arange(R + 1, dtype=np.float64) * P, T)
-    round_bytes = np.diff(np.interp(bounds, xs, ys))
     switch = np.zeros(R, dtype=bool)
     switch[(starts[nz] // P).astype(np.int64)] = True
+    return np.diff(np.interp(bounds, xs, ys)), switch
+
+
+def wgrad_split(n_groups: int, t_w: int, P: int) -> np.ndarray:
+    """[n_groups, P]: how many of CTA p's tiles fall in group j, when CTA p runs the linear
+    tiles p, p + P, ... and group j owns tiles [j t_w, (j + 1) t_w)."""
+    s_j = np.arange(n_groups, dtype=np.int64)[:, None] * t_w
+    p = np.arange(P, dtype=np.int64)[None, :]
+    return (s_j + t_w - 1 - p) // P - (s_j - 1 - p) // P
+
+
+def _predict_rows(counts: np.ndarray, n_out: int, k_red: int, cfg: GemmConfig, kind: str,
+                  P: int, peak: float, hbm: float) -> float:
+    eta, bw_frac, tau_sw, tau0, tau_epi = _constants(kind, cfg.name)
+    round_bytes, switch = row_rounds(counts, n_out, k_red, cfg, P)
+    if round_bytes.size == 0:
+        return tau0
+    tau = 2.0 * cfg.BM * cfg.BN * k_red / (peak * 1e6 / P * eta) + tau_epi  # µs (peak: TF/s)
     bw = hbm * 1e6 * bw_frac                                        # bytes per µs
     t = np.maximum(tau + switch * tau_sw, round_bytes / bw)
     return tau0 + float(t.sum())
@@ -221,15 +239,11 @@ def _predict_wgrad(counts: np.ndarray, O: int, I: int, cfg: GemmConfig, P: int, 
     order = np.sort(counts[counts > 0])[::-1]                       # LPT: largest group first
     if order.size == 0:
         return tau0
-    t_w = _wgrad_tiles(O, I, cfg)
+    t_w = wgrad_tiles(O, I, cfg)
     comp = 2.0 * cfg.BM * cfg.BN * order / (peak * 1e6 / P * eta) + tau_epi
     mem = (order * (O + I) * 2.0 + O * I * out_bytes) / t_w / (hbm * 1e6 * bw_frac / P)
     tile_cost = np.maximum(comp, mem)                               # [G'] per tile of group j
-    # CTA p runs the linear tiles p, p+P, ...; group j owns tiles [j*t_w, (j+1)*t_w).
-    # n[j, p] = how many of CTA p's tiles fall in group j (each such group is one switch for p).
-    s_j = np.arange(order.size, dtype=np.int64)[:, None] * t_w
-    p = np.arange(P, dtype=np.int64)[None, :]
-    n = (s_j + t_w - 1 - p) // P - (s_j - 1 - p) // P
+    n = wgrad_split(order.size, t_w, P)                  # each group of a CTA is one switch
     per_cta = tile_cost @ n + (n > 0).sum(axis=0) * tau_sw
     return tau0 + float(per_cta.max())
 
@@ -277,8 +291,8 @@ def mma_volume(counts: Sequence[int], O: int, I: int, kind: str, name: str) -> f
     cfg = CONFIGS[kind][config_index(kind, name)]
     if kind in ("fwd", "dgrad"):
         n_out = O if kind == "fwd" else I
-        return float(int(_rows_tiles(c, n_out, cfg).sum()) * cfg.BM * cfg.BN)
-    return float(_wgrad_tiles(O, I, cfg) * cfg.BM * cfg.BN)
+        return float(int(rows_tiles(c, n_out, cfg).sum()) * cfg.BM * cfg.BN)
+    return float(wgrad_tiles(O, I, cfg) * cfg.BM * cfg.BN)
 
 
 def pick(pred: dict[str, float], volume: dict[str, float], kind: str,
