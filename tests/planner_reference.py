@@ -26,22 +26,9 @@ def _align(x, a):
     return (x + a - 1) // a * a
 
 
-def reference_plan(topk, R, E, tp=1):
-    """topk: list of R lists of flat expert ids (rank r has s_r*K entries).
-
-    Returns dict with per-rank dst lists (duplicates negated), cu[R][2epn], etc[R][epn],
-    zf[R][2epn][2], stats[R][2], plus alloc[e][d] and z[h][d].
-    """
-    B = E // R
-    K_entries = [len(t) for t in topk]
-    tpe = [[0] * E for _ in range(R)]
-    for r in range(R):
-        for e in topk[r]:
-            tpe[r][e] += 1
-    T = sum(K_entries)
-    base, extra = divmod(T, R)
-    cap = [base + (1 if r < extra else 0) for r in range(R)]
-    cnt = [sum(tpe[r][e] for r in range(R)) for e in range(E)]
+def _steps_1_2(cnt, R, B, cap):
+    """MoonEP's steps 1-2 towards the per-rank targets ``cap`` (summing to sum(cnt))."""
+    E = R * B
     group = [sum(cnt[h * B:(h + 1) * B]) for h in range(R)]
 
     # step 1
@@ -75,6 +62,88 @@ def reference_plan(topk, R, E, tp=1):
             alloc[h * B + le][h] -= t
             rem[le] -= t
             q[d] -= t
+    return z, alloc
+
+
+# policy "cost" (docs/planner.md): levels per search stage
+COST_LEVELS = 8
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _level_targets(group, L):
+    """Ranks above L come down to L; the others take the excess, largest spare first (ties:
+    lowest rank), each up to L."""
+    R = len(group)
+    excess = sum(max(g - L, 0) for g in group)
+    targets = [min(g, L) for g in group]
+    order = sorted(range(R), key=lambda r: (-max(L - group[r], 0), r))
+    for r in order:
+        take = min(max(L - group[r], 0), excess)
+        targets[r] += take
+        excess -= take
+    assert excess == 0
+    return targets
+
+
+def _score(alloc, R, B, X):
+    """max load + X * busiest link (max over ranks of replicas out and slots in)."""
+    E = R * B
+    load = [sum(alloc[e][d] for e in range(E)) for d in range(R)]
+    out = [0] * R
+    inn = [0] * R
+    for e in range(E):
+        for d in range(R):
+            if d != e // B and alloc[e][d] > 0:
+                out[e // B] += 1
+                inn[d] += 1
+    return max(load) + X * max(max(o, i) for o, i in zip(out, inn))
+
+
+def _cost_steps_1_2(cnt, R, B, cap, T, slack_ppm, X):
+    """Policy "cost": the lowest-scoring of MoonEP's plan and the level plans."""
+    group = [sum(cnt[h * B:(h + 1) * B]) for h in range(R)]
+    even = _cdiv(T, R)
+    limit = _cdiv(even * (1_000_000 + slack_ppm), 1_000_000)
+    hi = min(max(max(group), even), limit)
+    n = COST_LEVELS
+    levels1 = [even + _cdiv((hi - even) * k, n - 1) for k in range(n)]
+    cands = [_steps_1_2(cnt, R, B, cap)]
+    cands += [_steps_1_2(cnt, R, B, _level_targets(group, L)) for L in levels1]
+    scores = [_score(a, R, B, X) for _, a in cands]
+    kb = min(range(n), key=lambda k: (scores[1 + k], k))
+    lo, top = levels1[max(kb - 1, 0)], levels1[kb]
+    levels2 = [lo + _cdiv((top - lo) * (j + 1), n) for j in range(n)]
+    more = [_steps_1_2(cnt, R, B, _level_targets(group, L)) for L in levels2]
+    cands += more
+    scores += [_score(a, R, B, X) for _, a in more]
+    best = min(range(len(cands)), key=lambda i: (scores[i], i))
+    return cands[best]
+
+
+def reference_plan(topk, R, E, tp=1, *, policy="moonep", slack_ppm=0, replica_cost=0):
+    """topk: list of R lists of flat expert ids (rank r has s_r*K entries).
+
+    Returns dict with per-rank dst lists (duplicates negated), cu[R][2epn], etc[R][epn],
+    zf[R][2epn][2], stats[R][2], plus alloc[e][d] and z[h][d].  policy "moonep" or "cost"
+    (with slack_ppm 0 the latter is the former).
+    """
+    B = E // R
+    K_entries = [len(t) for t in topk]
+    tpe = [[0] * E for _ in range(R)]
+    for r in range(R):
+        for e in topk[r]:
+            tpe[r][e] += 1
+    T = sum(K_entries)
+    base, extra = divmod(T, R)
+    cap = [base + (1 if r < extra else 0) for r in range(R)]
+    cnt = [sum(tpe[r][e] for r in range(R)) for e in range(E)]
+    if policy == "cost" and slack_ppm:
+        z, alloc = _cost_steps_1_2(cnt, R, B, cap, T, slack_ppm, replica_cost)
+    else:
+        z, alloc = _steps_1_2(cnt, R, B, cap)
 
     # step 3
     etc = [[-1] * B for _ in range(R)]
