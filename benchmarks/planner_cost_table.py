@@ -37,10 +37,10 @@ import sys
 
 import torch
 
-from moonep_ops.geometry import slack_to_ppm
+from moonep_ops.geometry import ceil_div, slack_cap, slack_to_ppm
 from moonep_ops.gemm import links
 from moonep_ops.gemm import plan_cost as pc
-from moonep_ops.planner import plan_group
+from moonep_ops.planner import level_quotas, plan_group, split_quotas_batched
 
 MODELS = {                      # name: (D, F, E, K)
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -95,7 +95,24 @@ def routing_counts(kind: str, param: float, R: int, E: int, T: int, seed: int) -
     return round_counts(p / p.sum(), T)
 
 
-def run(models, ranks, tokens, topk, slacks, tp, seed, link_gbps):
+def oracle_ratio(cnt, R, T, tp, eps, chosen_us, D, F, link_gbps, n=41) -> float:
+    """The cost policy's predicted time over the best of exact MoonEP and n level plans evenly
+    over its range, each timed with the full cost model (the planner itself scores them with
+    its linear model): 1.0 when the linear model picked what the full model would."""
+    even = ceil_div(T, R)
+    hi = min(max(int(cnt.view(R, -1).sum(1).max()), even), slack_cap(even, slack_to_ppm(eps)))
+    levels = torch.unique(torch.linspace(even, hi, n).round().long())
+    z, ok = level_quotas(cnt.view(R, -1).sum(1).long(), levels)
+    allocs = split_quotas_batched(cnt.long(), z)
+    tpe = torch.zeros(R, cnt.numel(), dtype=torch.int32)
+    tpe[0] = cnt
+    cands = [a for a, f in zip(allocs, ok) if f] + [plan_group(tpe, T, tp, "moonep").alloc_ER]
+    best = min(pc.plan_time(a, D, F, token_padding=tp, link_gbps=link_gbps).total_us
+               for a in cands)
+    return chosen_us / best
+
+
+def run(models, ranks, tokens, topk, slacks, tp, seed, link_gbps, oracle=False):
     rows = []
     for name in models:
         D, F, E, K0 = MODELS[name]
@@ -120,6 +137,9 @@ def run(models, ranks, tokens, topk, slacks, tp, seed, link_gbps):
                 for eps in slacks:
                     alloc = plan_group(tpe, T, tp, "cost", slack_to_ppm(eps), rcs.copies).alloc_ER
                     base[f"cost {eps:g}"] = pc.plan_time(alloc, D, F, **kw)
+                    if oracle:
+                        base[f"oracle {eps:g}"] = oracle_ratio(
+                            cnt, R, T, tp, eps, base[f"cost {eps:g}"].total_us, D, F, link_gbps)
                 rows.append(base)
     return rows
 
@@ -162,6 +182,9 @@ def summary(rows, slacks) -> bool:
         worst_high = max((r[key].total_us / r["exact"].total_us for r in high), default=0.0)
         best_high = min((r[key].total_us / r["exact"].total_us for r in high), default=0.0)
         shown = "inf" if worst_bytes == math.inf else f"{worst_bytes:.1f}x"
+        if f"oracle {eps:g}" in rows[0]:
+            print(f"eps = {eps:g}: predicted time over the best of 41 levels and exact, by the "
+                  f"full cost model: <= {max(r[f'oracle {eps:g}'] for r in rows):.4f}")
         print(f"eps = {eps:g}: imb <= 5 % ({len(low)} rows): bytes exact / cost >= "
               f"{shown} ({zero} rows send none), time cost / exact <= {worst_low:.3f}"
               f"{' (SLOWER in %d rows)' % len(slower_low) if slower_low else ''}; "
@@ -182,6 +205,9 @@ def main(argv=None) -> int:
     ap.add_argument("--link-gbps", type=float, default=None,
                     help=f"default {links.LINK_GBPS:g} ({links.LINK_SOURCE})")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--oracle", action="store_true",
+                    help="also time 41 level plans per row with the full cost model: how far "
+                         "the planner's linear score is from the full model's best")
     ap.add_argument("--others", action="store_true",
                     help="also the shapes beyond the named ones: s in {256, 4096}, K in {4, 16} "
                          "on deepseek-v3 and qwen3-30b-a3b")
@@ -191,14 +217,14 @@ def main(argv=None) -> int:
           f"({'measured' if links.LINK_MEASURED else 'datasheet, not measured'}), "
           f"token_padding {a.token_padding}, bf16, seed {a.seed}")
     rows = run(a.models, a.ranks, a.tokens, a.topk, a.slack, a.token_padding, a.seed,
-               a.link_gbps)
+               a.link_gbps, a.oracle)
     print_table(rows, a.slack, f"s = {a.tokens} tokens per rank, each model's own K")
     ok = summary(rows, a.slack)
     if a.others:
         more = []
         for s, K in ((256, 0), (4096, 0), (1024, 4), (1024, 16)):
             more += run(["deepseek-v3", "qwen3-30b-a3b"], a.ranks, s, K, a.slack,
-                        a.token_padding, a.seed, a.link_gbps)
+                        a.token_padding, a.seed, a.link_gbps, a.oracle)
         print_table(more, a.slack, "Other shapes: s in {256, 4096}, K in {4, 16}")
         ok &= summary(more, a.slack)
     print(f"\nacceptance: {'met' if ok else 'NOT met'}")

@@ -40,6 +40,13 @@ the fewest moved token copies (MoonEP's own plan wins ties).  So it is never wor
 on either count (benchmarks/planner_policy_sweep.py has the sweep).  A replicated expert costs
 a full weight copy (3*D*F*2 bytes, ~88 MB at D=7168, F=2048) against D*2 bytes per moved
 copy, hence the order.  The choice is a tensor argmin: no host sync.
+
+policy="cost" (inputs slack_ppm and replica_cost) lets a rank receive up to
+U = ceil(ceil(T/R) * (1 + eps)) copies (NvS and nvs_s grow by the slack) and picks, by a
+predicted cost in token copies (max rank load + replica_cost * replicas on the busiest link),
+among MoonEP's plan and "level" plans that bring every rank to <= L <= U with one donor per
+receiver (section "Policy cost" below; docs/planner.md has the proof and the table).  eps = 0
+plans as "moonep" bit for bit; replica_cost = 0 gives MoonEP's plan at any slack.
 """
 from __future__ import annotations
 
@@ -272,56 +279,57 @@ def _leanest(cnt_E: Tensor, balance_R: Tensor) -> tuple[Tensor, Tensor]:
 # ---------------------------------------------------------------------------------------------
 # Policy "cost": caps with slack, moves chosen by a predicted cost (docs/planner.md)
 #
-# Every rank may receive up to U = slack_cap(ceil(T/R)) copies.  A candidate plan is MoonEP's
-# steps 1-2 run on per-rank *targets* summing to T (so MoonEP's theorem holds for it word for
-# word: every rank gets exactly its target, each receiver has one donor, <= B slots):
-#   candidate 0   the exact caps (MoonEP's own plan);
-#   level L       ranks above L come down to L, the others absorb that excess, largest spare
-#                 first, each up to L (so the fewest receivers); L in [ceil(T/R), min(U, max group)]
-#                 (L = max group moves nothing).
+# Every rank may receive up to U = slack_cap(ceil(T/R)) copies.  Candidates:
+#   MoonEP        MoonEP's own plan (exact caps);
+#   level L       for L in [ceil(T/R), min(U, max group)]: ranks above L (donors) shed their
+#                 excess group - L, each round the donor with the most excess left refilling
+#                 one receiver that no donor used yet -- the smallest spare L - group that covers
+#                 the excess, else the largest -- by min(excess, spare); then MoonEP's step 2
+#                 splits each donor's quotas into expert chunks.  A level whose excess does not
+#                 fit is infeasible (never chosen).  L = max group moves nothing.
 # Score (int64, in token copies): max_r load_r + replica_cost * max_r links_r, links_r =
 # max(replicas of r's experts on other ranks, slots on r): the slowest rank's grouped-GEMM time
 # (linear in its copies) plus the weights and grads on the busiest link, both in units of one
 # copy's GEMM time.  Search: COST_LEVELS levels evenly over the range, then COST_LEVELS more
-# between the best one and the level below it; the lowest score wins, ties to the earliest
-# candidate (MoonEP first).  Fixed trip counts, masked updates, no host reads.
+# between the best one's neighbours; the lowest score wins, ties to the earliest candidate
+# (MoonEP first).  Fixed trip counts, masked updates, no host reads.
 # ---------------------------------------------------------------------------------------------
 
 COST_LEVELS = 8        # candidate levels per search stage (2 stages)
+_INFEASIBLE = 1 << 62  # score of a level whose excess does not fit
 
 
-def level_targets(group_R: Tensor, level_C: Tensor) -> Tensor:
-    """targets[c, r] for the levels L_c ([C] int64): min(group_r, L) plus what rank r absorbs of
-    the total excess sum_h max(group_h - L, 0): receivers in order of spare L - group (largest
-    first, ties -> lowest rank), each filled up to L.  Rows sum to sum(group) when R*L >= it."""
-    R = group_R.numel()
+def level_quotas(group_R: Tensor, level_C: Tensor) -> tuple[Tensor, Tensor]:
+    """Step 1 of the level plans, for C levels at once ([C] int64).  Returns (z [C, R, R],
+    feasible [C]).  Each receiver is refilled by one donor only (it retires after one round),
+    so every column of z has at most one non-zero."""
+    C, R = level_C.numel(), group_R.numel()
+    dev = group_R.device
     g = group_R[None, :]
     L = level_C[:, None]
-    excess = (g - L).clamp(min=0).sum(1, keepdim=True)                     # [C, 1]
-    spare = (L - g).clamp(min=0)                                            # [C, R]
-    r = torch.arange(R, device=group_R.device)
-    sp_r, sp_o = spare[:, :, None], spare[:, None, :]                       # [C, r, r']
-    ahead = (sp_o > sp_r) | ((sp_o == sp_r) & (r[None, :] < r[:, None])[None])
-    before = (sp_o * ahead).sum(2)                                          # spare filled before r
-    give = torch.minimum((excess - before).clamp(min=0), spare)
-    return torch.minimum(g, L) + give
-
-
-def rank_quotas_batched(balance_CR: Tensor) -> Tensor:
-    """Step 1 (MoonEP's "max" rule) for C balance vectors at once -> z [C, R, R]."""
-    C, R = balance_CR.shape
-    bal = balance_CR.clone()
-    z = torch.zeros(C * R * R, dtype=bal.dtype, device=bal.device)
-    c_R = torch.arange(C, device=bal.device) * R
+    excess = (g - L).clamp(min=0)                                   # [C, R] donors
+    spare = (L - g).clamp(min=0)                                    # [C, R] receivers
+    free = spare > 0
+    z = torch.zeros(C * R * R, dtype=group_R.dtype, device=dev)
+    c_R = torch.arange(C, device=dev) * R
+    r_ids = torch.arange(R, device=dev)
+    big = torch.full_like(spare, _INFEASIBLE)
+    none = torch.full_like(spare, -1)
+    # Each round with excess left retires one receiver, and there are at most R-1 of them.
     for _ in range(R - 1):
-        u = torch.argmin(bal, dim=1)
-        h = torch.argmax(bal, dim=1)
-        need = -bal.gather(1, u[:, None]).squeeze(1)
-        m = torch.where(bal.gather(1, h[:, None]).squeeze(1) > 0, need, torch.zeros_like(need))
+        h = torch.argmax(excess, dim=1)                             # most excess, ties: lowest
+        eh = excess.gather(1, h[:, None]).squeeze(1)
+        fits = free & (spare >= eh[:, None])
+        best_fit = torch.argmin(torch.where(fits, spare, big), dim=1)
+        largest = torch.argmax(torch.where(free, spare, none), dim=1)
+        u = torch.where(fits.any(1), best_fit, largest)
+        su = torch.where(free.gather(1, u[:, None]).squeeze(1),
+                         spare.gather(1, u[:, None]).squeeze(1), torch.zeros_like(eh))
+        m = torch.minimum(eh, su)                                   # 0 once done (or stuck)
         z.index_add_(0, (c_R + h) * R + u, m)
-        bal.view(-1).index_add_(0, c_R + h, -m)
-        bal.view(-1).index_add_(0, c_R + u, m)
-    return z.view(C, R, R)
+        excess.view(-1).index_add_(0, c_R + h, -m)
+        free = free & ~((r_ids[None, :] == u[:, None]) & (m > 0)[:, None])   # u retires
+    return z.view(C, R, R), excess.sum(1) == 0
 
 
 def split_quotas_batched(cnt_E: Tensor, z_CRR: Tensor) -> Tensor:
@@ -349,14 +357,6 @@ def split_quotas_batched(cnt_E: Tensor, z_CRR: Tensor) -> Tensor:
     return moved + at_home[None] * (cnt_E - moved.sum(2))[:, :, None]
 
 
-def plan_for_targets(cnt_E: Tensor, targets_CR: Tensor) -> tuple[Tensor, Tensor]:
-    """MoonEP's steps 1-2 towards C target vectors (each summing to the total) -> (z, alloc)."""
-    R = targets_CR.shape[1]
-    group_R = cnt_E.view(R, -1).sum(1)
-    z = rank_quotas_batched(group_R[None, :] - targets_CR)
-    return z, split_quotas_batched(cnt_E, z)
-
-
 def plan_links(alloc_CER: Tensor) -> Tensor:
     """[C, R] max(replicas of rank r's experts on other ranks, redundant slots on r)."""
     C, E, R = alloc_CER.shape
@@ -381,22 +381,29 @@ def cost_plan(cnt_E: Tensor, caps_R: Tensor, even: int, limit: int, replica_cost
     R = caps_R.numel()
     dev = cnt_E.device
     group_R = cnt_E.view(R, -1).sum(1)
+    z0 = rank_quotas(group_R - caps_R, "max")                       # MoonEP's own plan
+    a0 = split_quotas(cnt_E, z0, "max")
     hi = group_R.amax().clamp(min=even, max=limit).view(1)   # above the max group nothing moves
     k = torch.arange(levels, device=dev)
     span = max(levels - 1, 1)
     lv1 = even + ((hi - even) * k + span - 1) // span          # [n]: even .. hi
-    z1, a1 = plan_for_targets(cnt_E, torch.cat([caps_R[None, :],
-                                                level_targets(group_R, lv1)]))
-    s1 = plan_scores(a1, replica_cost)
-    kb = torch.argmin(s1[1:]).view(1)                          # the best level of stage 1
+
+    def scored(lv):
+        z, ok = level_quotas(group_R, lv)
+        a = split_quotas_batched(cnt_E, z)
+        s = torch.where(ok, plan_scores(a, replica_cost), torch.full_like(lv, _INFEASIBLE))
+        return z, a, s
+
+    z1, a1, s1 = scored(lv1)
+    kb = torch.argmin(s1).view(1)                              # the best level of stage 1
     lo = lv1.gather(0, (kb - 1).clamp(min=0))
-    top = lv1.gather(0, kb)
-    lv2 = lo + ((top - lo) * (k + 1) + levels - 1) // levels    # (lo, top]
-    z2, a2 = plan_for_targets(cnt_E, level_targets(group_R, lv2))
-    s2 = plan_scores(a2, replica_cost)
-    best = torch.argmin(torch.cat([s1, s2])).view(1)           # first minimum: MoonEP on ties
-    z = torch.cat([z1, z2]).index_select(0, best).squeeze(0)
-    alloc = torch.cat([a1, a2]).index_select(0, best).squeeze(0)
+    top = lv1.gather(0, (kb + 1).clamp(max=levels - 1))
+    lv2 = lo + ((top - lo) * (k + 1) + levels) // (levels + 1)  # between the neighbours
+    z2, a2, s2 = scored(lv2)
+    s0 = plan_scores(a0[None], replica_cost)
+    best = torch.argmin(torch.cat([s0, s1, s2])).view(1)       # first minimum: MoonEP on ties
+    z = torch.cat([z0[None], z1, z2]).index_select(0, best).squeeze(0)
+    alloc = torch.cat([a0[None], a1, a2]).index_select(0, best).squeeze(0)
     return z, alloc
 
 

@@ -44,7 +44,45 @@ def _steps_1_2(cnt, R, B, cap):
         bal[h] -= m
         bal[u] = 0
 
-    # step 2
+    return z, _split(cnt, R, B, z)                  # step 2
+
+
+# policy "cost" (docs/planner.md): levels per search stage
+COST_LEVELS = 8
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _level_quotas(group, L):
+    """Donors (group above L) shed the excess; each round the donor with the most excess left
+    (ties: lowest rank) refills one receiver nobody used yet: the smallest spare L - group
+    covering its excess, else the largest (ties: lowest rank).  None if the excess does not
+    fit."""
+    R = len(group)
+    excess = [max(g - L, 0) for g in group]
+    spare = [max(L - g, 0) for g in group]
+    free = [sp > 0 for sp in spare]
+    z = [[0] * R for _ in range(R)]
+    while sum(excess) > 0:
+        h = _argmax(excess)
+        cover = [d for d in range(R) if free[d] and spare[d] >= excess[h]]
+        rest = [d for d in range(R) if free[d]]
+        if not rest:
+            return None
+        u = min(cover, key=lambda d: (spare[d], d)) if cover else \
+            max(rest, key=lambda d: (spare[d], -d))
+        m = min(excess[h], spare[u])
+        z[h][u] = m
+        excess[h] -= m
+        free[u] = False
+    return z
+
+
+def _split(cnt, R, B, z):
+    """MoonEP's step 2 for the quotas z."""
+    E = R * B
     alloc = [[0] * R for _ in range(E)]
     for e in range(E):
         alloc[e][e // B] = cnt[e]
@@ -62,30 +100,7 @@ def _steps_1_2(cnt, R, B, cap):
             alloc[h * B + le][h] -= t
             rem[le] -= t
             q[d] -= t
-    return z, alloc
-
-
-# policy "cost" (docs/planner.md): levels per search stage
-COST_LEVELS = 8
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _level_targets(group, L):
-    """Ranks above L come down to L; the others take the excess, largest spare first (ties:
-    lowest rank), each up to L."""
-    R = len(group)
-    excess = sum(max(g - L, 0) for g in group)
-    targets = [min(g, L) for g in group]
-    order = sorted(range(R), key=lambda r: (-max(L - group[r], 0), r))
-    for r in order:
-        take = min(max(L - group[r], 0), excess)
-        targets[r] += take
-        excess -= take
-    assert excess == 0
-    return targets
+    return alloc
 
 
 def _score(alloc, R, B, X):
@@ -103,24 +118,30 @@ def _score(alloc, R, B, X):
 
 
 def _cost_steps_1_2(cnt, R, B, cap, T, slack_ppm, X):
-    """Policy "cost": the lowest-scoring of MoonEP's plan and the level plans."""
+    """Policy "cost": the lowest-scoring of MoonEP's plan and the feasible level plans."""
     group = [sum(cnt[h * B:(h + 1) * B]) for h in range(R)]
     even = _cdiv(T, R)
     limit = _cdiv(even * (1_000_000 + slack_ppm), 1_000_000)
     hi = min(max(max(group), even), limit)
     n = COST_LEVELS
+    INF = float("inf")
+
+    def level(L):
+        z = _level_quotas(group, L)
+        if z is None:
+            return None, None, INF
+        alloc = _split(cnt, R, B, z)
+        return z, alloc, _score(alloc, R, B, X)
+
     levels1 = [even + _cdiv((hi - even) * k, n - 1) for k in range(n)]
-    cands = [_steps_1_2(cnt, R, B, cap)]
-    cands += [_steps_1_2(cnt, R, B, _level_targets(group, L)) for L in levels1]
-    scores = [_score(a, R, B, X) for _, a in cands]
-    kb = min(range(n), key=lambda k: (scores[1 + k], k))
-    lo, top = levels1[max(kb - 1, 0)], levels1[kb]
-    levels2 = [lo + _cdiv((top - lo) * (j + 1), n) for j in range(n)]
-    more = [_steps_1_2(cnt, R, B, _level_targets(group, L)) for L in levels2]
-    cands += more
-    scores += [_score(a, R, B, X) for _, a in more]
-    best = min(range(len(cands)), key=lambda i: (scores[i], i))
-    return cands[best]
+    stage1 = [level(L) for L in levels1]
+    kb = min(range(n), key=lambda k: (stage1[k][2], k))
+    lo, top = levels1[max(kb - 1, 0)], levels1[min(kb + 1, n - 1)]
+    levels2 = [lo + _cdiv((top - lo) * (j + 1), n + 1) for j in range(n)]
+    z0, a0 = _steps_1_2(cnt, R, B, cap)
+    cands = [(z0, a0, _score(a0, R, B, X))] + stage1 + [level(L) for L in levels2]
+    best = min(range(len(cands)), key=lambda i: (cands[i][2], i))
+    return cands[best][0], cands[best][1]
 
 
 def reference_plan(topk, R, E, tp=1, *, policy="moonep", slack_ppm=0, replica_cost=0):

@@ -210,26 +210,31 @@ def test_forced_moves_use_few_receivers():
     assert int(P.replication_cost(gp.alloc_ER)[0]) < int(P.replication_cost(exact)[0])
 
 
-def test_level_targets():
+def test_level_quotas():
     group = torch.tensor([30, 14, 6, 6, 6, 6, 6, 6])           # T = 80, even 10
-    t = P.level_targets(group, torch.tensor([10, 12, 30]))
-    assert t.sum(1).tolist() == [80, 80, 80]
-    assert t[0].tolist() == [10, 10, 10, 10, 10, 10, 10, 10]
-    # level 12: excess 18 + 2 = 20 into ranks 2.. (spare 6 each, lowest rank first)
-    assert t[1].tolist() == [12, 12, 12, 12, 12, 8, 6, 6]
-    assert t[2].tolist() == group.tolist()                       # level >= max group: stay
+    z, ok = P.level_quotas(group, torch.tensor([10, 12, 30]))
+    assert ok.tolist() == [True, True, True]
+    # level 10: rank 0 sheds 20 into five 4-spare receivers, rank 1 its 4 into the last one
+    assert z[0, 0].tolist() == [0, 0, 4, 4, 4, 4, 4, 0] and z[0, 1].tolist()[7] == 4
+    # level 12: rank 0 sheds 18 (largest spares, then the best fit), rank 1 its 2 into the
+    # smallest spare covering it; every receiver has one donor
+    assert z[1, 0].tolist() == [0, 0, 6, 6, 6, 0, 0, 0] and z[1, 1].tolist()[5] == 2
+    assert int(z[1].sum()) == 20 and ((z[:2] > 0).sum(1) <= 1).all()
+    assert int(z[2].sum()) == 0                                   # level >= max group: stay
+    _, ok = P.level_quotas(torch.tensor([12, 12, 6]), torch.tensor([10]))
+    assert ok.tolist() == [False]          # 2 + 2 into one receiver, which serves one donor
 
 
-def test_batched_steps_equal_moonep():
-    """The batched steps 1-2 with the exact caps as targets are MoonEP's own steps."""
+def test_batched_split_equals_moonep():
+    """Step 2 batched over candidates is MoonEP's own step 2."""
     rng = random.Random(8)
     for _ in range(60):
         R, E, K, tp, tk = _case(rng)
         tpe = histogram(tk, E)
         T = int(tpe.long().sum())
         gp = P.plan_group(tpe, T, tp, "moonep")
-        z, alloc = P.plan_for_targets(tpe.long().sum(0), gp.caps_R[None, :])
-        assert torch.equal(z[0], gp.z_RR) and torch.equal(alloc[0], gp.alloc_ER)
+        alloc = P.split_quotas_batched(tpe.long().sum(0), gp.z_RR[None].repeat(3, 1, 1))
+        assert all(torch.equal(a, gp.alloc_ER) for a in alloc)
 
 
 def test_deterministic_and_per_rank_op_equals_group():

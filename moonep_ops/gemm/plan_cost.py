@@ -99,7 +99,11 @@ def copy_us(D: int, F: int, *, B: int, cap: int, token_padding: int = 1, trainin
         segs = [align_up(int(r), token_padding) if r else 0 for r in rows]
         xs.append(sum(segs))
         ts.append(expert_gemm_us(segs, D, F, training=training, sm_count=sm_count))
-    slope = float(np.polyfit(np.asarray(xs, dtype=np.float64), np.asarray(ts), 1)[0])
+    x = np.asarray(xs, dtype=np.float64)
+    x -= x.mean()
+    y = np.asarray(ts, dtype=np.float64)
+    var = float(x @ x)
+    slope = float(x @ (y - y.mean())) / var if var > 0 else 0.0
     if not slope > 0:     # a shape too small for the model to resolve: the FLOP rate instead
         flops = 2 * 3 * D * F * (3 if training else 1)
         slope = flops / (float(gemm_tuning.PEAK_TFLOPS) * 1e6)
