@@ -51,6 +51,7 @@ import transformers
 from torch import Tensor, nn
 from transformers.utils import output_capturing as _capture
 
+from ..geometry import slack_to_ppm
 from ..nn.moe import MoEArgs, MoonEPMoE, bind_moe
 from ..planner import POLICIES
 
@@ -469,12 +470,14 @@ class MoonEPBlock(nn.Module):
         return f"replaces {self.family.block_class}"
 
 
-def _build(c: _Conversion, capacity: int, token_padding: int, policy: str) -> MoonEPBlock:
+def _build(c: _Conversion, capacity: int, token_padding: int, policy: str, slack: float,
+           link_gbps: Optional[float]) -> MoonEPBlock:
     """An unbound MoonEPBlock on the meta device (no memory until bind)."""
     fam = c.family
     args = MoEArgs(**router_args(c.config), num_shared_experts=1 if fam.shared else 0,
                    shared_hidden_dim=c.Fs, shared_gate=fam.shared_gate is not None,
-                   capacity=capacity, token_padding=token_padding, policy=policy)
+                   capacity=capacity, token_padding=token_padding, policy=policy, slack=slack,
+                   link_gbps=link_gbps)
     moe = MoonEPMoE(args, c.D, c.F, dtype=c.dtype, device="meta")
     layout = tuple((k, tuple(t.shape), t.dtype) for k, t in c.block.state_dict().items())
     return MoonEPBlock(moe, fam, layout)
@@ -497,7 +500,8 @@ def _load_block(layer: MoonEPBlock, block: nn.Module) -> None:
 
 
 def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None, capacity: int,
-                  token_padding: int = 128, policy: str = "moonep") -> nn.Module:
+                  token_padding: int = 128, policy: str = "moonep", slack: float = 0.0,
+                  link_gbps: Optional[float] = None) -> nn.Module:
     """Replace every supported sparse-MoE block of ``model`` by a ``MoonEPBlock``, in place.
 
     Collective over ``group`` (None: the default group when torch.distributed is initialised,
@@ -512,6 +516,8 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
       token_padding: alignment of the receive buffer's expert segments (128 suits the CUDA
         grouped GEMM; any positive int on the CPU).
       policy: planner policy, one of ``moonep_ops.POLICIES``.
+      slack, link_gbps: policy "cost"'s cap slack eps and link bandwidth (``Buffer``'s
+        arguments; each block's FFN dim is the cost model's F).
 
     Every block is validated before any is converted: an unsupported block or option raises
     NotImplementedError (bad arguments: ValueError) naming the block class and the config field,
@@ -522,6 +528,10 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
     _check_positive_int("token_padding", token_padding)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if slack_to_ppm(slack) and policy != "cost":
+        raise ValueError(f"slack is a setting of policy 'cost', got policy {policy!r}")
+    if link_gbps is not None and policy != "cost":
+        raise ValueError(f"link_gbps is a setting of policy 'cost', got policy {policy!r}")
     if family_of(model) is not None or isinstance(model, MoonEPBlock):
         raise ValueError(f"convert_model takes the model that contains the sparse-MoE blocks, "
                          f"not a block ({type(model).__name__})")
@@ -548,7 +558,7 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
         raise ValueError(f"the sparse-MoE blocks lie on several devices {devices}; MoonEP "
                          "converts a model whose blocks share one device")
 
-    layers = [_build(c, capacity, token_padding, policy) for c in todo]
+    layers = [_build(c, capacity, token_padding, policy, slack, link_gbps) for c in todo]
     try:
         bind_moe(nn.ModuleList(layers), group=group, device=devices.pop())   # collective
         for layer, c in zip(layers, todo):
