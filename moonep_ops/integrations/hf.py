@@ -469,12 +469,14 @@ class MoonEPBlock(nn.Module):
         return f"replaces {self.family.block_class}"
 
 
-def _build(c: _Conversion, capacity: int, token_padding: int, policy: str) -> MoonEPBlock:
+def _build(c: _Conversion, capacity: int, token_padding: int, policy: str, precision: str,
+           fp8_pow2_scales: bool) -> MoonEPBlock:
     """An unbound MoonEPBlock on the meta device (no memory until bind)."""
     fam = c.family
     args = MoEArgs(**router_args(c.config), num_shared_experts=1 if fam.shared else 0,
                    shared_hidden_dim=c.Fs, shared_gate=fam.shared_gate is not None,
-                   capacity=capacity, token_padding=token_padding, policy=policy)
+                   capacity=capacity, token_padding=token_padding, policy=policy,
+                   precision=precision, fp8_pow2_scales=fp8_pow2_scales)
     moe = MoonEPMoE(args, c.D, c.F, dtype=c.dtype, device="meta")
     layout = tuple((k, tuple(t.shape), t.dtype) for k, t in c.block.state_dict().items())
     return MoonEPBlock(moe, fam, layout)
@@ -497,7 +499,8 @@ def _load_block(layer: MoonEPBlock, block: nn.Module) -> None:
 
 
 def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None, capacity: int,
-                  token_padding: int = 128, policy: str = "moonep") -> nn.Module:
+                  token_padding: int = 128, policy: str = "moonep", precision: str = "bf16",
+                  fp8_pow2_scales: bool = False) -> nn.Module:
     """Replace every supported sparse-MoE block of ``model`` by a ``MoonEPBlock``, in place.
 
     Collective over ``group`` (None: the default group when torch.distributed is initialised,
@@ -512,6 +515,9 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
       token_padding: alignment of the receive buffer's expert segments (128 suits the CUDA
         grouped GEMM; any positive int on the CPU).
       policy: planner policy, one of ``moonep_ops.POLICIES``.
+      precision: the routed experts' precision, "bf16" (default) or "fp8" (the DeepSeek-V3 FP8
+        recipe, docs/fp8.md: a bf16 model whose hidden and expert FFN sizes are multiples of
+        16); fp8_pow2_scales: power-of-two FP8 scales.
 
     Every block is validated before any is converted: an unsupported block or option raises
     NotImplementedError (bad arguments: ValueError) naming the block class and the config field,
@@ -548,7 +554,8 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
         raise ValueError(f"the sparse-MoE blocks lie on several devices {devices}; MoonEP "
                          "converts a model whose blocks share one device")
 
-    layers = [_build(c, capacity, token_padding, policy) for c in todo]
+    layers = [_build(c, capacity, token_padding, policy, precision, fp8_pow2_scales)
+              for c in todo]
     try:
         bind_moe(nn.ModuleList(layers), group=group, device=devices.pop())   # collective
         for layer, c in zip(layers, todo):
