@@ -2,11 +2,12 @@
 
 A Buffer is created once per EP group, collectively: every rank builds one with the same
 arguments, in the same order.  Construction compares the ranks' settings (R, E, S, K, D,
-token_padding, dtype, policy, backend) and raises the same ValueError on every rank, naming the
+token_padding, dtype, policy, backend, and policy "cost"'s slack and replica cost) and raises the same ValueError on every rank, naming the
 field, when they differ.  The Buffer owns
 
   its backend (moonep_ops/backends/): the landing areas or symmetric regions of the data plane,
-      sized for a rank's cap NvS = align_up(S*K + (tp-1)*2*epn, tp) rows, never R*S*K;
+      sized for a rank's cap NvS = align_up(S*K + (tp-1)*2*epn, tp) rows, never R*S*K (with
+      policy "cost"'s slack eps: ceil(S*K*(1+eps)) in place of S*K);
   its ExpertPools (``expert_pool``): the redundant slots' weights and grads, one per
       (D, F, dtype), shared by every MoE layer of that shape;
 
@@ -44,7 +45,8 @@ from torch import Tensor
 from . import native, registry
 from .backends import Backend, make_backend
 from .comm_stream import EventHandle, StreamOrder, check_async_args, check_comm_stream
-from .geometry import GroupSpec
+from .geometry import PPM, GroupSpec, check_cost_args, slack_to_ppm
+from .gemm import plan_cost
 from .ops import dispatch as _dispatch_ops  # noqa: F401  (registers moonep::dispatch, combine)
 from .ops.moe_experts import PRECISIONS, ExpertPool
 from .planner import POLICIES, Plan
@@ -65,7 +67,17 @@ class Buffer:
       dtype: token-row dtype (bfloat16, float16, float32, float64).
       device: where the Buffer's tensors live (default: the current GPU for an NCCL group, else
         the CPU).
-      policy: planner policy, one of ``POLICIES`` (``"moonep"``: exact MoonEP).
+      policy: planner policy, one of ``POLICIES`` (``"moonep"``: exact MoonEP; ``"cost"``: caps
+        with ``slack``, moves chosen by a predicted cost, docs/planner.md).
+      slack: policy "cost": eps in [0, 1]; a rank receives at most ceil(ceil(T/R) * (1 + eps))
+        token copies (NvS grows by the same factor).  0: exact caps (the plan is MoonEP's).
+      expert_dim: policy "cost": the experts' FFN dim F, for the GEMM cost model (the MoE layer
+        passes its hidden_dim).  Needed unless ``replica_cost`` is given.
+      link_gbps: policy "cost": GB/s of one GPU's link per direction (default
+        moonep_ops.gemm.links.LINK_GBPS, the H200's NVLink 4 datasheet figure).
+      replica_cost: policy "cost": one replica's transfer time in token copies, overriding the
+        one derived from expert_dim and link_gbps (moonep_ops.gemm.plan_cost.replica_cost);
+        0 makes replication free (the plan is MoonEP's).
       backend: ``"auto"``, ``"symm"``, ``"torch"``, ``"single"`` or a ``Backend`` instance not
         yet bound (moonep_ops/backends/).
       comm_stream: async mode: None (a stream is created at the first ``async_op=True`` call),
@@ -75,7 +87,9 @@ class Buffer:
     def __init__(self, S: int, D: int, K: int, E: int, *,
                  group: Optional[dist.ProcessGroup] = None, token_padding: int = 1,
                  dtype: torch.dtype = torch.bfloat16, device=None, policy: str = "moonep",
-                 backend: str | Backend = "auto", comm_stream=None):
+                 backend: str | Backend = "auto", comm_stream=None, slack: float = 0.0,
+                 expert_dim: Optional[int] = None, link_gbps: Optional[float] = None,
+                 replica_cost: Optional[int] = None):
         if isinstance(backend, Backend):
             be = backend
         elif isinstance(backend, str):
@@ -95,8 +109,12 @@ class Buffer:
                                 f"Buffer's device, got {type(comm_stream).__name__}")
             if not isinstance(policy, str) or policy not in POLICIES:
                 raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+            slack_ppm, rc = cost_inputs(policy, slack, expert_dim, link_gbps, replica_cost,
+                                        R=be.world_size, E=E, S=S, K=K,
+                                        token_padding=token_padding, D=D, dtype=dtype)
             spec = GroupSpec(R=be.world_size, E=E, S=S, K=K, token_padding=token_padding, D=D,
-                             dtype=dtype, policy=policy, backend=be.kind)
+                             dtype=dtype, policy=policy, backend=be.kind, slack_ppm=slack_ppm,
+                             replica_cost=rc)
             # async mode: the comm stream (created now for True, at the first async op for None)
             order = StreamOrder(be.device, check_comm_stream(comm_stream, be.device, be))
         except (TypeError, ValueError) as e:
@@ -128,6 +146,9 @@ class Buffer:
     token_padding = property(lambda self: self.spec.token_padding)
     dtype = property(lambda self: self.spec.dtype)
     policy = property(lambda self: self.spec.policy)
+    slack_ppm = property(lambda self: self.spec.slack_ppm)
+    slack = property(lambda self: self.spec.slack_ppm / PPM)
+    replica_cost = property(lambda self: self.spec.replica_cost)
     rank = property(lambda self: self.backend.rank)
     group = property(lambda self: self.backend.group)
 
@@ -305,7 +326,7 @@ class Buffer:
         s = x_sD.shape[0]
         p = Plan(dst, cu, etc, zf, stats, rank=self.rank, R=self.R, E=self.E, S=self.S, K=self.K,
                  s=s, token_padding=self.token_padding, total_num_tokens=tot, NvS=self.NvS,
-                 nvs_s=self.nvs_s(s, tot))
+                 nvs_s=self.nvs_s(s, tot), slack_ppm=self.slack_ppm)
         out = (h, (w if route_weights_sK is not None else None), cu, p)
         return out + (ev,) if async_op else out
 
@@ -414,6 +435,34 @@ class Buffer:
         _, ev = self._run(launch, (plan.experts_to_copy, local, slots), async_op, previous_event,
                           mutated=local + slots)
         return ev
+
+
+def cost_inputs(policy: str, slack, expert_dim, link_gbps, replica_cost, *, R: int, E: int,
+                S: int, K: int, token_padding: int, D: int, dtype: torch.dtype
+                ) -> tuple[int, int]:
+    """(slack_ppm, replica_cost) of a Buffer: policy "cost"'s planner inputs, derived on the
+    host from the static shapes (no data); (0, 0) for the other policies."""
+    slack_ppm = slack_to_ppm(slack)
+    if policy != "cost":
+        if slack_ppm or link_gbps is not None or replica_cost is not None:
+            raise ValueError(f"slack, link_gbps and replica_cost are settings of policy 'cost'; "
+                             f"policy {policy!r} plans exact caps")
+        return 0, 0
+    if link_gbps is not None and (isinstance(link_gbps, bool)
+                                  or not isinstance(link_gbps, (int, float))
+                                  or not link_gbps > 0):
+        raise ValueError(f"link_gbps must be a positive number (GB/s), got {link_gbps!r}")
+    if replica_cost is None:
+        if isinstance(expert_dim, bool) or not isinstance(expert_dim, int) or expert_dim < 1:
+            raise ValueError("policy 'cost' needs expert_dim (the experts' FFN dim F, for the "
+                             f"GEMM cost model) or replica_cost, got expert_dim={expert_dim!r}")
+        if E % R:          # GroupSpec names this error; the cost model needs E/R experts
+            return slack_ppm, 0
+        replica_cost = plan_cost.replica_cost(
+            D, expert_dim, R=R, E=E, S=S, K=K, token_padding=token_padding, dtype=dtype,
+            link_gbps=link_gbps).copies
+    check_cost_args(policy, slack_ppm, replica_cost)
+    return slack_ppm, replica_cost
 
 
 def _tensor_list(op: str, name: str, tensors) -> list[Tensor]:

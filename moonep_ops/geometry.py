@@ -15,12 +15,16 @@ means one thing everywhere:
   tp   token_padding
   NvS  receive rows at capacity;  nvs_s  receive rows this call (depends on the total token
        count over the group, not on this rank's s)
+  eps  the cap slack of policy "cost" (slack_ppm parts per million): a rank may receive up to
+       slack_cap(ceil(T/R)) = ceil(ceil(T/R) * (1 + eps)) token copies instead of exactly its cap
 Inside cutlass_kernels/ the tile extents keep CUTLASS's names (BM, BN, BK; m, n, k of a CUTLASS
 problem shape).
 
 Why NvS = align_up(S*K + (tp-1)*G, tp): every rank receives exactly its cap (<= S*K) token copies,
 spread over at most G non-empty segments (B home + at most B redundant experts, the theorem of
-docs/planner.md), and each segment wastes at most tp-1 padding rows.
+docs/planner.md), and each segment wastes at most tp-1 padding rows.  With a slack (policy
+"cost", eps > 0) a rank receives at most slack_cap(S*K) copies, so S*K becomes slack_cap(S*K)
+there (and ceil(T/R) becomes slack_cap(ceil(T/R)) in nvs_s); eps = 0 leaves both unchanged.
 """
 from __future__ import annotations
 
@@ -41,6 +45,23 @@ def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+PPM = 1_000_000          # slack_ppm units: parts per million
+
+
+def slack_cap(copies, slack_ppm: int):
+    """ceil(copies * (1 + slack_ppm / 1e6)) in integer arithmetic (ints or SymInts)."""
+    return ceil_div(copies * (PPM + slack_ppm), PPM)
+
+
+def slack_to_ppm(slack) -> int:
+    """The slack eps (a float in [0, 1]) as the integer parts per million the planner takes."""
+    if isinstance(slack, bool) or not isinstance(slack, (int, float)):
+        raise TypeError(f"slack must be a float in [0, 1], got {type(slack).__name__}")
+    if not 0.0 <= slack <= 1.0:
+        raise ValueError(f"slack must lie in [0, 1], got {slack!r}")
+    return int(round(slack * PPM))
+
+
 def receive_caps(total_entries: int, R: int) -> list[int]:
     """Per-rank receive targets: floor/ceil split of the total, the first T mod R ranks get one more."""
     base, extra = divmod(total_entries, R)
@@ -56,6 +77,7 @@ class Geometry:
     S: int
     K: int
     token_padding: int = 1
+    slack_ppm: int = 0          # cap slack of policy "cost" (parts per million, 0..PPM)
 
     def __post_init__(self):
         for name in ("R", "E", "S", "K", "token_padding"):
@@ -64,6 +86,11 @@ class Geometry:
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if not isinstance(self.slack_ppm, _INT) or isinstance(self.slack_ppm, bool):
+            raise TypeError(f"slack_ppm must be an int, got {type(self.slack_ppm).__name__}")
+        if not 0 <= self.slack_ppm <= PPM:
+            raise ValueError(f"slack_ppm must lie in [0, {PPM}] (a slack of 0 to 100 %), "
+                             f"got {self.slack_ppm}")
         if self.E % self.R:
             raise ValueError(f"num_experts E={self.E} must be divisible by the EP size R={self.R}")
         if self.K > 127:
@@ -82,7 +109,12 @@ class Geometry:
     @property
     def NvS(self) -> int:
         tp = self.token_padding
-        return align_up(self.S * self.K + (tp - 1) * self.G, tp)
+        return align_up(self.max_receive(self.S * self.K) + (tp - 1) * self.G, tp)
+
+    def max_receive(self, even_cap):
+        """The most token copies one rank may receive when the even share is ``even_cap``
+        copies (ceil(T/R)): even_cap itself, or slack_cap(even_cap) with a slack."""
+        return slack_cap(even_cap, self.slack_ppm) if self.slack_ppm else even_cap
 
     def total_tokens(self, s: int, total_num_tokens: int | None) -> int:
         """Total tokens over the group this call (uniform s unless total_num_tokens is given;
@@ -91,11 +123,12 @@ class Geometry:
         return self.R * s if uniform else total_num_tokens
 
     def nvs_s(self, s: int, total_num_tokens: int | None = None) -> int:
-        """Receive rows this call: align_up(ceil(T/R) + (tp-1)*2*epn, tp), T = total*K.  Works on
-        SymInts (the fake kernels call it)."""
+        """Receive rows this call: align_up(ceil(T/R) + (tp-1)*2*epn, tp), T = total*K, with
+        ceil(T/R) raised by the slack (``max_receive``).  Works on SymInts (the fake kernels
+        call it)."""
         T = self.total_tokens(s, total_num_tokens) * self.K
         tp = self.token_padding
-        return align_up(ceil_div(T, self.R) + (tp - 1) * self.G, tp)
+        return align_up(self.max_receive(ceil_div(T, self.R)) + (tp - 1) * self.G, tp)
 
     def check_s(self, s: int, total_num_tokens: int | None = None) -> None:
         if not isinstance(s, _INT) or isinstance(s, bool):
@@ -110,19 +143,39 @@ class Geometry:
                     f"total_num_tokens={total_num_tokens} must lie in [s={s}, R*S={self.R * self.S}]")
 
 
+MAX_REPLICA_COST = 1 << 40     # keeps the planner's int64 scores far from overflow
+
+
+def check_cost_args(policy: str, slack_ppm: int, replica_cost: int) -> None:
+    """The slack and replica cost are inputs of policy "cost" only (ints, in range)."""
+    for name, v in (("slack_ppm", slack_ppm), ("replica_cost", replica_cost)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if not 0 <= slack_ppm <= PPM:
+        raise ValueError(f"slack_ppm must lie in [0, {PPM}], got {slack_ppm}")
+    if not 0 <= replica_cost < MAX_REPLICA_COST:
+        raise ValueError(f"replica_cost must lie in [0, 2^40) token copies, got {replica_cost}")
+    if policy != "cost" and (slack_ppm or replica_cost):
+        raise ValueError(f"a slack and a replica cost are inputs of policy 'cost' only; policy "
+                         f"{policy!r} plans exact caps (got slack_ppm={slack_ppm}, "
+                         f"replica_cost={replica_cost})")
+
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
 class GroupSpec(Geometry):
     """Everything about one EP group that must be the same on every rank: the geometry plus the
-    model dim, the token dtype, the planner policy and the backend kind.  A Buffer's backend is
-    bound to one; its :meth:`fingerprint` is compared across ranks when the Buffer is built."""
+    model dim, the token dtype, the planner policy (with the slack and the replica cost of
+    policy "cost") and the backend kind.  A Buffer's backend is bound to one; its
+    :meth:`fingerprint` is compared across ranks when the Buffer is built."""
 
     D: int = 1
     dtype: torch.dtype = torch.bfloat16
     policy: str = "moonep"
     backend: str = ""
+    replica_cost: int = 0       # policy "cost": one replica's transfer time in token copies
 
     def __post_init__(self):
         super().__post_init__()
@@ -130,8 +183,10 @@ class GroupSpec(Geometry):
             raise ValueError(f"the model dim D must be a positive int, got {self.D!r}")
         if self.dtype not in _DTYPES:
             raise TypeError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        check_cost_args(self.policy, self.slack_ppm, self.replica_cost)
 
-    FINGERPRINT_FIELDS = ("R", "E", "S", "K", "D", "token_padding", "dtype", "policy", "backend")
+    FINGERPRINT_FIELDS = ("R", "E", "S", "K", "D", "token_padding", "dtype", "policy", "backend",
+                          "slack_ppm", "replica_cost")
 
     def fingerprint(self) -> tuple:
         """The settings every rank must share, as plain Python values (exchanged with
@@ -169,5 +224,5 @@ def check_fingerprints(fingerprints: Sequence[Sequence]) -> None:
             shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
             raise ValueError(
                 f"moonep Buffer: the ranks disagree on {name} ({shown}); every rank of an EP group "
-                "must build its Buffer with the same R, E, S, K, D, token_padding, dtype, policy and "
-                "backend")
+                "must build its Buffer with the same R, E, S, K, D, token_padding, dtype, policy, "
+                "backend, slack and replica cost")

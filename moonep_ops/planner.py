@@ -40,6 +40,13 @@ the fewest moved token copies (MoonEP's own plan wins ties).  So it is never wor
 on either count (benchmarks/planner_policy_sweep.py has the sweep).  A replicated expert costs
 a full weight copy (3*D*F*2 bytes, ~88 MB at D=7168, F=2048) against D*2 bytes per moved
 copy, hence the order.  The choice is a tensor argmin: no host sync.
+
+policy="cost" (inputs slack_ppm and replica_cost) lets a rank receive up to
+U = ceil(ceil(T/R) * (1 + eps)) copies (NvS and nvs_s grow by the slack) and picks, by a
+predicted cost in token copies (max rank load + replica_cost * replicas on the busiest link),
+among MoonEP's plan and "level" plans that bring every rank to <= L <= U with one donor per
+receiver (section "Policy cost" below; docs/planner.md has the proof and the table).  eps = 0
+plans as "moonep" bit for bit; replica_cost = 0 gives MoonEP's plan at any slack.
 """
 from __future__ import annotations
 
@@ -49,9 +56,9 @@ import torch
 from torch import Tensor
 
 from . import native, runtime
-from .geometry import Geometry
+from .geometry import Geometry, ceil_div, check_cost_args, slack_cap
 
-POLICIES = ("moonep", "lean")
+POLICIES = ("moonep", "lean", "cost")
 
 # ---------------------------------------------------------------------------------------------
 # Steps 1-2: the allocation alloc[e, d] (tokens of expert e computed on rank d)
@@ -215,22 +222,31 @@ class GroupPlan(NamedTuple):
     z_RR: Tensor
     alloc_ER: Tensor
     layout: Layout
-    caps_R: Tensor
+    caps_R: Tensor               # the exact caps (floor/ceil split of the total)
+    max_receive: int = -1        # the most copies a rank may receive (policy "cost": the slack
+                                 # cap; -1: every rank receives exactly its cap)
 
 
-def plan_group(tpe_RE: Tensor, total_entries: int, token_padding: int, policy: str) -> GroupPlan:
+def plan_group(tpe_RE: Tensor, total_entries: int, token_padding: int, policy: str,
+               slack_ppm: int = 0, replica_cost: int = 0) -> GroupPlan:
     R, E = tpe_RE.shape
     t = tpe_RE.long()
     cnt_E = t.sum(0)
     base, extra = divmod(total_entries, R)      # caps: floor/ceil split (geometry.receive_caps)
     caps_R = base + (torch.arange(R, device=t.device) < extra).long()   # built on device: no H2D
     balance_R = cnt_E.view(R, E // R).sum(1) - caps_R
-    if policy == "moonep":
+    limit = -1
+    if policy == "moonep" or (policy == "cost" and slack_ppm == 0):
+        # policy "cost" without slack IS MoonEP (static branch on a Python int)
         z_RR = rank_quotas(balance_R, "max")
         alloc_ER = split_quotas(cnt_E, z_RR, "max")
-    else:
+    elif policy == "lean":
         z_RR, alloc_ER = _leanest(cnt_E, balance_R)
-    return GroupPlan(z_RR, alloc_ER, layout(alloc_ER, R, token_padding), caps_R)
+    else:
+        even = ceil_div(total_entries, R)
+        limit = slack_cap(even, slack_ppm)
+        z_RR, alloc_ER = cost_plan(cnt_E, caps_R, even, limit, replica_cost)
+    return GroupPlan(z_RR, alloc_ER, layout(alloc_ER, R, token_padding), caps_R, limit)
 
 
 def replication_cost(alloc_ER: Tensor) -> tuple[Tensor, Tensor]:
@@ -261,6 +277,137 @@ def _leanest(cnt_E: Tensor, balance_R: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Policy "cost": caps with slack, moves chosen by a predicted cost (docs/planner.md)
+#
+# Every rank may receive up to U = slack_cap(ceil(T/R)) copies.  Candidates:
+#   MoonEP        MoonEP's own plan (exact caps);
+#   level L       for L in [ceil(T/R), min(U, max group)]: ranks above L (donors) shed their
+#                 excess group - L, each round the donor with the most excess left refilling
+#                 one receiver that no donor used yet -- the smallest spare L - group that covers
+#                 the excess, else the largest -- by min(excess, spare); then MoonEP's step 2
+#                 splits each donor's quotas into expert chunks.  A level whose excess does not
+#                 fit is infeasible (never chosen).  L = max group moves nothing.
+# Score (int64, in token copies): max_r load_r + replica_cost * max_r links_r, links_r =
+# max(replicas of r's experts on other ranks, slots on r): the slowest rank's grouped-GEMM time
+# (linear in its copies) plus the weights and grads on the busiest link, both in units of one
+# copy's GEMM time.  Search: COST_LEVELS levels evenly over the range, then COST_LEVELS more
+# between the best one's neighbours; the lowest score wins, ties to the earliest candidate
+# (MoonEP first).  Fixed trip counts, masked updates, no host reads.
+# ---------------------------------------------------------------------------------------------
+
+COST_LEVELS = 8        # candidate levels per search stage (2 stages)
+_INFEASIBLE = 1 << 62  # score of a level whose excess does not fit
+
+
+def level_quotas(group_R: Tensor, level_C: Tensor) -> tuple[Tensor, Tensor]:
+    """Step 1 of the level plans, for C levels at once ([C] int64).  Returns (z [C, R, R],
+    feasible [C]).  Each receiver is refilled by one donor only (it retires after one round),
+    so every column of z has at most one non-zero."""
+    C, R = level_C.numel(), group_R.numel()
+    dev = group_R.device
+    g = group_R[None, :]
+    L = level_C[:, None]
+    excess = (g - L).clamp(min=0)                                   # [C, R] donors
+    spare = (L - g).clamp(min=0)                                    # [C, R] receivers
+    free = spare > 0
+    z = torch.zeros(C * R * R, dtype=group_R.dtype, device=dev)
+    c_R = torch.arange(C, device=dev) * R
+    r_ids = torch.arange(R, device=dev)
+    big = torch.full_like(spare, _INFEASIBLE)
+    none = torch.full_like(spare, -1)
+    # Each round with excess left retires one receiver, and there are at most R-1 of them.
+    for _ in range(R - 1):
+        h = torch.argmax(excess, dim=1)                             # most excess, ties: lowest
+        eh = excess.gather(1, h[:, None]).squeeze(1)
+        fits = free & (spare >= eh[:, None])
+        best_fit = torch.argmin(torch.where(fits, spare, big), dim=1)
+        largest = torch.argmax(torch.where(free, spare, none), dim=1)
+        u = torch.where(fits.any(1), best_fit, largest)
+        su = torch.where(free.gather(1, u[:, None]).squeeze(1),
+                         spare.gather(1, u[:, None]).squeeze(1), torch.zeros_like(eh))
+        m = torch.minimum(eh, su)                                   # 0 once done (or stuck)
+        z.index_add_(0, (c_R + h) * R + u, m)
+        excess.view(-1).index_add_(0, c_R + h, -m)
+        free = free & ~((r_ids[None, :] == u[:, None]) & (m > 0)[:, None])   # u retires
+    return z.view(C, R, R), excess.sum(1) == 0
+
+
+def split_quotas_batched(cnt_E: Tensor, z_CRR: Tensor) -> Tensor:
+    """Step 2 (MoonEP's "max" rule) for C quota matrices at once -> alloc [C, E, R]."""
+    C, R, _ = z_CRR.shape
+    E = cnt_E.numel()
+    B = E // R
+    dev = cnt_E.device
+    rem = cnt_E.view(1, R, B).repeat(C, 1, 1)                               # [C, R, B]
+    q = z_CRR.clone()
+    moved = torch.zeros(C * E * R, dtype=cnt_E.dtype, device=dev)          # [c, h, le, d]
+    own = (torch.arange(C, device=dev)[:, None] * R + torch.arange(R, device=dev)[None, :])
+    for _ in range(R - 1 + B):
+        d = torch.argmax(q, dim=2)                                          # [C, R]
+        qd = q.gather(2, d[..., None]).squeeze(2)
+        le = torch.argmax(rem, dim=2)
+        rl = rem.gather(2, le[..., None]).squeeze(2)
+        t = torch.where(qd > 0, torch.minimum(rl, qd), torch.zeros_like(qd)).reshape(-1)
+        moved.index_add_(0, ((own * B + le) * R + d).reshape(-1), t)
+        rem.view(-1).index_add_(0, (own * B + le).reshape(-1), -t)
+        q.view(-1).index_add_(0, (own * R + d).reshape(-1), -t)
+    moved = moved.view(C, E, R)
+    e_ids = torch.arange(E, device=dev)
+    at_home = (e_ids // B)[:, None] == torch.arange(R, device=dev)[None, :]    # [E, R]
+    return moved + at_home[None] * (cnt_E - moved.sum(2))[:, :, None]
+
+
+def plan_links(alloc_CER: Tensor) -> Tensor:
+    """[C, R] max(replicas of rank r's experts on other ranks, redundant slots on r)."""
+    C, E, R = alloc_CER.shape
+    B = E // R
+    dev = alloc_CER.device
+    home = (torch.arange(E, device=dev) // B)[:, None] != torch.arange(R, device=dev)[None, :]
+    away = ((alloc_CER > 0) & home[None]).long()                          # [C, E, R]
+    out_R = away.view(C, R, B * R).sum(2)
+    in_R = away.sum(1)
+    return torch.maximum(out_R, in_R)
+
+
+def plan_scores(alloc_CER: Tensor, replica_cost: int) -> Tensor:
+    """[C] predicted cost in token copies: max_r load_r + replica_cost * max_r links_r."""
+    return alloc_CER.sum(1).amax(1) + replica_cost * plan_links(alloc_CER).amax(1)
+
+
+def cost_plan(cnt_E: Tensor, caps_R: Tensor, even: int, limit: int, replica_cost: int,
+              levels: int = COST_LEVELS) -> tuple[Tensor, Tensor]:
+    """Policy "cost": (z [R, R], alloc [E, R]) of the best candidate (see the section comment).
+    ``even`` = ceil(T/R), ``limit`` = U >= even, ``replica_cost`` >= 0 in token copies."""
+    R = caps_R.numel()
+    dev = cnt_E.device
+    group_R = cnt_E.view(R, -1).sum(1)
+    z0 = rank_quotas(group_R - caps_R, "max")                       # MoonEP's own plan
+    a0 = split_quotas(cnt_E, z0, "max")
+    hi = group_R.amax().clamp(min=even, max=limit).view(1)   # above the max group nothing moves
+    k = torch.arange(levels, device=dev)
+    span = max(levels - 1, 1)
+    lv1 = even + ((hi - even) * k + span - 1) // span          # [n]: even .. hi
+
+    def scored(lv):
+        z, ok = level_quotas(group_R, lv)
+        a = split_quotas_batched(cnt_E, z)
+        s = torch.where(ok, plan_scores(a, replica_cost), torch.full_like(lv, _INFEASIBLE))
+        return z, a, s
+
+    z1, a1, s1 = scored(lv1)
+    kb = torch.argmin(s1).view(1)                              # the best level of stage 1
+    lo = lv1.gather(0, (kb - 1).clamp(min=0))
+    top = lv1.gather(0, (kb + 1).clamp(max=levels - 1))
+    lv2 = lo + ((top - lo) * (k + 1) + levels) // (levels + 1)  # between the neighbours
+    z2, a2, s2 = scored(lv2)
+    s0 = plan_scores(a0[None], replica_cost)
+    best = torch.argmin(torch.cat([s0, s1, s2])).view(1)       # first minimum: MoonEP on ties
+    z = torch.cat([z0[None], z1, z2]).index_select(0, best).squeeze(0)
+    alloc = torch.cat([a0[None], a1, a2]).index_select(0, best).squeeze(0)
+    return z, alloc
+
+
+# ---------------------------------------------------------------------------------------------
 # Validation (clear Python errors before any work)
 # ---------------------------------------------------------------------------------------------
 
@@ -275,12 +422,16 @@ def _check_int_tensor(name: str, t, ndim: int) -> None:
 
 
 def check_plan_args(tpe_RE: Tensor, topk_sK: Tensor, rank: int, R: int, S: int,
-                    token_padding: int, total_num_tokens: Optional[int], policy: str
-                    ) -> tuple[Geometry, int]:
+                    token_padding: int, total_num_tokens: Optional[int], policy: str,
+                    slack_ppm: int = 0, replica_cost: int = 0) -> tuple[Geometry, int]:
     """Shape/dtype/device/int checks (no data reads).  Returns (geometry, s)."""
     _check_int_tensor("tokens_per_expert (gathered [R, E])", tpe_RE, 2)
     _check_int_tensor("topk_ids [s, K]", topk_sK, 2)
-    geo = Geometry(R=R, E=tpe_RE.shape[1], S=S, K=topk_sK.shape[1], token_padding=token_padding)
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    check_cost_args(policy, slack_ppm, replica_cost)
+    geo = Geometry(R=R, E=tpe_RE.shape[1], S=S, K=topk_sK.shape[1], token_padding=token_padding,
+                   slack_ppm=slack_ppm)
     if tuple(tpe_RE.shape) != (geo.R, geo.E):
         raise ValueError(f"tokens_per_expert must be [R, E] = [{geo.R}, {geo.E}], got {tuple(tpe_RE.shape)}")
     if topk_sK.shape[1] != geo.K:
@@ -289,8 +440,6 @@ def check_plan_args(tpe_RE: Tensor, topk_sK: Tensor, rank: int, R: int, S: int,
         raise ValueError(f"tokens_per_expert is on {tpe_RE.device} but topk_ids on {topk_sK.device}")
     if not isinstance(rank, int) or not 0 <= rank < geo.R:
         raise ValueError(f"rank={rank} outside [0, R={geo.R})")
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     s = topk_sK.shape[0]
     geo.check_s(s, total_num_tokens)
     return geo, s
@@ -335,18 +484,22 @@ def _total(total_num_tokens: int) -> Optional[int]:
 
 
 # Explicit schema: plain `int`s (not inferred SymInts), so sizes are static in traces.
+# slack_ppm and replica_cost are policy "cost"'s inputs (0 for the other policies).
 @torch.library.custom_op(
     "moonep::plan", mutates_args=(),
     schema="(Tensor tpe_RE, Tensor topk_sK, int rank, int R, int S, int token_padding, "
-           "int total_num_tokens, str policy) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+           "int total_num_tokens, str policy, int slack_ppm=0, int replica_cost=0) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _plan_op(tpe_RE: Tensor, topk_sK: Tensor, rank: int, R: int, S: int, token_padding: int,
-             total_num_tokens: int, policy: str
+             total_num_tokens: int, policy: str, slack_ppm: int = 0, replica_cost: int = 0
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     total = _total(total_num_tokens)
-    geo, s = check_plan_args(tpe_RE, topk_sK, rank, R, S, token_padding, total, policy)
+    geo, s = check_plan_args(tpe_RE, topk_sK, rank, R, S, token_padding, total, policy,
+                             slack_ppm, replica_cost)
     if runtime.should_validate(tpe_RE):
         check_plan_values(tpe_RE, topk_sK, rank, geo, s, total)
-    gp = plan_group(tpe_RE, geo.total_tokens(s, total) * geo.K, token_padding, policy)
+    gp = plan_group(tpe_RE, geo.total_tokens(s, total) * geo.K, token_padding, policy,
+                    slack_ppm, replica_cost)
     lay = gp.layout
     dst, _, _ = assign_slots(topk_sK, tpe_RE.long(), rank, gp.alloc_ER, lay.expert_off_RE, geo.NvS)
     return _rank_outputs(dst, lay, rank)
@@ -360,9 +513,10 @@ def _rank_outputs(dst_N: Tensor, lay: Layout, rank: int) -> tuple[Tensor, ...]:
 
 
 @_plan_op.register_fake
-def _plan_fake(tpe_RE, topk_sK, rank, R, S, token_padding, total_num_tokens, policy):
+def _plan_fake(tpe_RE, topk_sK, rank, R, S, token_padding, total_num_tokens, policy,
+               slack_ppm=0, replica_cost=0):
     geo, s = check_plan_args(tpe_RE, topk_sK, rank, R, S, token_padding,
-                             _total(total_num_tokens), policy)
+                             _total(total_num_tokens), policy, slack_ppm, replica_cost)
     N = s * geo.K
     new = lambda *shape: tpe_RE.new_empty(shape, dtype=torch.int32)   # noqa: E731
     return new(N), new(geo.G), new(R, geo.epn), new(geo.G, 2), new(2)
@@ -390,6 +544,7 @@ class Plan(NamedTuple):
     total_num_tokens: int       # -1: uniform s on every rank
     NvS: int
     nvs_s: int
+    slack_ppm: int = 0          # policy "cost": the cap slack NvS and nvs_s were sized with
 
     @property
     def epn(self) -> int:
@@ -424,23 +579,26 @@ class Plan(NamedTuple):
 
 def plan(tokens_per_expert_RE: Tensor, topk_ids_sK: Tensor, rank: int, *, num_ranks: int,
          capacity: int, token_padding: int = 1, total_num_tokens: Optional[int] = None,
-         policy: str = "moonep") -> Plan:
+         policy: str = "moonep", slack_ppm: int = 0, replica_cost: int = 0) -> Plan:
     """Plan this rank's dispatch from the gathered [R, E] histogram and this rank's top-k ids.
 
     Every rank calling with the same histogram gets the same global tables; the result does not
     depend on the routing for any shape.  With ``total_num_tokens`` ranks may pass different s.
+    Policy "cost": ``slack_ppm`` (the cap slack eps in parts per million; geometry.slack_to_ppm)
+    and ``replica_cost`` (one replica's transfer time in token copies;
+    moonep_ops.gemm.plan_cost.replica_cost derives it); with slack_ppm = 0 it plans as "moonep".
     """
     if not isinstance(topk_ids_sK, Tensor) or not isinstance(tokens_per_expert_RE, Tensor):
         raise TypeError("tokens_per_expert and topk_ids must be tensors")
     tot = -1 if total_num_tokens is None else total_num_tokens
     outs = torch.ops.moonep.plan(tokens_per_expert_RE, topk_ids_sK, rank, num_ranks, capacity,
-                                 token_padding, tot, policy)
+                                 token_padding, tot, policy, slack_ppm, replica_cost)
     geo = Geometry(R=num_ranks, E=tokens_per_expert_RE.shape[1], S=capacity,
-                   K=topk_ids_sK.shape[1], token_padding=token_padding)
+                   K=topk_ids_sK.shape[1], token_padding=token_padding, slack_ppm=slack_ppm)
     s = topk_ids_sK.shape[0]
     return Plan(*outs, rank=rank, R=num_ranks, E=geo.E, S=capacity, K=geo.K, s=s,
                 token_padding=token_padding, total_num_tokens=tot, NvS=geo.NvS,
-                nvs_s=geo.nvs_s(s, total_num_tokens))
+                nvs_s=geo.nvs_s(s, total_num_tokens), slack_ppm=slack_ppm)
 
 
 class GroupResult(NamedTuple):
@@ -451,12 +609,14 @@ class GroupResult(NamedTuple):
 
 def plan_all_ranks(topk_per_rank: Sequence[Tensor] | Tensor, num_experts: int,
                    token_padding: int = 1, *, capacity: Optional[int] = None,
-                   total_num_tokens: Optional[int] = None, policy: str = "moonep") -> GroupResult:
+                   total_num_tokens: Optional[int] = None, policy: str = "moonep",
+                   slack_ppm: int = 0, replica_cost: int = 0) -> GroupResult:
     """Plan for all R ranks at once from their top-k ids (a list of [s_r, K] or an [R, s, K]).
 
     Ranks with different s switch to per-rank mode (total_num_tokens = sum of s_r).  capacity
     defaults to the largest s_r.  Uses the same steps as the per-rank op (the tests check that
-    both agree bit for bit) but runs steps 1-3 once instead of once per rank.
+    both agree bit for bit) but runs steps 1-3 once instead of once per rank.  ``slack_ppm``,
+    ``replica_cost``: policy "cost"'s inputs, as in ``plan``.
     """
     tk = list(topk_per_rank)
     if not tk:
@@ -489,10 +649,11 @@ def plan_all_ranks(topk_per_rank: Sequence[Tensor] | Tensor, num_experts: int,
     tpe_RE = torch.stack([torch.bincount(t.reshape(-1).long(), minlength=num_experts)
                           for t in tk]).to(torch.int32)
     for r in range(R):     # same argument checks the op runs
-        geo, _ = check_plan_args(tpe_RE, tk[r], r, R, S, token_padding, total_num_tokens, policy)
+        geo, _ = check_plan_args(tpe_RE, tk[r], r, R, S, token_padding, total_num_tokens, policy,
+                                 slack_ppm, replica_cost)
     # Steps 1-3 once for the group (the per-rank op recomputes them identically on every rank).
     total = geo.total_tokens(sizes[0], total_num_tokens) * geo.K
-    gp = plan_group(tpe_RE, total, token_padding, policy)
+    gp = plan_group(tpe_RE, total, token_padding, policy, slack_ppm, replica_cost)
     lay = gp.layout
     tot = -1 if total_num_tokens is None else total_num_tokens
     plans = []
@@ -500,7 +661,7 @@ def plan_all_ranks(topk_per_rank: Sequence[Tensor] | Tensor, num_experts: int,
         dst, _, _ = assign_slots(tk[r], tpe_RE.long(), r, gp.alloc_ER, lay.expert_off_RE, geo.NvS)
         plans.append(Plan(*_rank_outputs(dst, lay, r), rank=r, R=R, E=num_experts, S=S, K=geo.K, s=sizes[r],
                           token_padding=token_padding, total_num_tokens=tot, NvS=geo.NvS,
-                          nvs_s=geo.nvs_s(sizes[r], total_num_tokens)))
+                          nvs_s=geo.nvs_s(sizes[r], total_num_tokens), slack_ppm=slack_ppm))
     return GroupResult(plans, gp, tpe_RE)
 
 
@@ -665,7 +826,8 @@ def plan_from_rows(rows_RX: Tensor, topk_sK: Tensor, rank: int, spec, total: int
     ids = topk_sK.clamp(0, spec.E - 1) if clamp_ids else topk_sK
     tpe_RE = rows_RX[:, :spec.E].to(torch.int32).contiguous()
     return torch.ops.moonep.plan(tpe_RE, ids, rank, spec.R, spec.S, spec.token_padding, total,
-                                 spec.policy), False
+                                 spec.policy, getattr(spec, "slack_ppm", 0),
+                                 getattr(spec, "replica_cost", 0)), False
 
 
 def plan_from_host_rows(rows_RX: Tensor, topk_sK: Tensor, rank: int, spec, total: int):

@@ -1,9 +1,12 @@
-"""Invariants every valid plan satisfies (both policies).  Returns a list of violations."""
+"""Invariants every valid plan satisfies (every policy).  Returns a list of violations.
+
+Exact policies ("moonep", "lean", "cost" without slack): every rank receives exactly its cap.
+Policy "cost" with a slack: every rank receives at most slack_cap(ceil(T/R)) copies."""
 from __future__ import annotations
 
 import torch
 
-from moonep_ops.geometry import receive_caps
+from moonep_ops.geometry import ceil_div, receive_caps, slack_cap
 
 
 def plan_violations(res, topk, E, tp):
@@ -27,7 +30,14 @@ def plan_violations(res, topk, E, tp):
         errs.append("alloc does not conserve per-expert counts")
     if (alloc < 0).any():
         errs.append("negative alloc")
-    if alloc.sum(0).tolist() != caps:
+    slack_ppm = plans[0].slack_ppm
+    if slack_ppm:
+        limit = slack_cap(ceil_div(total, R), slack_ppm)
+        if int(alloc.sum()) != total or int(alloc.sum(0).max()) > limit:
+            errs.append(f"received {alloc.sum(0).tolist()}: not <= {limit} summing to {total}")
+        if gp.max_receive != limit:
+            errs.append(f"group plan's max_receive {gp.max_receive} != {limit}")
+    elif alloc.sum(0).tolist() != caps:
         errs.append(f"received {alloc.sum(0).tolist()} != caps {caps}")
     # single donor, <= B slots, ascending, -1 packed right
     for d in range(R):

@@ -26,22 +26,9 @@ def _align(x, a):
     return (x + a - 1) // a * a
 
 
-def reference_plan(topk, R, E, tp=1):
-    """topk: list of R lists of flat expert ids (rank r has s_r*K entries).
-
-    Returns dict with per-rank dst lists (duplicates negated), cu[R][2epn], etc[R][epn],
-    zf[R][2epn][2], stats[R][2], plus alloc[e][d] and z[h][d].
-    """
-    B = E // R
-    K_entries = [len(t) for t in topk]
-    tpe = [[0] * E for _ in range(R)]
-    for r in range(R):
-        for e in topk[r]:
-            tpe[r][e] += 1
-    T = sum(K_entries)
-    base, extra = divmod(T, R)
-    cap = [base + (1 if r < extra else 0) for r in range(R)]
-    cnt = [sum(tpe[r][e] for r in range(R)) for e in range(E)]
+def _steps_1_2(cnt, R, B, cap):
+    """MoonEP's steps 1-2 towards the per-rank targets ``cap`` (summing to sum(cnt))."""
+    E = R * B
     group = [sum(cnt[h * B:(h + 1) * B]) for h in range(R)]
 
     # step 1
@@ -57,7 +44,45 @@ def reference_plan(topk, R, E, tp=1):
         bal[h] -= m
         bal[u] = 0
 
-    # step 2
+    return z, _split(cnt, R, B, z)                  # step 2
+
+
+# policy "cost" (docs/planner.md): levels per search stage
+COST_LEVELS = 8
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _level_quotas(group, L):
+    """Donors (group above L) shed the excess; each round the donor with the most excess left
+    (ties: lowest rank) refills one receiver nobody used yet: the smallest spare L - group
+    covering its excess, else the largest (ties: lowest rank).  None if the excess does not
+    fit."""
+    R = len(group)
+    excess = [max(g - L, 0) for g in group]
+    spare = [max(L - g, 0) for g in group]
+    free = [sp > 0 for sp in spare]
+    z = [[0] * R for _ in range(R)]
+    while sum(excess) > 0:
+        h = _argmax(excess)
+        cover = [d for d in range(R) if free[d] and spare[d] >= excess[h]]
+        rest = [d for d in range(R) if free[d]]
+        if not rest:
+            return None
+        u = min(cover, key=lambda d: (spare[d], d)) if cover else \
+            max(rest, key=lambda d: (spare[d], -d))
+        m = min(excess[h], spare[u])
+        z[h][u] = m
+        excess[h] -= m
+        free[u] = False
+    return z
+
+
+def _split(cnt, R, B, z):
+    """MoonEP's step 2 for the quotas z."""
+    E = R * B
     alloc = [[0] * R for _ in range(E)]
     for e in range(E):
         alloc[e][e // B] = cnt[e]
@@ -75,6 +100,71 @@ def reference_plan(topk, R, E, tp=1):
             alloc[h * B + le][h] -= t
             rem[le] -= t
             q[d] -= t
+    return alloc
+
+
+def _score(alloc, R, B, X):
+    """max load + X * busiest link (max over ranks of replicas out and slots in)."""
+    E = R * B
+    load = [sum(alloc[e][d] for e in range(E)) for d in range(R)]
+    out = [0] * R
+    inn = [0] * R
+    for e in range(E):
+        for d in range(R):
+            if d != e // B and alloc[e][d] > 0:
+                out[e // B] += 1
+                inn[d] += 1
+    return max(load) + X * max(max(o, i) for o, i in zip(out, inn))
+
+
+def _cost_steps_1_2(cnt, R, B, cap, T, slack_ppm, X):
+    """Policy "cost": the lowest-scoring of MoonEP's plan and the feasible level plans."""
+    group = [sum(cnt[h * B:(h + 1) * B]) for h in range(R)]
+    even = _cdiv(T, R)
+    limit = _cdiv(even * (1_000_000 + slack_ppm), 1_000_000)
+    hi = min(max(max(group), even), limit)
+    n = COST_LEVELS
+    INF = float("inf")
+
+    def level(L):
+        z = _level_quotas(group, L)
+        if z is None:
+            return None, None, INF
+        alloc = _split(cnt, R, B, z)
+        return z, alloc, _score(alloc, R, B, X)
+
+    levels1 = [even + _cdiv((hi - even) * k, n - 1) for k in range(n)]
+    stage1 = [level(L) for L in levels1]
+    kb = min(range(n), key=lambda k: (stage1[k][2], k))
+    lo, top = levels1[max(kb - 1, 0)], levels1[min(kb + 1, n - 1)]
+    levels2 = [lo + _cdiv((top - lo) * (j + 1), n + 1) for j in range(n)]
+    z0, a0 = _steps_1_2(cnt, R, B, cap)
+    cands = [(z0, a0, _score(a0, R, B, X))] + stage1 + [level(L) for L in levels2]
+    best = min(range(len(cands)), key=lambda i: (cands[i][2], i))
+    return cands[best][0], cands[best][1]
+
+
+def reference_plan(topk, R, E, tp=1, *, policy="moonep", slack_ppm=0, replica_cost=0):
+    """topk: list of R lists of flat expert ids (rank r has s_r*K entries).
+
+    Returns dict with per-rank dst lists (duplicates negated), cu[R][2epn], etc[R][epn],
+    zf[R][2epn][2], stats[R][2], plus alloc[e][d] and z[h][d].  policy "moonep" or "cost"
+    (with slack_ppm 0 the latter is the former).
+    """
+    B = E // R
+    K_entries = [len(t) for t in topk]
+    tpe = [[0] * E for _ in range(R)]
+    for r in range(R):
+        for e in topk[r]:
+            tpe[r][e] += 1
+    T = sum(K_entries)
+    base, extra = divmod(T, R)
+    cap = [base + (1 if r < extra else 0) for r in range(R)]
+    cnt = [sum(tpe[r][e] for r in range(R)) for e in range(E)]
+    if policy == "cost" and slack_ppm:
+        z, alloc = _cost_steps_1_2(cnt, R, B, cap, T, slack_ppm, replica_cost)
+    else:
+        z, alloc = _steps_1_2(cnt, R, B, cap)
 
     # step 3
     etc = [[-1] * B for _ in range(R)]

@@ -1,7 +1,7 @@
 """Ranks whose Buffers disagree: every rank raises the same clear ValueError, nothing hangs.
 
 ``Buffer(...)`` compares a fingerprint of (R, E, S, K, D, token_padding, dtype, policy,
-backend) over the group before any tensor collective or allocation.  Each case builds a
+backend, slack_ppm, replica_cost) over the group before any tensor collective or allocation.  Each case builds a
 Buffer whose arguments differ on the last rank; every rank must raise a ValueError that names
 the field, and the process group must still work afterwards (a normal Buffer's dispatch /
 combine round trip).  A rank whose arguments fail a local check (E not divisible by R, an
@@ -82,6 +82,18 @@ def case_model_dim(ctx):
 def case_policy(ctx):
     _mismatch(ctx, r"disagree on policy \(rank 0: moonep", dict(policy="moonep"),
               dict(policy="lean"))
+
+
+def case_slack(ctx):
+    _mismatch(ctx, r"disagree on slack_ppm \(rank 0: 50000", dict(policy="cost", slack=0.05,
+                                                                   replica_cost=10),
+              dict(policy="cost", slack=0.1, replica_cost=10))
+
+
+def case_replica_cost(ctx):
+    _mismatch(ctx, r"disagree on replica_cost \(rank 0: 10", dict(policy="cost", slack=0.05,
+                                                                  replica_cost=10),
+              dict(policy="cost", slack=0.05, replica_cost=20))
 
 
 def case_top_k(ctx):

@@ -532,6 +532,7 @@ def test_refuses_bad_arguments_and_edited_configs():
     _refused(model, ValueError, "capacity", capacity=0)
     _refused(model, ValueError, "token_padding", token_padding=0)
     _refused(model, ValueError, "policy", policy="nope")
+    _refused(model, ValueError, "slack is a setting of policy 'cost'", slack=0.1)
     with pytest.raises(ValueError, match="not a block"):
         hf.convert_model(model.model.layers[1].mlp, capacity=CAP)
     model.config.norm_topk_prob = False                 # the router kept True
@@ -641,6 +642,19 @@ def case_olmoe(ctx):
 
 def case_deepseek_v3(ctx):
     _equivalence_case(ctx, "deepseek_v3")
+
+
+def case_qwen3_moe_cost_policy(ctx):
+    """policy "cost" with a slack: the converted model still equals HF (any plan computes every
+    copy once), its Buffer carries the slack and a replica cost from the block's F."""
+    model = tiny("qwen3_moe")
+    ref = copy.deepcopy(model)
+    hf.convert_model(model, group=ctx.group, capacity=CAP, token_padding=TP, policy="cost",
+                     slack=0.2, link_gbps=900.0)
+    buf = next(iter(hf.converted_blocks(model).values())).moe.buffer
+    assert (buf.policy, buf.slack_ppm) == ("cost", 200_000) and buf.replica_cost >= 0
+    compare_run(ref, model, batch(ctx.rank), group=ctx.group if ctx.R > 1 else None)
+    buf.destroy()
 
 
 def case_subgroups(ctx):

@@ -153,6 +153,39 @@ def test_capacity_defaults_to_the_dispatchers_num_max_tokens_per_rank():
         mtt.moonep(cfg, policy="nope").build()
 
 
+def test_override_carries_the_cost_policy(monkeypatch):
+    """policy "cost": the override's slack and link bandwidth reach the Buffer, with the
+    experts' own F for its cost model; the layer then runs on that Buffer."""
+    cfg = _config("qwen3", 2, moonep=True, capacity=64, token_padding=4, policy="cost",
+                  slack=0.1, link_gbps=300.0)
+    rb = next(layer.moe.routed_experts for layer in cfg.layers
+              if getattr(layer, "moe", None) is not None)
+    assert (rb.policy, rb.slack, rb.link_gbps) == ("cost", 0.1, 300.0)
+    with pytest.raises(ValueError, match="slack"):
+        mtt.moonep(RoutedExperts.Config(inner_experts=rb.inner_experts,
+                                        token_dispatcher=rb.token_dispatcher), slack=0.1).build()
+    seen = []
+
+    def one_rank(group, S, D, K, E, **kw):       # the ep group's Buffer, on one rank here
+        seen.append(kw)
+        return Buffer(S, D, K, E, token_padding=kw["token_padding"], backend="single",
+                      dtype=mtt.COMPUTE_DTYPE, policy=kw["policy"], slack=kw["slack"],
+                      expert_dim=kw["F"], link_gbps=kw["link_gbps"])
+
+    monkeypatch.setattr(mtt, "_shared_buffer", one_rank)
+    torch.manual_seed(0)
+    net = cfg.build()
+    net.init_weights(buffer_device=None)
+    layer = next(blk.moe for blk in net.layers.values() if blk.moe_enabled)
+    buf = layer.routed_experts.bind(64, group=object())
+    F = layer.routed_experts.inner_experts.w1_EFD.shape[1]
+    assert seen[0]["F"] == F and (seen[0]["slack"], seen[0]["link_gbps"]) == (0.1, 300.0)
+    assert (buf.policy, buf.slack_ppm) == ("cost", 100_000)
+    out = layer(torch.randn(2, 32, 64))
+    assert out.shape == (2, 32, 64) and torch.isfinite(out).all()
+    buf.destroy()
+
+
 # -- the built model: names, init, state dict ----------------------------------------------------------
 @pytest.mark.parametrize("model", ["qwen3", "dsv3"])
 def test_parameter_names_init_and_state_dict_are_torchtitans(model):

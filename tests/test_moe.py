@@ -56,12 +56,12 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _equivalence(ctx, sizes, dtype, tol, expect_redundancy=False):
+def _equivalence(ctx, sizes, dtype, tol, expect_redundancy=False, **buffer_kw):
     R, r = ctx.R, ctx.rank
     S = 12
     per_rank = len(set(sizes)) > 1
     total = sum(sizes) if per_rank else None
-    buf = Buffer(S, D, K, E, group=ctx.group, token_padding=TP, dtype=dtype)
+    buf = Buffer(S, D, K, E, group=ctx.group, token_padding=TP, dtype=dtype, **buffer_kw)
     layer = make_layer(buf, r, dtype)
     x, gy = (t.to(buf.device) for t in tokens(r, sizes[r], dtype))   # NCCL ranks: cuda:rank
     x.requires_grad_(True)
@@ -94,7 +94,8 @@ def _equivalence(ctx, sizes, dtype, tol, expect_redundancy=False):
     assert not bad, (dtype, sizes, bad)
     # with s = S the hot expert forces redundant slots (R > 1): the slot paths really ran
     if expect_redundancy and R > 1:
-        plans = plan_all_ranks([i.int() for i in ids.split(list(sizes))], E, TP)
+        kw = dict(policy=buf.policy, slack_ppm=buf.slack_ppm, replica_cost=buf.replica_cost)
+        plans = plan_all_ranks([i.int() for i in ids.split(list(sizes))], E, TP, **kw)
         assert (plans.plans[0].experts_to_copy >= 0).any()
 
 
@@ -117,6 +118,17 @@ def case_equiv_fp32_odd(ctx):
 
 def case_equiv_fp32_per_rank(ctx):
     _equivalence(ctx, _sizes(ctx.R, "per_rank"), torch.float32, 1e-5)
+
+
+def case_equiv_fp32_cost(ctx):
+    """Policy "cost" (a 25 % slack, a replica worth 3 copies: slots and slack both used)."""
+    _equivalence(ctx, _sizes(ctx.R, "full"), torch.float32, 1e-5, expect_redundancy=True,
+                 policy="cost", slack=0.25, replica_cost=3)
+
+
+def case_equiv_fp32_cost_per_rank(ctx):
+    _equivalence(ctx, _sizes(ctx.R, "per_rank"), torch.float32, 1e-5, policy="cost",
+                 slack=0.1, expert_dim=F)
 
 
 def case_equiv_bf16_full(ctx):
@@ -232,7 +244,7 @@ class TestInterface(expecttest.TestCase):
                  "grouped_mm_wgrad_accumulate", "moe_experts", "moe_experts_backward"]
         text = "\n".join(str(getattr(torch.ops.moonep, n).default._schema) for n in names)
         self.assertExpectedInline(text, """\
-moonep::plan(Tensor tpe_RE, Tensor topk_sK, int rank, int R, int S, int token_padding, int total_num_tokens, str policy) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
+moonep::plan(Tensor tpe_RE, Tensor topk_sK, int rank, int R, int S, int token_padding, int total_num_tokens, str policy, int slack_ppm=0, int replica_cost=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
 moonep::dispatch(Tensor x, Tensor topk_ids, Tensor? route_weights, str buffer, int total_num_tokens) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
 moonep::dispatch_with_plan(Tensor x, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens) -> (Tensor, Tensor)
 moonep::combine(Tensor h, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens) -> (Tensor, Tensor)

@@ -66,7 +66,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=_float("lr"), default=d.lr)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--token-padding", type=_int("token_padding"), default=d.token_padding)
-    ap.add_argument("--policy", choices=("moonep", "lean"), default=d.policy)
+    ap.add_argument("--policy", choices=("moonep", "lean", "cost"), default=d.policy)
+    ap.add_argument("--slack", type=_float("slack"), default=0.05,
+                    help="policy cost: the cap slack eps (default 0.05)")
     ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default=d.backend,
                     help="process group; auto: NCCL under torchrun on GPUs, else gloo")
     ap.add_argument("--ep-backend", choices=("auto", "symm", "torch"), default=d.ep_backend,
@@ -124,7 +126,8 @@ def main(argv=None) -> int:
 
     cfg = JobConfig(R=R, E=E, K=K, D=a.dim, F=a.ffn, layers=a.layers, tokens=a.tokens,
                     steps=a.steps, maxvio=tuple(a.maxvio), lr=a.lr, seed=a.seed,
-                    token_padding=a.token_padding, policy=a.policy, backend=a.backend,
+                    token_padding=a.token_padding, policy=a.policy,
+                    slack=a.slack if a.policy == "cost" else 0.0, backend=a.backend,
                     ep_backend=a.ep_backend,
                     compile=not a.no_compile, out=a.out, progress=not a.no_progress,
                     timeout_s=a.timeout, profile=a.profile)

@@ -1,7 +1,8 @@
 """``python -m apps.job --planner-only``: the planner alone over R simulated ranks.
 
-For each maxvio, plain expert parallelism (every expert at its home rank) against the two
-planning policies: token copies each rank receives, redundant experts, token copies moved away
+For each maxvio, plain expert parallelism (every expert at its home rank) against the planning
+policies ("cost" with a 5 % slack and DeepSeek-V3's expert shape, D 7168, F 2048, for its
+replica cost): token copies each rank receives, redundant experts, token copies moved away
 from their home rank, the lower bound on moved copies, and the planner's time.  No processes,
 no training: instant at any size (the default sizes of the old planner demo are R=8, s=2048).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from moonep_ops.gemm.plan_cost import replica_cost
 from moonep_ops.planner import POLICIES, plan_all_ranks, replication_cost
 from moonep_ops.testing import histogram, maxvio, routing_for_maxvio
 
@@ -30,8 +32,12 @@ def planner_table(R: int, E: int, K: int, s: int, tp: int, targets, seed: int = 
               f"{float(group.float().mean()):9.0f} {float(group.max() / group.float().mean()):8.2f} "
               f"{0:9d} {0:8d} {lower:8d} {'':>8}")
         for policy in POLICIES:
+            kw = {}
+            if policy == "cost":
+                kw = dict(slack_ppm=50_000, replica_cost=replica_cost(
+                    7168, 2048, R=R, E=E, S=s, K=K, token_padding=tp).copies)
             t0 = time.perf_counter()
-            res = plan_all_ranks(tk, E, tp, policy=policy)
+            res = plan_all_ranks(tk, E, tp, policy=policy, **kw)
             ms = (time.perf_counter() - t0) * 1e3
             recv = res.group.alloc_ER.sum(0)
             redundant, moved = (int(v) for v in replication_cost(res.group.alloc_ER))

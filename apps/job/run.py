@@ -56,6 +56,7 @@ class JobConfig:
     seed: int = 0
     token_padding: int = 8
     policy: str = "moonep"
+    slack: float = 0.0        # policy "cost": the cap slack eps
     backend: str = "auto"     # process group: auto | gloo | nccl
     ep_backend: str = "auto"  # MoonEP data plane: Buffer(backend=...) auto | symm | torch
     compile: bool = True
@@ -126,8 +127,9 @@ def rank_main(cfg: JobConfig, rank: int, R: int, device: torch.device) -> Option
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     elem = torch.finfo(dtype).bits // 8
     L, E, K, D, F, s = cfg.layers, cfg.E, cfg.K, cfg.D, cfg.F, cfg.tokens
+    cost = dict(slack=cfg.slack, expert_dim=F) if cfg.policy == "cost" else {}
     buf = Buffer(s, D, K, E, group=group, token_padding=cfg.token_padding, dtype=dtype,
-                 device=device, policy=cfg.policy, backend=cfg.ep_backend)
+                 device=device, policy=cfg.policy, backend=cfg.ep_backend, **cost)
     # the wire counter sees torch.distributed collectives only; a device backend (symmetric
     # memory) moves MoonEP's rows without them, so its wire bytes are not measured
     from moonep_ops.backends import CollectiveBackend
@@ -212,7 +214,8 @@ def rank_main(cfg: JobConfig, rank: int, R: int, device: torch.device) -> Option
         stats = None
         if rank == 0:
             stats = [[routing_stats(per_step_routing[st][l], E, D, F, elem, cfg.token_padding,
-                                    cfg.policy) for l in range(L)] for st in range(cfg.steps)]
+                                    cfg.policy, buf.slack_ppm, buf.replica_cost)
+                      for l in range(L)] for st in range(cfg.steps)]
         for kind in MODELS:
             m = models[kind]
             m.load_state_dict(init_state[kind])

@@ -23,10 +23,12 @@ from moonep_ops.planner import plan_all_ranks, replication_cost
 
 
 def routing_stats(topk_per_rank: Sequence[Tensor], E: int, D: int, F: int, elem_bytes: int,
-                  token_padding: int = 1, policy: str = "moonep") -> dict:
+                  token_padding: int = 1, policy: str = "moonep", slack_ppm: int = 0,
+                  replica_cost: int = 0) -> dict:
     R = len(topk_per_rank)
     B = E // R
-    res = plan_all_ranks(list(topk_per_rank), E, token_padding, policy=policy)
+    res = plan_all_ranks(list(topk_per_rank), E, token_padding, policy=policy,
+                         slack_ppm=slack_ppm, replica_cost=replica_cost)
     tpe = res.tokens_per_expert.long()
     base_recv = tpe.sum(0).view(R, B).sum(1)
     moon_recv = res.group.alloc_ER.long().sum(0)

@@ -51,6 +51,7 @@ import transformers
 from torch import Tensor, nn
 from transformers.utils import output_capturing as _capture
 
+from ..geometry import slack_to_ppm
 from ..nn.moe import MoEArgs, MoonEPMoE, bind_moe
 from ..planner import POLICIES
 
@@ -469,14 +470,14 @@ class MoonEPBlock(nn.Module):
         return f"replaces {self.family.block_class}"
 
 
-def _build(c: _Conversion, capacity: int, token_padding: int, policy: str, precision: str,
-           fp8_pow2_scales: bool) -> MoonEPBlock:
+def _build(c: _Conversion, capacity: int, token_padding: int, policy: str, slack: float,
+           link_gbps: Optional[float], precision: str, fp8_pow2_scales: bool) -> MoonEPBlock:
     """An unbound MoonEPBlock on the meta device (no memory until bind)."""
     fam = c.family
     args = MoEArgs(**router_args(c.config), num_shared_experts=1 if fam.shared else 0,
                    shared_hidden_dim=c.Fs, shared_gate=fam.shared_gate is not None,
-                   capacity=capacity, token_padding=token_padding, policy=policy,
-                   precision=precision, fp8_pow2_scales=fp8_pow2_scales)
+                   capacity=capacity, token_padding=token_padding, policy=policy, slack=slack,
+                   link_gbps=link_gbps, precision=precision, fp8_pow2_scales=fp8_pow2_scales)
     moe = MoonEPMoE(args, c.D, c.F, dtype=c.dtype, device="meta")
     layout = tuple((k, tuple(t.shape), t.dtype) for k, t in c.block.state_dict().items())
     return MoonEPBlock(moe, fam, layout)
@@ -499,7 +500,8 @@ def _load_block(layer: MoonEPBlock, block: nn.Module) -> None:
 
 
 def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None, capacity: int,
-                  token_padding: int = 128, policy: str = "moonep", precision: str = "bf16",
+                  token_padding: int = 128, policy: str = "moonep", slack: float = 0.0,
+                  link_gbps: Optional[float] = None, precision: str = "bf16",
                   fp8_pow2_scales: bool = False) -> nn.Module:
     """Replace every supported sparse-MoE block of ``model`` by a ``MoonEPBlock``, in place.
 
@@ -515,6 +517,8 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
       token_padding: alignment of the receive buffer's expert segments (128 suits the CUDA
         grouped GEMM; any positive int on the CPU).
       policy: planner policy, one of ``moonep_ops.POLICIES``.
+      slack, link_gbps: policy "cost"'s cap slack eps and link bandwidth (``Buffer``'s
+        arguments; each block's FFN dim is the cost model's F).
       precision: the routed experts' precision, "bf16" (default) or "fp8" (the DeepSeek-V3 FP8
         recipe, docs/fp8.md: a bf16 model whose hidden and expert FFN sizes are multiples of
         16); fp8_pow2_scales: power-of-two FP8 scales.
@@ -528,6 +532,10 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
     _check_positive_int("token_padding", token_padding)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if slack_to_ppm(slack) and policy != "cost":
+        raise ValueError(f"slack is a setting of policy 'cost', got policy {policy!r}")
+    if link_gbps is not None and policy != "cost":
+        raise ValueError(f"link_gbps is a setting of policy 'cost', got policy {policy!r}")
     if family_of(model) is not None or isinstance(model, MoonEPBlock):
         raise ValueError(f"convert_model takes the model that contains the sparse-MoE blocks, "
                          f"not a block ({type(model).__name__})")
@@ -554,8 +562,8 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
         raise ValueError(f"the sparse-MoE blocks lie on several devices {devices}; MoonEP "
                          "converts a model whose blocks share one device")
 
-    layers = [_build(c, capacity, token_padding, policy, precision, fp8_pow2_scales)
-              for c in todo]
+    layers = [_build(c, capacity, token_padding, policy, slack, link_gbps, precision,
+                     fp8_pow2_scales) for c in todo]
     try:
         bind_moe(nn.ModuleList(layers), group=group, device=devices.pop())   # collective
         for layer, c in zip(layers, todo):

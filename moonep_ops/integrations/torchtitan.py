@@ -24,7 +24,10 @@ Override kwargs (all optional):
                  validation batch, then raises).
   token_padding  segment alignment of MoonEP's receive buffer.  Default: 128 on an NCCL ep group
                  (the CUDA grouped GEMM's tiles), else 1.
-  policy         planner policy (``moonep_ops.POLICIES``; "moonep": exact MoonEP).
+  policy         planner policy (``moonep_ops.POLICIES``; "moonep": exact MoonEP; "cost": caps
+                 with a slack, moves chosen by a predicted cost).
+  slack          policy "cost": the cap slack eps (default 0: exact caps).
+  link_gbps      policy "cost": link GB/s per direction (default: the H200 NVLink datasheet's).
   backend        MoonEP data-plane backend ("auto": symmetric memory on CUDA, torch.distributed
                  collectives on gloo).
   precision      the routed experts' precision: "bf16" (default) or "fp8" (the DeepSeek-V3 FP8
@@ -125,6 +128,7 @@ from torchtitan.models.common.moe import RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
 from ..buffer import Buffer
+from ..geometry import slack_to_ppm
 from ..nn.moe import check_backend_dims, check_precision
 from ..ops import moe_experts as _moe_experts_ops  # noqa: F401  (registers moonep::moe_experts)
 from ..planner import POLICIES
@@ -141,17 +145,20 @@ _BUFFERS: "weakref.WeakValueDictionary[tuple, Buffer]" = weakref.WeakValueDictio
 
 
 def _shared_buffer(group: dist.ProcessGroup, S: int, D: int, K: int, E: int, *,
-                   token_padding: Optional[int], policy: str, backend: str) -> Buffer:
+                   token_padding: Optional[int], policy: str, backend: str, F: int = 0,
+                   slack: float = 0.0, link_gbps: Optional[float] = None) -> Buffer:
     """The process's Buffer for these settings on ``group`` (collective when it is built).
-    ``token_padding`` None: 128 on an NCCL group (the CUDA grouped GEMM's tiles), else 1."""
+    ``token_padding`` None: 128 on an NCCL group (the CUDA grouped GEMM's tiles), else 1.
+    Policy "cost": ``slack``, ``link_gbps`` and the experts' FFN dim ``F`` (its cost model)."""
     if token_padding is None:
         token_padding = 128 if dist.get_backend(group) == "nccl" else 1
+    cost = dict(slack=slack, link_gbps=link_gbps, expert_dim=F) if policy == "cost" else {}
     # id(group) is unique while the Buffer lives: the Buffer's backend holds the group.
-    key = (id(group), S, D, K, E, token_padding, policy, backend)
+    key = (id(group), S, D, K, E, token_padding, policy, backend) + tuple(cost.values())
     buf = _BUFFERS.get(key)
     if buf is None or not buf.alive or buf.group is not group:
         buf = Buffer(S, D, K, E, group=group, token_padding=token_padding, dtype=COMPUTE_DTYPE,
-                     policy=policy, backend=backend)
+                     policy=policy, backend=backend, **cost)
         _BUFFERS[key] = buf
     return buf
 
@@ -172,6 +179,8 @@ class MoonEPRoutedExperts(RoutedExperts):
         token_padding: Optional[int] = None
         policy: str = "moonep"
         backend: str = "auto"
+        slack: float = 0.0
+        link_gbps: Optional[float] = None
         precision: str = "bf16"
         fp8_pow2_scales: bool = False
 
@@ -187,10 +196,14 @@ class MoonEPRoutedExperts(RoutedExperts):
                              f"{config.token_padding!r}")
         if config.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {config.policy!r}")
+        if slack_to_ppm(config.slack) and config.policy != "cost":
+            raise ValueError(f"slack is a setting of policy 'cost', got policy {config.policy!r}")
         self.capacity = config.capacity
         self.token_padding = config.token_padding
         self.policy = config.policy
         self.backend = config.backend
+        self.slack = config.slack
+        self.link_gbps = config.link_gbps
         check_precision(config.precision, config.fp8_pow2_scales, COMPUTE_DTYPE, 16, 16)
         self.precision = config.precision
         self.fp8_pow2_scales = config.fp8_pow2_scales
@@ -233,7 +246,8 @@ class MoonEPRoutedExperts(RoutedExperts):
             if capacity is None:
                 raise ValueError("MoonEPRoutedExperts.bind needs the capacity S")
             buffer = _shared_buffer(group, capacity, D, K, E, token_padding=self.token_padding,
-                                    policy=self.policy, backend=self.backend)
+                                    policy=self.policy, backend=self.backend, F=F,
+                                    slack=self.slack, link_gbps=self.link_gbps)
         if not isinstance(buffer, Buffer):
             raise TypeError(f"buffer must be a moonep_ops.Buffer, got {type(buffer).__name__}")
         if (buffer.D, buffer.K, buffer.E, buffer.dtype) != (D, K, E, COMPUTE_DTYPE):
@@ -324,7 +338,8 @@ class MoonEPRoutedExperts(RoutedExperts):
           description="MoonEP expert parallelism (perfect load balance) for the routed experts")
 def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None,
            token_padding: Optional[int] = None, policy: str = "moonep",
-           backend: str = "auto", precision: str = "bf16",
+           backend: str = "auto", slack: float = 0.0, link_gbps: Optional[float] = None,
+           precision: str = "bf16",
            fp8_pow2_scales: bool = False) -> MoonEPRoutedExperts.Config:
     """The override factory: ``RoutedExperts.Config`` -> ``MoonEPRoutedExperts.Config``, every
     field of the matched config kept (``derive``).  Exact match: a model's own subclass of
@@ -336,13 +351,13 @@ def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None,
         capacity = getattr(disp, "num_max_tokens_per_rank", None)
     standard = AllToAllTokenDispatcher.Config(num_experts=disp.num_experts, top_k=disp.top_k)
     return derive(cfg, MoonEPRoutedExperts.Config, token_dispatcher=standard, capacity=capacity,
-                  token_padding=token_padding, policy=policy, backend=backend,
-                  precision=precision, fp8_pow2_scales=fp8_pow2_scales)
+                  token_padding=token_padding, policy=policy, backend=backend, slack=slack,
+                  link_gbps=link_gbps, precision=precision, fp8_pow2_scales=fp8_pow2_scales)
 
 
 def moonep_override(**kwargs: Any):
     """The ``override.imports`` entry for ``Trainer.Config.override.imports`` (kwargs: capacity,
-    token_padding, policy, backend, precision, fp8_pow2_scales)."""
+    token_padding, policy, backend, slack, link_gbps, precision, fp8_pow2_scales)."""
     return (OVERRIDE, dict(kwargs)) if kwargs else OVERRIDE
 
 

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.nn.functional import silu
 
 from ..buffer import Buffer
+from ..geometry import slack_to_ppm
 from ..ops import moe_experts as _moe_experts  # noqa: F401  (registers moonep::moe_experts)
 from ..ops import moe_experts_fp8 as _moe_experts_fp8  # noqa: F401  (moonep::moe_experts_fp8)
 from ..ops.grouped_mm_fp8 import ALIGN as FP8_ALIGN
@@ -128,7 +129,9 @@ class MoEArgs:
     Expert parallelism (used when the layer binds its own Buffer; see ``MoonEPMoE.bind``):
       capacity: S, the most tokens one rank passes to one forward (s = product of the input's
       leading dims).  token_padding: segment alignment of the receive buffer (128 suits the CUDA
-      grouped GEMM's tiles).  policy: planner policy.  backend: data-plane backend.
+      grouped GEMM's tiles).  policy: planner policy.  slack, link_gbps: policy "cost"'s cap
+      slack eps and link bandwidth (the Buffer's arguments; the layer's hidden_dim is the cost
+      model's F).  backend: data-plane backend.
       side_stream: run the shared experts on a side stream on CUDA (eager mode).
     Expert precision (docs/fp8.md):
       precision: "bf16" (default) or "fp8", the DeepSeek-V3 recipe: tokens dispatched in e4m3
@@ -158,6 +161,8 @@ class MoEArgs:
     capacity: Optional[int] = None
     token_padding: int = 1
     policy: str = "moonep"
+    slack: float = 0.0
+    link_gbps: Optional[float] = None
     backend: str = "auto"
     side_stream: bool = True
     precision: str = "bf16"
@@ -210,6 +215,9 @@ class MoonEPMoE(nn.Module):
             raise ValueError(f"top_k={K} > num_experts={E}")
         if args.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {args.policy!r}")
+        if slack_to_ppm(args.slack) and args.policy != "cost":
+            raise ValueError(f"slack is a setting of policy 'cost', the layer's policy is "
+                             f"{args.policy!r}")
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         check_precision(args.precision, args.fp8_pow2_scales, dtype, dim, hidden_dim)
         self.args = args
@@ -246,7 +254,8 @@ class MoonEPMoE(nn.Module):
         if not isinstance(buffer, Buffer):
             raise TypeError(f"buffer must be a moonep_ops.Buffer, got {type(buffer).__name__}")
         a = MoEArgs(num_experts=buffer.E, top_k=buffer.K, capacity=buffer.S,
-                    token_padding=buffer.token_padding, policy=buffer.policy, **args)
+                    token_padding=buffer.token_padding, policy=buffer.policy,
+                    slack=buffer.slack, **args)
         layer = cls(a, buffer.D, hidden_dim, router=router, dtype=buffer.dtype)
         layer.bind(buffer)
         return layer
@@ -311,8 +320,9 @@ class MoonEPMoE(nn.Module):
     def buffer_key(self) -> tuple:
         """The Buffer settings this layer needs (layers with the same key can share one)."""
         a = self.args
+        cost = (a.slack, a.link_gbps, self.hidden_dim) if a.policy == "cost" else ()
         return (self.dim, self.top_k, self.num_experts, self.dtype, a.capacity, a.token_padding,
-                a.policy, a.backend)
+                a.policy, a.backend) + cost
 
     def bind(self, buffer: Optional[Buffer] = None, *, group: Optional[dist.ProcessGroup] = None,
              device=None) -> Buffer:
@@ -330,9 +340,11 @@ class MoonEPMoE(nn.Module):
             if not a.capacity:
                 raise ValueError("MoEArgs.capacity (the most tokens per rank per forward) must be "
                                  "set to bind the layer")
+            cost = (dict(slack=a.slack, link_gbps=a.link_gbps, expert_dim=self.hidden_dim)
+                    if a.policy == "cost" else {})
             buffer = Buffer(a.capacity, self.dim, self.top_k, self.num_experts, group=group,
                             token_padding=a.token_padding, dtype=self.dtype, device=device,
-                            policy=a.policy, backend=a.backend)
+                            policy=a.policy, backend=a.backend, **cost)
         if not isinstance(buffer, Buffer):
             raise TypeError(f"buffer must be a moonep_ops.Buffer, got {type(buffer).__name__}")
         mine = (self.dim, self.top_k, self.num_experts, self.dtype)
