@@ -350,34 +350,54 @@ def test_grouped_linear_fp8_close_to_bf16():
 # opcheck, fake tensors, compile
 # ------------------------------------------------------------------------------------------
 
+# opcheck's test_schema compares every input before and after the call with torch.allclose,
+# which has no e4m3 kernel on the CPU: for ops with e4m3 inputs it runs the other three checks,
+# and the schema's claim (no input mutated, the output aliases none) is checked bitwise below.
+E4M3_INPUT_CHECKS = ("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic")
+
+
+def no_mutation_no_alias(op, args):
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    out = op(*args)
+    for a, b in zip(args, before):
+        if isinstance(a, torch.Tensor):
+            assert same(a, b), "an input was mutated"
+            assert out.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("case", ["skewed", "all_empty"])
 def test_opcheck_fp8_gemms(case):
     x, wl, ws, (xq, xs, wlq, wls, wsq, wss, cu) = operands(COUNTS[case], seed=7)
-    opcheck(torch.ops.moonep.grouped_mm_fp8.default, (xq, xs, wlq, wls, wsq, wss, cu))
+    args = (xq, xs, wlq, wls, wsq, wss, cu)
+    opcheck(torch.ops.moonep.grouped_mm_fp8.default, args, test_utils=E4M3_INPUT_CHECKS)
+    no_mutation_no_alias(torch.ops.moonep.grouped_mm_fp8.default, args)
     dq, ds = qf.quantize_rows(torch.randn(xq.shape[0], 144))
-    opcheck(torch.ops.moonep.grouped_mm_fp8_dgrad.default, (dq, ds, wlq, wls, wsq, wss, cu))
+    args = (dq, ds, wlq, wls, wsq, wss, cu)
+    opcheck(torch.ops.moonep.grouped_mm_fp8_dgrad.default, args, test_utils=E4M3_INPUT_CHECKS)
+    no_mutation_no_alias(torch.ops.moonep.grouped_mm_fp8_dgrad.default, args)
     for rg in (False, True):
         args = [t.clone().requires_grad_(rg) for t in (x, wl, ws)]
         opcheck(torch.ops.moonep.grouped_linear_fp8.default, (*args, cu, False))
 
 
-def test_fake_cuda_shapes():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        xq = torch.empty(100, 256, dtype=E4M3, device="cuda")
-        xs = torch.empty(100, 2, dtype=torch.float32, device="cuda")
-        w = torch.empty(4, 128, 256, dtype=E4M3, device="cuda")
-        s = torch.empty(4, 1, 2, dtype=torch.float32, device="cuda")
-        cu = torch.empty(8, dtype=torch.int32, device="cuda")
+@pytest.mark.parametrize("device", ["meta"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_fake_shapes(device):
+    """The fakes alone (meta tensors: no data, no kernel), the shapes of a GPU-sized call."""
+    with torch.device(device):
+        xq = torch.empty(100, 256, dtype=E4M3)
+        xs = torch.empty(100, 2, dtype=torch.float32)
+        w = torch.empty(4, 128, 256, dtype=E4M3)
+        s = torch.empty(4, 1, 2, dtype=torch.float32)
+        cu = torch.empty(8, dtype=torch.int32)
         y = g8.grouped_mm_fp8(xq, xs, w, s, w, s, cu)
-        assert y.shape == (100, 128) and y.dtype == torch.bfloat16 and y.device.type == "cuda"
+        assert y.shape == (100, 128) and y.dtype == torch.bfloat16 and y.device.type == device
         yq, ys = qf.quantize_fp8_rows(y)
         assert yq.dtype == E4M3 and ys.shape == (100, 1)
         dx = g8.grouped_mm_fp8_dgrad(yq, ys, w, s, w, s, cu)
         assert dx.shape == (100, 256)
         with pytest.raises(ValueError, match="multiple of 16"):
-            g8.grouped_mm_fp8(xq[:, :200], xs, w[:, :, :200], s, w[:, :, :200], s, cu)
+            w200 = w[:, :, :200].contiguous()
+            g8.grouped_mm_fp8(xq[:, :200].contiguous(), xs, w200, s, w200, s, cu)
 
 
 def test_compile_fullgraph_aot_eager():
@@ -404,9 +424,9 @@ def _bad_cases():
     _, _, _, (xq, xs, wlq, wls, wsq, wss, cu) = operands(COUNTS["skewed"], seed=9)
     _, _, _, (_, _, wq2, ws2, _, _, _) = operands(COUNTS["skewed"], O=136, seed=9)
     return [
-        ("x bf16", (xq.bfloat16(), xs, wlq, wls, wsq, wss, cu), TypeError, "e4m3"),
-        ("w bf16", (xq, xs, wlq.bfloat16(), wls, wsq, wss, cu), TypeError, "e4m3"),
-        ("x scale fp16", (xq, xs.half(), wlq, wls, wsq, wss, cu), TypeError, "float32"),
+        ("x bf16", (xq.bfloat16(), xs, wlq, wls, wsq, wss, cu), ValueError, "e4m3"),
+        ("w bf16", (xq, xs, wlq.bfloat16(), wls, wsq, wss, cu), ValueError, "e4m3"),
+        ("x scale fp16", (xq, xs.half(), wlq, wls, wsq, wss, cu), ValueError, "float32"),
         ("x scale shape", (xq, xs[:, :1], wlq, wls, wsq, wss, cu), ValueError, r"ceil\(I/128\)"),
         ("w scale shape", (xq, xs, wlq, wls[:, :, :1], wsq, wss, cu), ValueError, "128x128"),
         ("x scale transposed", (xq, xs.t().contiguous().t(), wlq, wls, wsq, wss, cu),
@@ -415,11 +435,13 @@ def _bad_cases():
          "columns"),
         ("slot shape", (xq, xs, wlq, wls, wsq[:1], wss[:1], cu), ValueError, "same shape"),
         ("O not 16x", (xq, xs, wq2, ws2, wq2, ws2, cu), ValueError, "O=136 must be a multiple of 16"),
-        ("cu int64", (xq, xs, wlq, wls, wsq, wss, cu.long()), TypeError, "int32"),
+        ("cu int64", (xq, xs, wlq, wls, wsq, wss, cu.long()), ValueError, "int32"),
         ("cu decreasing", (xq, xs, wlq, wls, wsq, wss,
                            torch.tensor([5, 4, 6, 7, 8, 9], dtype=torch.int32)), ValueError,
          "non-decreasing"),
-        ("not a tensor", (xq, xs.tolist(), wlq, wls, wsq, wss, cu), TypeError, "Tensor"),
+        # the dispatcher itself refuses a non-tensor for a Tensor argument, before the op runs
+        ("not a tensor", (xq, xs.tolist(), wlq, wls, wsq, wss, cu), RuntimeError,
+         "Expected a value of type 'Tensor'"),
     ]
 
 
@@ -441,8 +463,8 @@ def test_bad_input_grouped_linear_fp8():
         g8.grouped_linear_fp8(x.to(E4M3), wl, ws, cu)
     with pytest.raises(TypeError, match="dtype"):
         g8.grouped_linear_fp8(x.float(), wl, ws, cu)
-    with pytest.raises(TypeError, match="pow2_scales"):
-        torch.ops.moonep.grouped_linear_fp8(x, wl, ws, cu, 1)
+    with pytest.raises(ValueError, match=r"\(torch.float32\) and w_slot_BOI \(torch.bfloat16\) differ"):       # ValueError too
+        g8.grouped_linear_fp8(x, wl.float(), ws, cu)
 
 
 def test_backend_choice_on_cpu():

@@ -42,7 +42,7 @@ from torch import Tensor
 from .. import registry, runtime
 from ..backends.base import Backend
 from .checks import on_device
-from .quantize_fp8 import FP8_DTYPE, quantize_rows, scale_cols
+from .quantize_fp8 import FP8_DTYPE, FP8ArgumentError, fp8_checks, quantize_rows, scale_cols
 
 
 def _backend(name: str) -> Backend:
@@ -303,12 +303,22 @@ _DISPATCH_FP8_SCHEMA = ("(Tensor x, Tensor topk_ids, Tensor? route_weights, str 
 
 
 def check_fp8_dispatch(be, pow2_scales) -> None:
+    """The capability and the flag (the shared dispatch checks run first)."""
     if not isinstance(pow2_scales, bool):
-        raise TypeError(f"dispatch_fp8: pow2_scales must be a bool, got {type(pow2_scales).__name__}")
+        raise FP8ArgumentError(f"dispatch_fp8: pow2_scales must be a bool, got {type(pow2_scales).__name__}")
     if not be.supports_fp8_dispatch:
         raise NotImplementedError(
             f"dispatch_fp8: the Buffer's backend {type(be).__name__} does not declare the "
             "capability supports_fp8_dispatch (moonep_ops/backends/base.py)")
+
+
+@fp8_checks
+def check_dispatch_fp8_args(x, topk, rw, be, total, pow2_scales) -> int:
+    """dispatch's checks, then the FP8 ones; every bad argument is a ValueError
+    (FP8ArgumentError, also a TypeError for a wrong type or dtype) raised before any work."""
+    s = check_dispatch_args(x, topk, rw, be, total)
+    check_fp8_dispatch(be, pow2_scales)
+    return s
 
 
 @torch.library.custom_op("moonep::dispatch_fp8", mutates_args=(), schema=_DISPATCH_FP8_SCHEMA,
@@ -316,8 +326,7 @@ def check_fp8_dispatch(be, pow2_scales) -> None:
 def _dispatch_fp8(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], buffer: str,
                   total_num_tokens: int, pow2_scales: bool = False):
     be = _backend(buffer)
-    check_dispatch_args(x, topk_ids, route_weights, be, total_num_tokens)
-    check_fp8_dispatch(be, pow2_scales)
+    check_dispatch_fp8_args(x, topk_ids, route_weights, be, total_num_tokens, pow2_scales)
     reject = ""
     if runtime.should_validate(topk_ids):
         E = be.spec.E
@@ -331,8 +340,7 @@ def _dispatch_fp8(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], 
 @_dispatch_fp8.register_fake
 def _dispatch_fp8_fake(x, topk_ids, route_weights, buffer, total_num_tokens, pow2_scales=False):
     be = _backend(buffer)
-    s = check_dispatch_args(x, topk_ids, route_weights, be, total_num_tokens)
-    check_fp8_dispatch(be, pow2_scales)
+    s = check_dispatch_fp8_args(x, topk_ids, route_weights, be, total_num_tokens, pow2_scales)
     n = be.spec.nvs_s(s, total_num_tokens)
     D, i32 = be.spec.D, torch.int32
     return (x.new_empty((n, D), dtype=FP8_DTYPE),

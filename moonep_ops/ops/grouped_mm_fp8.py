@@ -28,10 +28,13 @@ so a shape that runs here runs on the GPU).  Nothing here is differentiable but
 grouped_linear_fp8 (e4m3 inputs carry no gradient).
 
 Backends (from device only, never from data):
-  CUDA, libmoonep_gemm.so of ABI >= 9 loaded (it exports moonep_grouped_gemm_fp8) -> the
-      CUTLASS sm90 FP8 grouped GEMM with blockwise scaling (cutlass_kernels/kernel_fp8_fwd.cu;
-      one config, 128 x 128 x 128 tiles, cluster 1 x 2); dgrad runs the same kernel on
-      transposed copies of the weights and scales (B*O*I + 4*B*P*C bytes per call);
+  CUDA, and native.gemm_fp8() is not None (libmoonep_gemm.so reports ABI >=
+      native.GEMM_FP8_ABI_VERSION = 9 and exports moonep_grouped_gemm_fp8 and
+      moonep_gemm_fp8_workspace_bytes) -> that CUTLASS sm90 FP8 grouped GEMM with blockwise
+      scaling, called exactly as in ``_launch`` (the kernel is written separately and is not in
+      this tree yet; until a library of ABI 9 is built every device runs the reference); dgrad
+      runs the same kernel on transposed copies of the weights and scales (B*O*I + 4*B*P*C
+      bytes per call: the sm90 FP8 MMA takes K-major operands only);
   anything else -> the reference below: dequantise to fp32, fp32 matmul per group (reads
       cu_seqlens on the host: a sync on CUDA).
 Env MOONEP_GEMM_BACKEND=reference forces the reference on CUDA.
@@ -85,6 +88,7 @@ def _check_align(op: str, O, I, names=("O", "I")) -> None:
                              "reads 16-byte rows of e4m3; the CPU path keeps the same rule)")
 
 
+@qf.fp8_checks
 def _check_fwd(op, xq, xs, wl, wls, ws, wss, cu, values=True, rows_name="x"):
     epn, O, I = _check_weights(op, wl, wls, ws, wss)
     cols = I if rows_name == "x" else O
@@ -105,7 +109,9 @@ def backend_for_fp8(t: Tensor) -> str:
         return "reference"
     if os.environ.get("MOONEP_GEMM_BACKEND", "auto").lower() == "reference":
         return "reference"
-    return "cutlass" if native.gemm() is not None else "reference"
+    # explicit ABI check (native.py): a library of ABI < GEMM_FP8_ABI_VERSION, or one that lacks
+    # the FP8 exports, serves the bf16 GEMMs only
+    return "cutlass" if native.gemm_fp8() is not None else "reference"
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,12 +145,12 @@ def reference_fp8(x_q, x_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu
 
 @functools.lru_cache(maxsize=None)
 def _workspace_bytes(G: int, sms: int) -> int:
-    return native.require_gemm().gemm_fp8_workspace_bytes(G, sms)
+    return native.require_gemm_fp8().gemm_fp8_workspace_bytes(G, sms)
 
 
 def _launch(aq, as_, bl, bls, bs, bss, cu, epn, M, n, k) -> Tensor:
     """D [M, n] bf16 = A [M, k] x B_g [n, k]^T per group, on the current stream."""
-    lib = native.require_gemm()
+    lib = native.require_gemm_fp8()
     dev = aq.device
     out = torch.empty(M, n, dtype=OUT_DTYPE, device=dev)
     if M == 0:
@@ -214,13 +220,14 @@ def _(dy, dy_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu_seqlens):
 
 # -- the differentiable recipe ---------------------------------------------------------------
 
+@qf.fp8_checks
 def _check_linear(x, w_local, w_slot, cu, pow2, values=True):
     op = "grouped_linear_fp8"
     for name, t in (("x", x), ("w_local", w_local), ("w_slot", w_slot)):
         qf._check_float(op, name, t, 2)
     if not isinstance(pow2, bool):
-        raise TypeError(f"{op}: pow2_scales must be a bool, got {type(pow2).__name__}")
-    epn, O, I = _gm._check_weights(w_local, w_slot)
+        raise qf.FP8ArgumentError(f"{op}: pow2_scales must be a bool, got {type(pow2).__name__}")
+    epn, O, I = _gm._check_weights(w_local, w_slot)      # the bf16 op's shape / dtype rules
     _gm._check_rows("x_MI", x, I, "I", w_local)
     _check_align(op, O, I)
     _check_cu(cu, 2 * epn, x.shape[0], x.device, values)

@@ -73,6 +73,7 @@ def quantised_weights(w1: Tensor, w3: Tensor, w2: Tensor, pow2: bool) -> list[Te
     return out
 
 
+@qf.fp8_checks
 def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, values=True,
            x=None, rw=None, dst=None, total=None, **more) -> tuple[int, int, int, int]:
     """Every check of the two ops, before the first write (the pool's slots) and the first
@@ -86,15 +87,15 @@ def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, valu
         named_t.update(x=x, route_weights=rw, dst=dst)
     for name, t in named_t.items():
         if not isinstance(t, Tensor):
-            raise TypeError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
+            raise qf.FP8ArgumentError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
     if not isinstance(pow2, bool):
-        raise TypeError(f"{op}: pow2_scales must be a bool, got {type(pow2).__name__}")
+        raise qf.FP8ArgumentError(f"{op}: pow2_scales must be a bool, got {type(pow2).__name__}")
     for name in ("w1", "w3", "w2"):
         t = named_t[name]
         if t.dim() != 3:
             raise ValueError(f"{op}: {name} must be 3-D, got {tuple(t.shape)}")
         if t.dtype != DTYPE:
-            raise TypeError(f"{op}: {name} must be {DTYPE} (the FP8 recipe's weights), got "
+            raise qf.FP8ArgumentError(f"{op}: {name} must be {DTYPE} (the FP8 recipe's weights), got "
                             f"{t.dtype}")
         if not t.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous (got strides {t.stride()})")
@@ -135,10 +136,10 @@ def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, valu
             raise ValueError(f"{op}: route_weights must be [s={s}, K={K}] float32, got "
                              f"{list(rw.shape)} {rw.dtype}")
     if be.spec.dtype != DTYPE:
-        raise TypeError(f"{op}: the Buffer's dtype is {be.spec.dtype}; the FP8 path combines "
+        raise qf.FP8ArgumentError(f"{op}: the Buffer's dtype is {be.spec.dtype}; the FP8 path combines "
                         f"in {DTYPE}")
     if total is not None and not isinstance(total, (int, torch.SymInt)):
-        raise TypeError(f"{op}: total_num_tokens must be an int")
+        raise qf.FP8ArgumentError(f"{op}: total_num_tokens must be an int")
     dev = pool.w1.device
     for name, t in list(named_t.items()) + [("h", h)]:
         if not on_device(t, dev):

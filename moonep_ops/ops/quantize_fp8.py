@@ -36,6 +36,8 @@ None of the ops is differentiable: quantisation sits inside the FP8 ops' own bac
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -46,7 +48,27 @@ FP8_MAX = 448.0                     # torch.finfo(torch.float8_e4m3fn).max
 TILE = 128                          # 1 x 128 activation tiles, 128 x 128 weight blocks
 SCALE_FLOOR = 2.0 ** -126           # the smallest normal fp32: an all-zero tile's scale
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "TILE", "scale_cols", "quantize_rows", "quantize_blocks",
+
+class FP8ArgumentError(ValueError, TypeError):
+    """A bad argument to an FP8 op (wrong dtype, shape, alignment or scale grid), raised before
+    any work.  A ValueError; also a TypeError, so code written against the bf16 ops' convention
+    (TypeError for a wrong type or dtype) still catches it."""
+
+
+def fp8_checks(fn):
+    """Decorate an argument check of an FP8 op: a TypeError raised inside it (by a check shared
+    with the bf16 ops) comes out as an FP8ArgumentError with the same message."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FP8ArgumentError:
+            raise
+        except TypeError as e:
+            raise FP8ArgumentError(str(e)) from None
+    return wrapped
+
+__all__ = ["FP8ArgumentError", "FP8_DTYPE", "FP8_MAX", "TILE", "scale_cols", "quantize_rows", "quantize_blocks",
            "swiglu_quantize", "dequantize_rows", "dequantize_blocks", "check_rows_fp8",
            "check_blocks_fp8"]
 
@@ -62,10 +84,10 @@ def scale_cols(n) -> int:
 
 def _check_float(op: str, name: str, t, min_dim: int, max_dim: int | None = None) -> None:
     if not isinstance(t, Tensor):
-        raise TypeError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
+        raise FP8ArgumentError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
     if not t.dtype.is_floating_point or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2,
                                                     torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
-        raise TypeError(f"{op}: {name} must be a floating tensor (bf16, fp16, fp32, fp64), "
+        raise FP8ArgumentError(f"{op}: {name} must be a floating tensor (bf16, fp16, fp32, fp64), "
                         f"got {t.dtype}")
     if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
         want = f"{min_dim}-D" if max_dim == min_dim else f"at least {min_dim}-D"
@@ -74,7 +96,7 @@ def _check_float(op: str, name: str, t, min_dim: int, max_dim: int | None = None
 
 def _check_bool(op: str, pow2) -> None:
     if not isinstance(pow2, bool):
-        raise TypeError(f"{op}: pow2_scales must be a bool, got {type(pow2).__name__}")
+        raise FP8ArgumentError(f"{op}: pow2_scales must be a bool, got {type(pow2).__name__}")
 
 
 def check_rows_fp8(op: str, name: str, q, scale, cols: int | None = None) -> tuple[int, int]:
@@ -82,11 +104,11 @@ def check_rows_fp8(op: str, name: str, q, scale, cols: int | None = None) -> tup
     device, contiguous.  Returns (M, I)."""
     for n, t in ((name, q), (f"{name}_scale", scale)):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{op}: {n} must be a Tensor, got {type(t).__name__}")
+            raise FP8ArgumentError(f"{op}: {n} must be a Tensor, got {type(t).__name__}")
     if q.dtype != FP8_DTYPE:
-        raise TypeError(f"{op}: {name} must be {FP8_DTYPE} (e4m3), got {q.dtype}")
+        raise FP8ArgumentError(f"{op}: {name} must be {FP8_DTYPE} (e4m3), got {q.dtype}")
     if scale.dtype != torch.float32:
-        raise TypeError(f"{op}: {name}_scale must be float32, got {scale.dtype}")
+        raise FP8ArgumentError(f"{op}: {name}_scale must be float32, got {scale.dtype}")
     if q.dim() != 2:
         raise ValueError(f"{op}: {name} must be 2-D [M, I], got shape {tuple(q.shape)}")
     M, I = q.shape
@@ -109,11 +131,11 @@ def check_blocks_fp8(op: str, name: str, q, scale) -> tuple[int, ...]:
     ceil(I/128)] fp32, one device, contiguous.  Returns q's shape."""
     for n, t in ((name, q), (f"{name}_scale", scale)):
         if not isinstance(t, Tensor):
-            raise TypeError(f"{op}: {n} must be a Tensor, got {type(t).__name__}")
+            raise FP8ArgumentError(f"{op}: {n} must be a Tensor, got {type(t).__name__}")
     if q.dtype != FP8_DTYPE:
-        raise TypeError(f"{op}: {name} must be {FP8_DTYPE} (e4m3), got {q.dtype}")
+        raise FP8ArgumentError(f"{op}: {name} must be {FP8_DTYPE} (e4m3), got {q.dtype}")
     if scale.dtype != torch.float32:
-        raise TypeError(f"{op}: {name}_scale must be float32, got {scale.dtype}")
+        raise FP8ArgumentError(f"{op}: {name}_scale must be float32, got {scale.dtype}")
     if q.dim() < 2:
         raise ValueError(f"{op}: {name} must be at least 2-D [..., O, I], got {tuple(q.shape)}")
     O, I = q.shape[-2:]
@@ -198,7 +220,7 @@ def _check_swiglu(g, u, pow2) -> None:
     _check_float(op, "u", u, 2, 2)
     _check_bool(op, pow2)
     if g.dtype != u.dtype:
-        raise TypeError(f"{op}: g is {g.dtype} but u is {u.dtype}: both must share one dtype")
+        raise FP8ArgumentError(f"{op}: g is {g.dtype} but u is {u.dtype}: both must share one dtype")
     if g.device != u.device:
         raise ValueError(f"{op}: g is on {g.device} but u on {u.device}")
     if tuple(g.shape) != tuple(u.shape):
