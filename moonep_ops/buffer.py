@@ -49,6 +49,7 @@ from .geometry import PPM, GroupSpec, check_cost_args, slack_to_ppm
 from .gemm import plan_cost
 from .ops import dispatch as _dispatch_ops  # noqa: F401  (registers moonep::dispatch, combine)
 from .ops.moe_experts import PRECISIONS, ExpertPool
+from .ops.quantize_fp8 import FP8ArgumentError
 from .planner import POLICIES, Plan
 
 
@@ -351,6 +352,9 @@ class Buffer:
         tot = -1 if total_num_tokens is None else total_num_tokens
         if not isinstance(tot, int) or isinstance(tot, bool):
             raise TypeError(f"total_num_tokens must be an int or None, got {type(tot).__name__}")
+        if not isinstance(pow2_scales, bool):      # the op's schema would coerce an int silently
+            raise FP8ArgumentError(f"dispatch_fp8: pow2_scales must be a bool, got "
+                                   f"{type(pow2_scales).__name__}")
         x_in = x_sD.detach() if isinstance(x_sD, Tensor) else x_sD
         w_in = route_weights_sK.detach() if isinstance(route_weights_sK, Tensor) else route_weights_sK
 
