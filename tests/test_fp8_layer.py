@@ -257,3 +257,31 @@ def test_dispatch_fp8_bad_input():
             buf.dispatch_fp8(x, ids, w, pow2_scales=1)
     finally:
         buf.destroy()
+
+
+def test_fp8_layer_forward_is_the_recipe():
+    """One rank, explicit routing: the layer's output against the recipe written out from the
+    quantisers and fp64 matmuls (the e4m3 values are the same; only the order of fp32 / fp64
+    sums and the bf16 roundings of g, u, y, z differ: rel < 1e-2, ~5x tighter than the
+    distance to the bf16 layer)."""
+    buf = Buffer(S, D, K, E, token_padding=TP, dtype=BF16)
+    try:
+        layer = make_layer(buf, "fp8")
+        x, _ = tokens(0, S)
+        ids, w = _route(x)
+        out = layer(x, topk_ids=ids, topk_weights=w)
+        xd = qf.dequantize_rows(*qf.quantize_rows(x)).double()
+        deq = [qf.dequantize_blocks(*qf.quantize_blocks(t.detach())).double()
+               for t in (layer.w1, layer.w3, layer.w2)]
+        ref = torch.zeros(S, D, dtype=torch.float64)
+        for t in range(S):
+            for k in range(K):
+                e = int(ids[t, k])
+                g = (deq[0][e] @ xd[t]).to(BF16)
+                u = (deq[1][e] @ xd[t]).to(BF16)
+                aq, asc = qf.swiglu_quantize(g[None], u[None])
+                y = (deq[2][e] @ qf.dequantize_rows(aq, asc)[0].double()).to(BF16)
+                ref[t] += (y.float() * w[t, k]).to(BF16).double()
+        assert _rel(out, ref) < 1e-2, _rel(out, ref)
+    finally:
+        buf.destroy()
