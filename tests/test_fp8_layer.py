@@ -285,3 +285,54 @@ def test_fp8_layer_forward_is_the_recipe():
         assert _rel(out, ref) < 1e-2, _rel(out, ref)
     finally:
         buf.destroy()
+
+
+def test_opcheck_dispatch_fp8_and_moe_experts_fp8():
+    """opcheck of the two ops that need a Buffer (one rank).  Ops with e4m3 inputs skip
+    opcheck's test_schema (torch.allclose has no e4m3 kernel; test_fp8_ops.py says more) and
+    get a bitwise no-mutation check instead."""
+    from torch.library import opcheck
+    e4m3_checks = ("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic")
+    buf = Buffer(S, D, K, E, token_padding=TP, dtype=BF16)
+    try:
+        x, _ = tokens(0, S)
+        ids, w = _route(x)
+        for pow2 in (False, True):
+            opcheck(torch.ops.moonep.dispatch_fp8.default, (x, ids, w, buf.name, -1, pow2))
+            opcheck(torch.ops.moonep.dispatch_fp8.default, (x, ids, None, buf.name, -1, pow2))
+        layer = make_layer(buf, "fp8")
+        h, hs, wM, cu, plan = buf.dispatch_fp8(x, ids, w)
+        args = (h, hs, wM, cu, plan.experts_to_copy, layer.w1.detach(), layer.w3.detach(),
+                layer.w2.detach(), layer.pool_name, x, w, plan.dst, plan.total_num_tokens, False)
+        before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        for rg in (False, True):
+            a = list(args)
+            for i in (5, 6, 7, 9, 10):
+                a[i] = a[i].clone().requires_grad_(rg)
+            opcheck(torch.ops.moonep.moe_experts_fp8.default, tuple(a), test_utils=e4m3_checks)
+        z, y, g, u = torch.ops.moonep.moe_experts_fp8(*args)
+        bargs = (torch.randn_like(z), h, hs, wM, y, g, u, cu, plan.experts_to_copy,
+                 *args[5:8], layer.pool_name, plan.dst, plan.total_num_tokens, False)
+        opcheck(torch.ops.moonep.moe_experts_fp8_backward.default, bargs, test_utils=e4m3_checks)
+        for a, b in zip(args, before):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a.view(torch.uint8) if a.dtype == qf.FP8_DTYPE else a,
+                                   b.view(torch.uint8) if b.dtype == qf.FP8_DTYPE else b)
+    finally:
+        buf.destroy()
+
+
+def test_fp8_dispatch_capability_is_declared():
+    from types import SimpleNamespace
+
+    from moonep_ops.backends import Backend, CollectiveBackend, SymmBackend
+    from moonep_ops.ops.dispatch import check_fp8_dispatch
+    assert CollectiveBackend.supports_fp8_dispatch and SymmBackend.supports_fp8_dispatch
+    assert Backend.supports_fp8_dispatch is False
+    with pytest.raises(NotImplementedError, match="supports_fp8_dispatch"):
+        check_fp8_dispatch(SimpleNamespace(supports_fp8_dispatch=False), False)
+    with pytest.raises(NotImplementedError, match="supports_fp8_dispatch"):
+        Backend.dispatch_fp8(SimpleNamespace(), None, None, None, None, -1, "")
+    # the symm backend's staging rows (D * sizeof(dtype) bytes) hold a packed FP8 row
+    for Dv in (16, 160, 7168):
+        assert qf.fp8_row_bytes(Dv) == Dv + 4 * qf.scale_cols(Dv) <= 2 * Dv

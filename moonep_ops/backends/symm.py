@@ -55,6 +55,7 @@ from ..geometry import GroupSpec
 from .. import planner as _plan
 from .base import Backend, DispatchFP8Result, DispatchResult
 from .collective import _row_bytes
+from ..ops.quantize_fp8 import fp8_row_bytes
 
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOONEP_BARRIER_TIMEOUT_S", "60"))
@@ -370,8 +371,8 @@ class SymmBackend(Backend):
         # row_bytes, dispatch_recv / dispatch_dups copy and zero whole rows), so an FP8 row and
         # its scales travel as one packed row of D + 4*ceil(D/128) bytes through the same
         # kernels; the Buffer's staging rows (D * sizeof(dtype) bytes) hold it.
-        D, C = xq_sD.shape[1], xs_sC.shape[1]
-        rb = D + 4 * C
+        D = xq_sD.shape[1]
+        rb = fp8_row_bytes(D)
         if rb > self.row_bytes:
             raise ValueError(f"moonep dispatch_fp8: a packed FP8 row ({rb} bytes) does not fit "
                              f"the Buffer's staging rows of {self.row_bytes} bytes")

@@ -68,7 +68,7 @@ def fp8_checks(fn):
             raise FP8ArgumentError(str(e)) from None
     return wrapped
 
-__all__ = ["FP8ArgumentError", "FP8_DTYPE", "FP8_MAX", "TILE", "scale_cols", "quantize_rows", "quantize_blocks",
+__all__ = ["FP8ArgumentError", "FP8_DTYPE", "fp8_row_bytes", "FP8_MAX", "TILE", "scale_cols", "quantize_rows", "quantize_blocks",
            "swiglu_quantize", "dequantize_rows", "dequantize_blocks", "check_rows_fp8",
            "check_blocks_fp8"]
 
@@ -76,6 +76,11 @@ __all__ = ["FP8ArgumentError", "FP8_DTYPE", "FP8_MAX", "TILE", "scale_cols", "qu
 def scale_cols(n) -> int:
     """ceil(n / 128): the tiles (or blocks) along a dim of n elements (works on SymInts)."""
     return ceil_div(n, TILE)
+
+
+def fp8_row_bytes(D) -> int:
+    """Bytes of one dispatched FP8 row: D e4m3 values, then its ceil(D/128) fp32 scales."""
+    return D + 4 * scale_cols(D)
 
 
 # --------------------------------------------------------------------------------------------
