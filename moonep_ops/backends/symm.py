@@ -51,11 +51,10 @@ import torch
 from torch import Tensor
 
 from .. import native
-from ..geometry import GroupSpec
+from ..geometry import GroupSpec, ceil_div
 from .. import planner as _plan
 from .base import Backend, DispatchFP8Result, DispatchResult
 from .collective import _row_bytes
-from ..ops.quantize_fp8 import fp8_row_bytes
 
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOONEP_BARRIER_TIMEOUT_S", "60"))
@@ -372,7 +371,7 @@ class SymmBackend(Backend):
         # its scales travel as one packed row of D + 4*ceil(D/128) bytes through the same
         # kernels; the Buffer's staging rows (D * sizeof(dtype) bytes) hold it.
         D = xq_sD.shape[1]
-        rb = fp8_row_bytes(D)
+        rb = D + 4 * ceil_div(D, 128)      # ops/quantize_fp8.fp8_row_bytes (a layer above)
         if rb > self.row_bytes:
             raise ValueError(f"moonep dispatch_fp8: a packed FP8 row ({rb} bytes) does not fit "
                              f"the Buffer's staging rows of {self.row_bytes} bytes")
