@@ -139,10 +139,40 @@ inline WsLayout ws_layout(int R, int E, int s, int K) {
   return L;
 }
 
-inline size_t group_smem_bytes(int R, int E) {
+// The group kernel's shared memory without policy "cost"'s area (16-byte multiple: that area,
+// which holds int64 scores, starts right after it).
+__host__ __device__ inline size_t group_smem_base(int R, int E) {
   const size_t RW = (R + 31) / 32;
-  return 4 * (7 * static_cast<size_t>(E) + 1 + 10 * static_cast<size_t>(R) +
-              static_cast<size_t>(R) * RW + 48);
+  return (4 * (7 * static_cast<size_t>(E) + 1 + 10 * static_cast<size_t>(R) +
+               static_cast<size_t>(R) * RW + 48) + 15) & ~static_cast<size_t>(15);
+}
+
+// Policy "cost" (docs/planner.md, planner.cost_plan): MoonEP's plan + 2 stages of kCostLevels
+// level plans.  Its area: kCostScores int64 scores (0: MoonEP, 1..8: stage 1, 9..16: stage 2),
+// the level candidates' (donor, quota) per receiver [2 * kCostLevels][2][R], and one row of B
+// ints per warp (the split's tokens left).  Limits (host-checked, planner.py mirrors them):
+// R <= kCostMaxR (two register slots a lane: the candidate warps keep every per-rank value in
+// registers) and B <= kCostMaxB (the per-warp rows stay <= 32 KiB).
+constexpr int kCostLevels = 8;                       // planner.COST_LEVELS
+constexpr int kCostScores = 1 + 2 * kCostLevels;
+constexpr int kCostMaxR = 64;
+constexpr int kCostMaxB = 256;
+constexpr int kCostWarps = 32;                       // scratch rows: the largest block's warps
+constexpr long long kInfeasible = 1ll << 62;         // planner._INFEASIBLE
+constexpr long long kPPM = 1000000;                  // geometry.PPM
+
+__host__ __device__ inline size_t cost_smem_bytes(int R, int E) {
+  return 8 * 24 + 4 * (2 * kCostLevels * 2 * static_cast<size_t>(R) +
+                       static_cast<size_t>(kCostWarps) * (E / R));
+}
+
+inline size_t group_smem_bytes(int R, int E, bool cost) {
+  return group_smem_base(R, E) + (cost ? cost_smem_bytes(R, E) : 0);
+}
+
+// geometry.slack_cap: ceil(c * (1 + ppm / 1e6)) in integers (c < 2^31: no overflow in int64).
+__host__ __device__ inline long long slack_cap(long long c, int ppm) {
+  return (c * (kPPM + ppm) + kPPM - 1) / kPPM;
 }
 
 inline size_t assign_smem_bytes(int E, int W) {
@@ -176,6 +206,9 @@ struct GroupArgs {
   long long* wstamps;  // null: off.  [5, 32] each warp's clock64 at stage ends
 #endif
   int nvs_uni;         // nvs_s of T = R*s*K (uniform s, or an invalid histogram): host-computed
+  int slack_ppm;       // policy "cost"'s cap slack (0: MoonEP, exact caps)
+  int cost;            // 1: policy "cost" with a slack (the level search runs), 0: MoonEP
+  long long replica_cost;   // policy "cost": one replica's cost in token copies, [0, 2^40)
   int32_t* err;
 };
 
@@ -206,7 +239,15 @@ __device__ __forceinline__ int align_tp(int c, int tp) {
 // For the host (T = R*s*K) and the kernel (per-rank s) alike, in 32 bits: TT < 2^31 and per <
 // 2^32 (R*NvS < 2^31, checked on the host), and on the device 64-bit divisions are subroutine
 // calls (four of them made the last warp the last to reach step 1's barrier).
-__host__ __device__ inline int nvs_of(unsigned TT, int R, int tp, int B, int NvS) {
+// With a slack (policy "cost", ppm > 0) ceil(TT/R) becomes slack_cap(ceil(TT/R)) (Geometry.nvs_s),
+// in 64 bits (one call per kernel, off the critical path).
+__host__ __device__ inline int nvs_of(unsigned TT, int R, int tp, int B, int NvS, int ppm = 0) {
+  if (ppm > 0) {
+    const long long even = (static_cast<long long>(TT) + R - 1) / R;
+    const long long per = slack_cap(even, ppm) + static_cast<long long>(tp - 1) * 2 * B;
+    const long long v = (per + tp - 1) / tp * tp;
+    return v < NvS ? static_cast<int>(v) : NvS;
+  }
   const unsigned per = (TT + static_cast<unsigned>(R) - 1u) / static_cast<unsigned>(R)
                        + static_cast<unsigned>(tp - 1) * 2u * static_cast<unsigned>(B);
   const unsigned tpu = static_cast<unsigned>(tp), q = per / tpu;
@@ -746,6 +787,214 @@ __device__ __forceinline__ int rank_quotas_order(const unsigned* kb, unsigned TT
 }
 
 // ---------------------------------------------------------------------------------------------
+// Policy "cost" (planner.cost_plan, bit-identical): candidates are MoonEP's plan (step 1's
+// quotas, which this kernel computes anyway) and 2 x kCostLevels "level" plans; each is scored
+// by max_r load_r + replica_cost * max_r max(out_links_r, in_links_r), and the first minimum
+// (MoonEP first, then stage 1, then stage 2) becomes the plan: its quotas replace step 1's
+// (donor_of, z_of, the receiver masks, the donor list) and steps 2-4 run on them unchanged.
+// That is exact because step 2 is split_quotas("max") and every level plan, like MoonEP's,
+// refills each receiver from one donor (level_quotas retires a receiver after its round), which
+// is all steps 2-4 assume.
+//
+// Parallelism: one warp per candidate (warps outside warp 0's scheduler: cost_warp).  Stage 1's
+// 8 levels depend only on the group loads, so they run during step 1 (warp 0's MoonEP quotas),
+// before its barrier; after it, stage 2's 8 levels (they need stage 1's argmin) run on the same
+// 8 warps while warp 0 scores MoonEP's plan; one more barrier, warp 0 picks the winner, one more.
+// So the search adds about one candidate's (quotas + split) to the critical path beyond step 1:
+// R-1 rounds of 3 warp reductions, then per donor (serially on the candidate's warp) up to
+// R-1+B rounds of 2 -- the same greedy rounds as MoonEP's step 2 without its batching
+// shortcuts.  A candidate's split only counts (pieces, tokens) per rank; the winner's alloc comes
+// from step 2.
+//
+// Every value is a count bounded by T < 2^31 (host: R*S*K < 2^31), so int32 is exact where the
+// torch code uses int64; scores are int64 (replica_cost < 2^40, links < 2^15).  Argmax / argmin
+// take the lowest index on ties as torch.argmax / argmin do: one reduction of a packed
+// (value, index) key when the values leave room for the index bits, else two (value, then the
+// lowest index holding it).
+// ---------------------------------------------------------------------------------------------
+
+// Candidate warp c (0..kCostLevels-1) of a block of nwarps: counting down from the last warp,
+// skipping warp 0's scheduler (warp % 4 == 0).  -1: not a candidate warp.
+__device__ __forceinline__ int cost_warp(int warp, int nwarps) {
+  if ((warp & 3) == 0) return -1;
+  const int top = nwarps - 1;                        // nwarps % 4 == 0: top % 4 == 3
+  const int c = (top - warp) - (top - warp) / 4;     // warps above it, less the skipped ones
+  return c < kCostLevels ? c : -1;
+}
+
+// Warp first argmax: v this lane's best value (<= 0: none), i its lowest index (<= 2^ib - 1).
+// Returns the warp's max (<= 0: none, I meaningless), I its lowest index.
+__device__ __forceinline__ int warp_first_max(int v, int i, bool pk, int ib, int& I) {
+  if (pk) {
+    const unsigned M = (1u << ib) - 1u;
+    const unsigned k = v > 0 ? (static_cast<unsigned>(v) << ib) | (M - static_cast<unsigned>(i))
+                             : 0u;
+    const unsigned K = __reduce_max_sync(kFull, k);
+    I = static_cast<int>(M - (K & M));
+    return static_cast<int>(K >> ib);
+  }
+  const int V = __reduce_max_sync(kFull, v);
+  I = __reduce_min_sync(kFull, v == V ? i : INT_MAX);
+  return V;
+}
+
+// Warp first argmin: v this lane's smallest value (INT_MAX: none), i its lowest index.
+__device__ __forceinline__ int warp_first_min(int v, int i, bool pk, int ib, int& I) {
+  if (pk) {
+    const unsigned k = v != INT_MAX ? (static_cast<unsigned>(v) << ib) | static_cast<unsigned>(i)
+                                    : 0xffffffffu;
+    const unsigned K = __reduce_min_sync(kFull, k);
+    I = static_cast<int>(K & ((1u << ib) - 1u));
+    return K == 0xffffffffu ? INT_MAX : static_cast<int>(K >> ib);
+  }
+  const int V = __reduce_min_sync(kFull, v);
+  I = __reduce_min_sync(kFull, v == V ? i : INT_MAX);
+  return V;
+}
+
+// planner.level_quotas for one level L on one warp (slot j of lane: rank d = lane + 32 j, g its
+// group load).  Out: dn[j] the receiver's donor (-1: none), zz[j] its quota.  Returns feasible
+// (every donor's excess placed).  Same rounds as the torch loop: R-1 at most, and the loop stops
+// only at a fixed point (no excess left, or no free receiver: every later round moves 0).
+template <int NJ>
+__device__ __forceinline__ bool level_quotas_warp(const int* g, int L, int R, bool pk, int ibR,
+                                                  int* dn, int* zz) {
+  const int lane = threadIdx.x & 31;
+  int ex[NJ], sp[NJ];
+  bool fr[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const bool in = lane + 32 * j < R;
+    ex[j] = in ? max(g[j] - L, 0) : 0;               // donors' excess
+    sp[j] = in ? max(L - g[j], 0) : 0;               // receivers' spare (fixed; free changes)
+    fr[j] = sp[j] > 0;
+    dn[j] = -1;
+    zz[j] = 0;
+  }
+  for (int it = 0; it < R - 1; ++it) {
+    int hv = 0, hi = 0;                              // most excess, ties: lowest rank
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (ex[j] > hv) { hv = ex[j]; hi = lane + 32 * j; }
+    int H;
+    const int EH = warp_first_max(hv, hi, pk, ibR, H);
+    if (EH <= 0) break;
+    // smallest free spare covering EH (ties: lowest), else the largest free spare (ties: lowest)
+    int fv = INT_MAX, fi = 0, lv = 0, li = 0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      if (fr[j]) {
+        if (sp[j] >= EH && sp[j] < fv) { fv = sp[j]; fi = lane + 32 * j; }
+        if (sp[j] > lv) { lv = sp[j]; li = lane + 32 * j; }
+      }
+    }
+    int FI, LI;
+    const int FV = warp_first_min(fv, fi, pk, ibR, FI);
+    const int LV = warp_first_max(lv, li, pk, ibR, LI);
+    if (LV <= 0) break;                              // no free receiver: stuck (m = 0 from now)
+    const bool fit = FV != INT_MAX;
+    const int u = fit ? FI : LI, m = min(EH, fit ? FV : LV);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int d = lane + 32 * j;
+      if (d == H) ex[j] -= m;
+      if (d == u) { fr[j] = false; dn[j] = H; zz[j] = m; }   // u retires (m > 0)
+    }
+  }
+  int left = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) left |= ex[j];
+  return __reduce_or_sync(kFull, static_cast<unsigned>(left)) == 0u;
+}
+
+// planner.plan_scores of one candidate (dn, zz per receiver slot, as above) on one warp: each
+// donor's split_quotas("max") greedy (rounds of first argmax quota, first argmax tokens left),
+// counting pieces and tokens per rank, never storing the alloc.  wrem: this warp's B ints.
+template <int NJ>
+__device__ long long cost_score(const int* g, const int* dn, const int* zz, int R, int B,
+                                const int* remE, int* wrem, long long rc, bool pk, int ibR,
+                                int ibB) {
+  const int lane = threadIdx.x & 31;
+  int nin[NJ], tin[NJ], nout[NJ], tout[NJ];
+  unsigned lo = 0u, hi = 0u;                         // the donors (R <= 64)
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    nin[j] = 0; tin[j] = 0; nout[j] = 0; tout[j] = 0;
+    const int h = dn[j];
+    if (lane + 32 * j < R && h >= 0 && h < R) {
+      if (h < 32) lo |= 1u << h; else hi |= 1u << (h - 32);
+    }
+  }
+  unsigned long long dm = (static_cast<unsigned long long>(__reduce_or_sync(kFull, hi)) << 32) |
+                          __reduce_or_sync(kFull, lo);
+  while (dm != 0ull) {                               // donors are independent: any order
+    const int h = __ffsll(static_cast<long long>(dm)) - 1;
+    dm &= dm - 1ull;
+    int q[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) q[j] = (lane + 32 * j < R && dn[j] == h) ? zz[j] : 0;
+    __syncwarp();                                    // the last donor's reads of wrem are done
+    for (int le = lane; le < B; le += 32) wrem[le] = remE[h * B + le];
+    __syncwarp();
+    int no = 0, to = 0;
+    for (int it = 0; it < R - 1 + B; ++it) {
+      int qv = 0, qi = 0, rv = 0, ri = 0;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        if (q[j] > qv) { qv = q[j]; qi = lane + 32 * j; }
+      for (int le = lane; le < B; le += 32) {
+        const int x = wrem[le];
+        if (x > rv) { rv = x; ri = le; }
+      }
+      int D, LE;
+      const int QM = warp_first_max(qv, qi, pk, ibR, D);
+      const int RM = warp_first_max(rv, ri, pk, ibB, LE);
+      // torch: t = min(rem, q) if q > 0 else 0; no quota or no token left: nothing moves again
+      if (QM <= 0 || RM <= 0) break;
+      const int t = min(QM, RM);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        if (lane + 32 * j == D) { q[j] -= t; ++nin[j]; tin[j] += t; }
+      __syncwarp();                                  // every lane has read wrem this round
+      if (lane == (LE & 31)) wrem[LE] -= t;
+      __syncwarp();
+      ++no;                                          // a (le, d) pair is chosen at most once
+      to += t;
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (lane + 32 * j == h) { nout[j] = no; tout[j] = to; }
+  }
+  int ml = 0, mk = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    if (lane + 32 * j < R) {
+      ml = max(ml, g[j] - tout[j] + tin[j]);         // alloc[:, r].sum()
+      mk = max(mk, max(nout[j], nin[j]));            // plan_links
+    }
+  }
+  ml = __reduce_max_sync(kFull, ml);
+  mk = __reduce_max_sync(kFull, mk);
+  return static_cast<long long>(ml) + rc * static_cast<long long>(mk);
+}
+
+// Group loads of the ranks of this lane's slots (from the column sums cnt = remE).
+template <int NJ>
+__device__ __forceinline__ void cost_groups(const int* remE, int R, int B, int* g) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int d = lane + 32 * j;
+    int x = 0;
+    if (d < R) {
+      const int* p = remE + d * B;
+      for (int b = 0; b < B; ++b) x += p[b];
+    }
+    g[j] = x;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Launch 1, block 0: steps 1-3.  NJ = ceil(R/32) rounded up to a power of two (register slots of
 // the per-rank values each lane holds in the warp-level greedy loops).
 // ---------------------------------------------------------------------------------------------
@@ -1097,11 +1346,50 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
     if (g * R > total_T(true))
       sort_expert_keys(rh, B, ibB, MB, reinterpret_cast<unsigned*>(slotoff) + h * B);
   }
+  // Policy "cost", stage 1 (see cost_warp): the kCostLevels levels even .. hi evenly, each scored
+  // on its warp, during step 1.  On an invalid histogram (warp 0 may be zeroing remE meanwhile)
+  // the results are garbage and unused: the search is skipped after the barrier.
+  long long c_even = 0, c_hi = 0;                    // ceil(T/R) and the top level
+  const int cwarp = cost_warp(warp, nwarps);
+  long long* cscore = reinterpret_cast<long long*>(smem_raw + group_smem_base(R, E));
+  int* crow = reinterpret_cast<int*>(cscore + 24);   // [2 * kCostLevels][2][R] (donor, quota)
+  int* cwrem = crow + 2 * kCostLevels * 2 * R + warp * B;   // this warp's [B]
+  const int cib = max(ceil_log2(R), ceil_log2(B));
+  if constexpr (NJ <= 2) {
+    if (a.cost && cwarp >= 0) {
+      int g[NJ], dn[NJ], zz[NJ];
+      cost_groups<NJ>(remE, R, B, g);
+      const int T1 = total_T(true);
+      int mg = 0;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) mg = max(mg, g[j]);
+      mg = __reduce_max_sync(kFull, mg);
+      c_even = (static_cast<long long>(T1) + R - 1) / R;
+      const long long limit = slack_cap(c_even, a.slack_ppm);
+      c_hi = min(max(static_cast<long long>(mg), c_even), limit);   // clamp(min=even, max=U)
+      const int L = static_cast<int>(c_even + ((c_hi - c_even) * cwarp + (kCostLevels - 2)) /
+                                                  (kCostLevels - 1));
+      // packed keys when the values (<= T) leave room for the index bits; diagnostics stop 199
+      // forces the two-reduction path, as in the other greedy loops
+      const bool pk = plan_stop(a) != 199 && T1 >= 0 &&
+                      static_cast<long long>(T1) < (1ll << (31 - cib));
+      const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ceil_log2(R), dn, zz);
+      int* row = crow + cwarp * 2 * R;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        if (lane + 32 * j < R) { row[lane + 32 * j] = dn[j]; row[R + lane + 32 * j] = zz[j]; }
+      const long long sc = ok ? cost_score<NJ>(g, dn, zz, R, B, remE, cwrem, a.replica_cost, pk,
+                                               ceil_log2(R), ceil_log2(B))
+                              : kInfeasible;
+      if (lane == 0) cscore[1 + cwarp] = sc;
+    }
+  }
   if (warp == nwarps - 1 && lane == 0) {
     // nvs_s for either validity.  T = R*s*K (uniform s, or an invalid histogram) is the host's;
     // only per-rank s needs it here.
     int nv = a.nvs_uni;
-    if (total0 != -1) nv = nvs_of(static_cast<unsigned>(total_T(true)), R, tp, B, a.NvS);
+    if (total0 != -1)
+      nv = nvs_of(static_cast<unsigned>(total_T(true)), R, tp, B, a.NvS, a.slack_ppm);
     misc[5] = nv;
     misc[6] = a.nvs_uni;
   }
@@ -1112,6 +1400,90 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   const int T = total_T(valid);
   const int nvs_s = valid ? misc[5] : misc[6];
   if (plan_stop(a) == 2) return;
+
+  // Policy "cost", stage 2 and the choice.  Stage 2's levels lie between the neighbours of stage
+  // 1's first-minimum level; warp 0 scores MoonEP's plan meanwhile (step 1's quotas).  The
+  // winner's quotas replace step 1's outputs, so steps 2-4 below plan it.  An invalid histogram
+  // plans as MoonEP's plan of the empty one (as without the policy).
+  if constexpr (NJ <= 2) {
+    if (a.cost && valid) {
+      const bool pk = plan_stop(a) != 199 && T >= 0 &&
+                      static_cast<long long>(T) < (1ll << (31 - cib));
+      if (cwarp >= 0 || warp == 0) {
+        int g[NJ], dn[NJ], zz[NJ];
+        cost_groups<NJ>(remE, R, B, g);
+        bool ok = true;
+        if (cwarp >= 0) {
+          long long bv = cscore[1];
+          int kb = 0;
+          for (int k = 1; k < kCostLevels; ++k)
+            if (cscore[1 + k] < bv) { bv = cscore[1 + k]; kb = k; }   // first minimum
+          auto lv1 = [&](int k) {
+            return c_even + ((c_hi - c_even) * k + (kCostLevels - 2)) / (kCostLevels - 1);
+          };
+          const long long lo = lv1(max(kb - 1, 0)), top = lv1(min(kb + 1, kCostLevels - 1));
+          const int L = static_cast<int>(lo + ((top - lo) * (cwarp + 1) + kCostLevels) /
+                                                  (kCostLevels + 1));
+          ok = level_quotas_warp<NJ>(g, L, R, pk, ceil_log2(R), dn, zz);
+          int* row = crow + (kCostLevels + cwarp) * 2 * R;
+#pragma unroll
+          for (int j = 0; j < NJ; ++j)
+            if (lane + 32 * j < R) { row[lane + 32 * j] = dn[j]; row[R + lane + 32 * j] = zz[j]; }
+        } else {
+#pragma unroll
+          for (int j = 0; j < NJ; ++j) {
+            const int d = lane + 32 * j;
+            dn[j] = d < R ? donor_of[d] : -1;
+            zz[j] = d < R ? z_of[d] : 0;
+          }
+        }
+        const long long sc = ok ? cost_score<NJ>(g, dn, zz, R, B, remE, cwrem, a.replica_cost,
+                                                 pk, ceil_log2(R), ceil_log2(B))
+                                : kInfeasible;
+        if (lane == 0) cscore[cwarp >= 0 ? 1 + kCostLevels + cwarp : 0] = sc;
+      }
+      __syncthreads();
+      if (warp == 0) {
+        long long bv = cscore[0];
+        int best = 0;
+        for (int c = 1; c < kCostScores; ++c)
+          if (cscore[c] < bv) { bv = cscore[c]; best = c; }   // first minimum: MoonEP on ties
+        if (best > 0) {
+          const int* row = crow + (best - 1) * 2 * R;
+          for (int i = lane; i < R * RW; i += 32) rmask[i] = 0u;
+          __syncwarp();
+          unsigned lo = 0u, hi = 0u;
+#pragma unroll
+          for (int j = 0; j < NJ; ++j) {
+            const int d = lane + 32 * j;
+            if (d < R) {
+              const int h = row[d];
+              donor_of[d] = h;
+              z_of[d] = h >= 0 ? row[R + d] : 0;
+              if (h >= 0) {
+                atomicOr(&rmask[h * RW + (d >> 5)], 1u << (d & 31));
+                if (h < 32) lo |= 1u << h; else hi |= 1u << (h - 32);
+              }
+            }
+          }
+          lo = __reduce_or_sync(kFull, lo);
+          hi = __reduce_or_sync(kFull, hi);
+          const unsigned lt = (1u << lane) - 1u;
+          int nd = 0;
+#pragma unroll
+          for (int j = 0; j < NJ; ++j) {             // the donor list, ascending (as step 1's)
+            const int d = lane + 32 * j;
+            const bool isd = d < R && (((j == 0 ? lo : hi) >> lane) & 1u);
+            const unsigned bl = __ballot_sync(kFull, isd);
+            if (isd) donors[nd + __popc(bl & lt)] = d;
+            nd += __popc(bl);
+          }
+          if (lane == 0) misc[1] = nd;
+        }
+      }
+      __syncthreads();
+    }
+  }
 
   // ---- 2. split_quotas (one warp per donor; the last warp lists the receivers meanwhile) -------
   const int ndon = misc[1];
@@ -1622,7 +1994,8 @@ cudaError_t ensure_smem(Kern kern, int slot, size_t bytes) {
   return e;
 }
 
-int check_sizes(int s, int K, int rank, int R, int E, int S, int tp, int NvS) {
+int check_sizes(int s, int K, int rank, int R, int E, int S, int tp, int NvS, int ppm,
+                long long rc) {
   if (R < 1 || R > kMaxR) return bad_arg("moonep_plan: R=%d outside [1, 1024]", R);
   if (E < R || E % R) return bad_arg("moonep_plan: E=%d must be a positive multiple of R=%d", E, R);
   if (K < 1 || K > kMaxK) return bad_arg("moonep_plan: K=%d outside [1, 127]", K);
@@ -1631,8 +2004,17 @@ int check_sizes(int s, int K, int rank, int R, int E, int S, int tp, int NvS) {
   if (tp < 1) return bad_arg("moonep_plan: token_padding=%d < 1", tp);
   if (static_cast<long long>(R) * S * K >= (1ll << 31))
     return bad_arg("moonep_plan: R*S*K >= 2^31 (R=%d, S=%d)", R, S);
+  if (ppm < 0 || ppm > kPPM) return bad_arg("moonep_plan: slack_ppm=%d outside [0, 10^6]", ppm);
+  if (rc < 0) return bad_arg("moonep_plan: replica_cost < 0%.0d", 0);
+  if (rc >= (1ll << 40)) return bad_arg("moonep_plan: replica_cost >= 2^40 token copies%.0d", 0);
+  if (ppm > 0 && (R > kCostMaxR || E / R > kCostMaxB))
+    return bad_arg("moonep_plan: policy cost on the device needs R <= 64 and E/R <= 256 "
+                   "(R=%d, E/R=%d)", R, E / R);
   const long long G = 2ll * (E / R);
-  const long long need = (static_cast<long long>(S) * K + (tp - 1) * G + tp - 1) / tp * tp;
+  // With a slack a rank receives up to slack_cap(S*K) copies (Geometry.NvS).
+  const long long SK = ppm > 0 ? slack_cap(static_cast<long long>(S) * K, ppm)
+                               : static_cast<long long>(S) * K;
+  const long long need = (SK + (tp - 1) * G + tp - 1) / tp * tp;
   if (NvS < need || static_cast<long long>(R) * NvS >= (1ll << 31))
     return bad_arg("moonep_plan: NvS=%d below the geometry's NvS or R*NvS >= 2^31 (R=%d)", NvS, R);
   return 0;
@@ -1665,9 +2047,9 @@ int launch_group(GroupArgs ga, int grid, size_t smem, cudaStream_t stream) {
 }
 
 int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, int R, int E, int S,
-             int tp, int NvS, int32_t* dst, int32_t* cu, int32_t* etc, int32_t* zf, int32_t* stats,
+             int tp, int NvS, int ppm, long long rcost, int32_t* dst, int32_t* cu, int32_t* etc, int32_t* zf, int32_t* stats,
              void* ws, size_t ws_bytes, int32_t* err, cudaStream_t stream, bool assign) {
-  if (int rc = check_sizes(s, K, rank, R, E, S, tp, NvS)) return rc;
+  if (int bad = check_sizes(s, K, rank, R, E, S, tp, NvS, ppm, rcost)) return bad;
   if (!hist || !cu || !etc || !zf || !stats || !ws || !err || (assign && (!topk || !dst)))
     return bad_arg("moonep_plan: null pointer argument (%d)", 0);
   const WsLayout L = ws_layout(R, E, s, K);
@@ -1692,7 +2074,11 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   ga.chunkcnt = reinterpret_cast<int32_t*>(w + L.chunkcnt);
   ga.C = ch.C; ga.N = s * K;
   // nvs_s of T = R*s*K (< 2^31: check_sizes); the kernel computes it only for per-rank s
-  ga.nvs_uni = nvs_of(static_cast<unsigned>(R * s * K), R, tp, E / R, NvS);
+  ga.nvs_uni = nvs_of(static_cast<unsigned>(R * s * K), R, tp, E / R, NvS, ppm);
+  // slack_ppm = 0 is policy "cost" without slack, i.e. MoonEP (planner.plan_group): no search
+  ga.slack_ppm = ppm;
+  ga.cost = ppm > 0 ? 1 : 0;
+  ga.replica_cost = rcost;
   ga.err = err;
 #ifdef MOONEP_DIAGNOSTICS
   ga.stop = g_debug_stop;
@@ -1702,7 +2088,7 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
 #else
   constexpr bool full = true;
 #endif
-  const size_t gsmem_g = group_smem_bytes(R, E), gsmem_c = static_cast<size_t>(E) * 4;
+  const size_t gsmem_g = group_smem_bytes(R, E, ppm > 0), gsmem_c = static_cast<size_t>(E) * 4;
   const size_t gsmem = gsmem_g > gsmem_c ? gsmem_g : gsmem_c;
   const int grid = assign && full ? 1 + ch.nchunks : 1;
   const int nj = (R + 31) / 32;
@@ -1740,19 +2126,22 @@ MOONEP_EXPORT size_t moonep_plan_workspace_bytes(int R, int E, int s, int K) {
 
 MOONEP_EXPORT int moonep_plan(const int32_t* hist_RX, const int32_t* topk_sK, int s, int K,
                               int rank, int R, int E, int S, int token_padding, int NvS,
-                              int32_t* dst_N, int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2,
+                              int slack_ppm, int64_t replica_cost, int32_t* dst_N, int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2,
                               int32_t* stats_2, void* workspace, size_t workspace_bytes,
                               int32_t* err, cudaStream_t stream) {
-  return run_plan(hist_RX, topk_sK, s, K, rank, R, E, S, token_padding, NvS, dst_N, cu_G, etc_RB,
+  return run_plan(hist_RX, topk_sK, s, K, rank, R, E, S, token_padding, NvS, slack_ppm,
+                  replica_cost, dst_N, cu_G, etc_RB,
                   zf_G2, stats_2, workspace, workspace_bytes, err, stream, true);
 }
 
 MOONEP_EXPORT int moonep_plan_group(const int32_t* hist_RX, int s, int K, int rank, int R, int E,
-                                    int S, int token_padding, int NvS, int32_t* cu_G,
+                                    int S, int token_padding, int NvS, int slack_ppm,
+                                    int64_t replica_cost, int32_t* cu_G,
                                     int32_t* etc_RB, int32_t* zf_G2, int32_t* stats_2,
                                     void* workspace, size_t workspace_bytes, int32_t* err,
                                     cudaStream_t stream) {
-  return run_plan(hist_RX, nullptr, s, K, rank, R, E, S, token_padding, NvS, nullptr, cu_G, etc_RB,
+  return run_plan(hist_RX, nullptr, s, K, rank, R, E, S, token_padding, NvS, slack_ppm,
+                  replica_cost, nullptr, cu_G, etc_RB,
                   zf_G2, stats_2, workspace, workspace_bytes, err, stream, false);
 }
 
