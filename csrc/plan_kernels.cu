@@ -148,11 +148,11 @@ __host__ __device__ inline size_t group_smem_base(int R, int E) {
 }
 
 // Policy "cost" (docs/planner.md, planner.cost_plan): MoonEP's plan + 2 stages of kCostLevels
-// level plans.  Its area: kCostScores int64 scores (0: MoonEP, 1..8: stage 1, 9..16: stage 2),
-// the level candidates' (donor, quota) per receiver [2 * kCostLevels][2][R], and one row of B
-// ints per warp (the split's tokens left).  Limits (host-checked, planner.py mirrors them):
-// R <= kCostMaxR (two register slots a lane: the candidate warps keep every per-rank value in
-// registers) and B <= kCostMaxB (the per-warp rows stay <= 32 KiB).
+// level plans.  Its shared area (CostSmem, after the group kernel's own): kCostScores int64
+// scores, per candidate its quotas and per-rank split counts, one row of B ints per warp.
+// Limits (host-checked, planner.py mirrors them): R <= kCostMaxR (two register slots a lane:
+// the candidate warps keep every per-rank value in registers) and B <= kCostMaxB (the per-warp
+// rows stay <= 32 KiB).
 constexpr int kCostLevels = 8;                       // planner.COST_LEVELS
 constexpr int kCostScores = 1 + 2 * kCostLevels;
 constexpr int kCostMaxR = 64;
@@ -161,14 +161,7 @@ constexpr int kCostWarps = 32;                       // scratch rows: the larges
 constexpr long long kInfeasible = 1ll << 62;         // planner._INFEASIBLE
 constexpr long long kPPM = 1000000;                  // geometry.PPM
 
-__host__ __device__ inline size_t cost_smem_bytes(int R, int E) {
-  return 8 * 24 + 4 * (2 * kCostLevels * 2 * static_cast<size_t>(R) +
-                       static_cast<size_t>(kCostWarps) * (E / R));
-}
 
-inline size_t group_smem_bytes(int R, int E, bool cost) {
-  return group_smem_base(R, E) + (cost ? cost_smem_bytes(R, E) : 0);
-}
 
 // geometry.slack_cap: ceil(c * (1 + ppm / 1e6)) in integers (c < 2^31: no overflow in int64).
 __host__ __device__ inline long long slack_cap(long long c, int ppm) {
@@ -796,15 +789,18 @@ __device__ __forceinline__ int rank_quotas_order(const unsigned* kb, unsigned TT
 // refills each receiver from one donor (level_quotas retires a receiver after its round), which
 // is all steps 2-4 assume.
 //
-// Parallelism: one warp per candidate (warps outside warp 0's scheduler: cost_warp).  Stage 1's
-// 8 levels depend only on the group loads, so they run during step 1 (warp 0's MoonEP quotas),
-// before its barrier; after it, stage 2's 8 levels (they need stage 1's argmin) run on the same
-// 8 warps while warp 0 scores MoonEP's plan; one more barrier, warp 0 picks the winner, one more.
-// So the search adds about one candidate's (quotas + split) to the critical path beyond step 1:
-// R-1 rounds of 3 warp reductions, then per donor (serially on the candidate's warp) up to
-// R-1+B rounds of 2 -- the same greedy rounds as MoonEP's step 2 without its batching
-// shortcuts.  A candidate's split only counts (pieces, tokens) per rank; the winner's alloc comes
-// from step 2.
+// Parallelism.  Level quotas: one warp per candidate level (cost_warp: 8 warps, none on warp
+// 0's scheduler); stage 1's 8 depend only on the group loads, so they run during step 1 (warp
+// 0's MoonEP quotas), before its barrier.  Splits: every (candidate, donor) pair is independent
+// (torch batches them the same way), so all warps of the block take the pairs of stage 1 and
+// MoonEP's plan, interleaved by candidate (one_group's single donor: 9 pairs on 9 warps); then
+// one warp per candidate scores it from the per-rank counts.  Stage 2 (its levels need stage
+// 1's first minimum): quotas on the 8 candidate warps, pairs on all warps, scores.  Warp 0
+// picks the winner.  Six block barriers in all, and the critical path beyond step 1 is two
+// single-donor splits (up to R-1+B rounds of 2 warp reductions each, the same greedy rounds as
+// MoonEP's step 2 without its batching shortcuts) plus one level's quotas (up to R-1 rounds of
+// 3 reductions).  A pair's split only counts (pieces, tokens) per rank; the winner's alloc
+// comes from step 2.
 //
 // Every value is a count bounded by T < 2^31 (host: R*S*K < 2^31), so int32 is exact where the
 // torch code uses int64; scores are int64 (replica_cost < 2^40, links < 2^15).  Argmax / argmin
@@ -907,75 +903,144 @@ __device__ __forceinline__ bool level_quotas_warp(const int* g, int L, int R, bo
   return __reduce_or_sync(kFull, static_cast<unsigned>(left)) == 0u;
 }
 
-// planner.plan_scores of one candidate (dn, zz per receiver slot, as above) on one warp: each
-// donor's split_quotas("max") greedy (rounds of first argmax quota, first argmax tokens left),
-// counting pieces and tokens per rank, never storing the alloc.  wrem: this warp's B ints.
+// Policy "cost"'s shared area (24 int64, then cost_smem_ints ints): the int64 scores, then per
+// candidate row (0..7 stage 1, 8..15 stage 2, kCostMoonRow MoonEP) its (donor, quota) per
+// receiver (rows 0..15 only: MoonEP's are step 1's donor_of / z_of), its per-rank split counts
+// [4][R]
+// (pieces and tokens received, pieces and tokens given), its feasibility, the group loads [R],
+// and one row of B ints per warp (the split's tokens left).
+constexpr int kCostRows = 2 * kCostLevels + 1;
+constexpr int kCostMoonRow = 2 * kCostLevels;
+struct CostSmem {
+  long long* score;    // [kCostScores]: 0 MoonEP, 1 + c stage 1, 1 + kCostLevels + c stage 2
+  int* qrow;           // [2 * kCostLevels][2][R]
+  int* stat;           // [kCostRows][4][R]
+  int* feas;           // [kCostRows]
+  int* g;              // [R]
+  int* wrem;           // [kCostWarps][B]
+};
+
+__host__ __device__ inline size_t cost_smem_ints(int R, int E) {
+  return static_cast<size_t>(2 * kCostLevels * 2 + kCostRows * 4 + 1) * R + kCostRows + 3 +
+         static_cast<size_t>(kCostWarps) * (E / R);
+}
+
+__device__ __forceinline__ CostSmem cost_smem(unsigned char* base, int R) {
+  CostSmem c;
+  c.score = reinterpret_cast<long long*>(base);
+  c.qrow = reinterpret_cast<int*>(c.score + 24);
+  c.stat = c.qrow + 2 * kCostLevels * 2 * R;
+  c.feas = c.stat + kCostRows * 4 * R;
+  c.g = c.feas + kCostRows + 3;
+  c.wrem = c.g + R;
+  return c;
+}
+
+inline size_t group_smem_bytes(int R, int E, bool cost) {
+  return group_smem_base(R, E) + (cost ? 8 * 24 + 4 * cost_smem_ints(R, E) : 0);
+}
+
+// One (candidate, donor h) pair of planner.split_quotas_batched ("max") on one warp: the donor's
+// greedy (rounds of first argmax quota, first argmax tokens left, t = min of both), counting
+// per rank the pieces (alloc entries > 0 off home) and tokens instead of storing the alloc.
+// dnr / zzr: the candidate's donor and quota per receiver.  Every receiver has one donor and
+// every rank's give-side entries one writer (its own pair), so the stores need no atomics.
+// Returns at once when h gives nothing.
 template <int NJ>
-__device__ long long cost_score(const int* g, const int* dn, const int* zz, int R, int B,
-                                const int* remE, int* wrem, long long rc, bool pk, int ibR,
-                                int ibB) {
+__device__ __forceinline__ void cost_split_pair(const int* dnr, const int* zzr, int h, int R,
+                                                int B, const int* remE, int* wrem, int* st,
+                                                bool pk, int ibR, int ibB) {
   const int lane = threadIdx.x & 31;
-  int nin[NJ], tin[NJ], nout[NJ], tout[NJ];
-  unsigned lo = 0u, hi = 0u;                         // the donors (R <= 64)
+  int q[NJ], nin[NJ], tin[NJ];
+  bool mine[NJ];
+  unsigned any = 0u;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
-    nin[j] = 0; tin[j] = 0; nout[j] = 0; tout[j] = 0;
-    const int h = dn[j];
-    if (lane + 32 * j < R && h >= 0 && h < R) {
-      if (h < 32) lo |= 1u << h; else hi |= 1u << (h - 32);
-    }
+    const int d = lane + 32 * j;
+    mine[j] = d < R && dnr[d] == h;
+    q[j] = mine[j] ? zzr[d] : 0;
+    nin[j] = 0;
+    tin[j] = 0;
+    any |= __ballot_sync(kFull, q[j] > 0);
   }
-  unsigned long long dm = (static_cast<unsigned long long>(__reduce_or_sync(kFull, hi)) << 32) |
-                          __reduce_or_sync(kFull, lo);
-  while (dm != 0ull) {                               // donors are independent: any order
-    const int h = __ffsll(static_cast<long long>(dm)) - 1;
-    dm &= dm - 1ull;
-    int q[NJ];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) q[j] = (lane + 32 * j < R && dn[j] == h) ? zz[j] : 0;
-    __syncwarp();                                    // the last donor's reads of wrem are done
-    for (int le = lane; le < B; le += 32) wrem[le] = remE[h * B + le];
-    __syncwarp();
-    int no = 0, to = 0;
-    for (int it = 0; it < R - 1 + B; ++it) {
-      int qv = 0, qi = 0, rv = 0, ri = 0;
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-        if (q[j] > qv) { qv = q[j]; qi = lane + 32 * j; }
-      for (int le = lane; le < B; le += 32) {
-        const int x = wrem[le];
-        if (x > rv) { rv = x; ri = le; }
-      }
-      int D, LE;
-      const int QM = warp_first_max(qv, qi, pk, ibR, D);
-      const int RM = warp_first_max(rv, ri, pk, ibB, LE);
-      // torch: t = min(rem, q) if q > 0 else 0; no quota or no token left: nothing moves again
-      if (QM <= 0 || RM <= 0) break;
-      const int t = min(QM, RM);
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-        if (lane + 32 * j == D) { q[j] -= t; ++nin[j]; tin[j] += t; }
-      __syncwarp();                                  // every lane has read wrem this round
-      if (lane == (LE & 31)) wrem[LE] -= t;
-      __syncwarp();
-      ++no;                                          // a (le, d) pair is chosen at most once
-      to += t;
-    }
+  if (any == 0u) return;                             // uniform: not a donor of this candidate
+  __syncwarp();                                      // the last pair's reads of wrem are done
+  for (int le = lane; le < B; le += 32) wrem[le] = remE[h * B + le];
+  __syncwarp();
+  int no = 0, to = 0;
+  for (int it = 0; it < R - 1 + B; ++it) {
+    int qv = 0, qi = 0, rv = 0, ri = 0;
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
-      if (lane + 32 * j == h) { nout[j] = no; tout[j] = to; }
+      if (q[j] > qv) { qv = q[j]; qi = lane + 32 * j; }
+    for (int le = lane; le < B; le += 32) {
+      const int x = wrem[le];
+      if (x > rv) { rv = x; ri = le; }
+    }
+    int D, LE;
+    const int QM = warp_first_max(qv, qi, pk, ibR, D);
+    const int RM = warp_first_max(rv, ri, pk, ibB, LE);
+    // torch: t = min(rem, q) if q > 0 else 0; no quota or no token left: nothing moves again
+    if (QM <= 0 || RM <= 0) break;
+    const int t = min(QM, RM);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (lane + 32 * j == D) { q[j] -= t; ++nin[j]; tin[j] += t; }
+    __syncwarp();                                    // every lane has read wrem this round
+    if (lane == (LE & 31)) wrem[LE] -= t;
+    __syncwarp();
+    ++no;                                            // a (le, d) pair is chosen at most once
+    to += t;
   }
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int d = lane + 32 * j;
+    if (mine[j]) { st[d] = nin[j]; st[R + d] = tin[j]; }
+  }
+  if (lane == 0) { st[2 * R + h] = no; st[3 * R + h] = to; }
+}
+
+// Every (row, donor) pair of rows row0 + [0, nrows) (row index nrows - 1 + row0 may stand for
+// MoonEP: moon) over all warps.  Pairs are interleaved by row (p = h * nrows + r) so that the
+// candidates' splits of one donor (one_group: rank 0 in every row) run on different warps.
+template <int NJ>
+__device__ __forceinline__ void cost_split_all(const CostSmem& cs, int row0, int nrows, bool moon,
+                                               const int* donor_of, const int* z_of, int R,
+                                               int B, const int* remE, bool pk, int ibR,
+                                               int ibB) {
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  int* wrem = cs.wrem + warp * B;
+  for (int p = warp; p < nrows * R; p += nwarps) {
+    const int h = p / nrows, r = p - h * nrows;
+    const int row = moon && r == nrows - 1 ? kCostMoonRow : row0 + r;
+    if (!cs.feas[row]) continue;                     // infeasible: scored _INFEASIBLE anyway
+    const int* dnr = row == kCostMoonRow ? donor_of : cs.qrow + row * 2 * R;
+    const int* zzr = row == kCostMoonRow ? z_of : cs.qrow + row * 2 * R + R;
+    cost_split_pair<NJ>(dnr, zzr, h, R, B, remE, wrem, cs.stat + row * 4 * R, pk, ibR, ibB);
+  }
+}
+
+// planner.plan_scores of one row from its statistics: max_r load_r + rc * max_r links_r with
+// load_r = group_r - given_r + received_r (alloc[:, r].sum()) and links_r = max(pieces given,
+// pieces received) (plan_links); _INFEASIBLE for an infeasible level.
+template <int NJ>
+__device__ __forceinline__ long long cost_row_score(const CostSmem& cs, int row, int R,
+                                                    long long rc) {
+  const int lane = threadIdx.x & 31;
+  const int* st = cs.stat + row * 4 * R;
   int ml = 0, mk = 0;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
-    if (lane + 32 * j < R) {
-      ml = max(ml, g[j] - tout[j] + tin[j]);         // alloc[:, r].sum()
-      mk = max(mk, max(nout[j], nin[j]));            // plan_links
+    const int d = lane + 32 * j;
+    if (d < R) {
+      ml = max(ml, cs.g[d] - st[3 * R + d] + st[R + d]);
+      mk = max(mk, max(st[2 * R + d], st[d]));
     }
   }
   ml = __reduce_max_sync(kFull, ml);
   mk = __reduce_max_sync(kFull, mk);
-  return static_cast<long long>(ml) + rc * static_cast<long long>(mk);
+  return cs.feas[row] ? static_cast<long long>(ml) + rc * static_cast<long long>(mk)
+                      : kInfeasible;
 }
 
 // Group loads of the ranks of this lane's slots (from the column sums cnt = remE).
@@ -992,6 +1057,158 @@ __device__ __forceinline__ void cost_groups(const int* remE, int R, int B, int* 
     }
     g[j] = x;
   }
+}
+
+struct CostLevels {
+  long long even, hi;    // ceil(T/R) and the top level of stage 1
+};
+
+// Policy "cost", stage 1's quotas on candidate warp cwarp (before step 1's barrier): its level,
+// its quotas, zeroed split counts (candidate 0 also MoonEP's, and the group loads).
+// __noinline__ here and in cost_search: the policy's registers stay out of the kernel's own
+// allocation, so policy "moonep" keeps the spill-free code it had.
+template <int NJ>
+__device__ __noinline__ CostLevels cost_stage1(CostSmem cs, const int* remE, int R, int B, int T1,
+                                               int cwarp, int slack_ppm, bool packing) {
+  const int lane = threadIdx.x & 31;
+  const int cib = max(ceil_log2(R), ceil_log2(B));
+  int g[NJ], dn[NJ], zz[NJ];
+  cost_groups<NJ>(remE, R, B, g);
+  int mg = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) mg = max(mg, g[j]);
+  mg = __reduce_max_sync(kFull, mg);
+  CostLevels lv;
+  lv.even = (static_cast<long long>(T1) + R - 1) / R;
+  const long long limit = slack_cap(lv.even, slack_ppm);
+  lv.hi = min(max(static_cast<long long>(mg), lv.even), limit);   // clamp(min=even, max=U)
+  const int L = static_cast<int>(lv.even + ((lv.hi - lv.even) * cwarp + (kCostLevels - 2)) /
+                                               (kCostLevels - 1));
+  // packed keys when the values (<= T) leave room for the index bits; diagnostics stop 199
+  // forces the two-reduction path (packing false), as in the other greedy loops
+  const bool pk = packing && T1 >= 0 && static_cast<long long>(T1) < (1ll << (31 - cib));
+  const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ceil_log2(R), dn, zz);
+  int* row = cs.qrow + cwarp * 2 * R;
+  int* st = cs.stat + cwarp * 4 * R;
+  int* stm = cs.stat + kCostMoonRow * 4 * R;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int d = lane + 32 * j;
+    if (d < R) {
+      row[d] = dn[j];
+      row[R + d] = zz[j];
+      st[d] = 0; st[R + d] = 0; st[2 * R + d] = 0; st[3 * R + d] = 0;
+      if (cwarp == 0) {                              // the group loads, MoonEP's statistics
+        cs.g[d] = g[j];
+        stm[d] = 0; stm[R + d] = 0; stm[2 * R + d] = 0; stm[3 * R + d] = 0;
+      }
+    }
+  }
+  if (lane == 0) {
+    cs.feas[cwarp] = ok ? 1 : 0;
+    if (cwarp == 0) cs.feas[kCostMoonRow] = 1;
+  }
+  return lv;
+}
+
+// Policy "cost" after step 1's barrier, on every thread of block 0 (valid histogram): the
+// splits, stage 2 and the choice (see the section comment).  Rewrites donor_of, z_of, rmask,
+// donors and misc[1] when a level plan wins.
+template <int NJ>
+__device__ __noinline__ void cost_search(CostSmem cs, const int* remE, int* donor_of, int* z_of,
+                                         unsigned* rmask, int* donors, int* misc, int R, int B,
+                                         int T, int cwarp, long long c_even, long long c_hi,
+                                         long long rc, bool packing) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int RW = (R + 31) / 32;
+  const int cib = max(ceil_log2(R), ceil_log2(B));
+  const bool pk = packing && T >= 0 && static_cast<long long>(T) < (1ll << (31 - cib));
+  const int ibR = ceil_log2(R), ibB = ceil_log2(B);
+  cost_split_all<NJ>(cs, 0, kCostLevels + 1, true, donor_of, z_of, R, B, remE, pk, ibR, ibB);
+  __syncthreads();
+  if (warp <= kCostLevels) {
+    const int row = warp < kCostLevels ? warp : kCostMoonRow;
+    const long long sc = cost_row_score<NJ>(cs, row, R, rc);
+    if (lane == 0) cs.score[warp < kCostLevels ? 1 + warp : 0] = sc;
+  }
+  __syncthreads();
+  if (cwarp >= 0) {
+    long long bv = cs.score[1];
+    int kb = 0;
+    for (int k = 1; k < kCostLevels; ++k)
+      if (cs.score[1 + k] < bv) { bv = cs.score[1 + k]; kb = k; }   // first minimum
+    auto lv1 = [&](int k) {
+      return c_even + ((c_hi - c_even) * k + (kCostLevels - 2)) / (kCostLevels - 1);
+    };
+    const long long lo = lv1(max(kb - 1, 0)), top = lv1(min(kb + 1, kCostLevels - 1));
+    const int L = static_cast<int>(lo + ((top - lo) * (cwarp + 1) + kCostLevels) /
+                                            (kCostLevels + 1));
+    int g[NJ], dn[NJ], zz[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) g[j] = lane + 32 * j < R ? cs.g[lane + 32 * j] : 0;
+    const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ibR, dn, zz);
+    const int c = kCostLevels + cwarp;
+    int* row = cs.qrow + c * 2 * R;
+    int* st = cs.stat + c * 4 * R;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int d = lane + 32 * j;
+      if (d < R) {
+        row[d] = dn[j];
+        row[R + d] = zz[j];
+        st[d] = 0; st[R + d] = 0; st[2 * R + d] = 0; st[3 * R + d] = 0;
+      }
+    }
+    if (lane == 0) cs.feas[c] = ok ? 1 : 0;
+  }
+  __syncthreads();
+  cost_split_all<NJ>(cs, kCostLevels, kCostLevels, false, donor_of, z_of, R, B, remE, pk,
+                     ibR, ibB);
+  __syncthreads();
+  if (warp < kCostLevels) {
+    const long long sc = cost_row_score<NJ>(cs, kCostLevels + warp, R, rc);
+    if (lane == 0) cs.score[1 + kCostLevels + warp] = sc;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    long long bv = cs.score[0];
+    int best = 0;
+    for (int c = 1; c < kCostScores; ++c)
+      if (cs.score[c] < bv) { bv = cs.score[c]; best = c; }   // first minimum: MoonEP on ties
+    if (best > 0) {
+      const int* row = cs.qrow + (best - 1) * 2 * R;
+      for (int i = lane; i < R * RW; i += 32) rmask[i] = 0u;
+      __syncwarp();
+      unsigned lo = 0u, hi = 0u;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int d = lane + 32 * j;
+        if (d < R) {
+          const int h = row[d];
+          donor_of[d] = h;
+          z_of[d] = h >= 0 ? row[R + d] : 0;
+          if (h >= 0) {
+            atomicOr(&rmask[h * RW + (d >> 5)], 1u << (d & 31));
+            if (h < 32) lo |= 1u << h; else hi |= 1u << (h - 32);
+          }
+        }
+      }
+      lo = __reduce_or_sync(kFull, lo);
+      hi = __reduce_or_sync(kFull, hi);
+      const unsigned lt = (1u << lane) - 1u;
+      int nd = 0;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {             // the donor list, ascending (as step 1's)
+        const int d = lane + 32 * j;
+        const bool isd = d < R && (((j == 0 ? lo : hi) >> lane) & 1u);
+        const unsigned bl = __ballot_sync(kFull, isd);
+        if (isd) donors[nd + __popc(bl & lt)] = d;
+        nd += __popc(bl);
+      }
+      if (lane == 0) misc[1] = nd;
+    }
+  }
+  __syncthreads();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1346,42 +1563,18 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
     if (g * R > total_T(true))
       sort_expert_keys(rh, B, ibB, MB, reinterpret_cast<unsigned*>(slotoff) + h * B);
   }
-  // Policy "cost", stage 1 (see cost_warp): the kCostLevels levels even .. hi evenly, each scored
-  // on its warp, during step 1.  On an invalid histogram (warp 0 may be zeroing remE meanwhile)
-  // the results are garbage and unused: the search is skipped after the barrier.
+  // Policy "cost", stage 1's quotas (see cost_warp): the kCostLevels levels even .. hi evenly,
+  // one per candidate warp, during step 1.  On an invalid histogram (warp 0 may be zeroing remE
+  // meanwhile) the results are garbage and unused: the search is skipped after the barrier.
   long long c_even = 0, c_hi = 0;                    // ceil(T/R) and the top level
   const int cwarp = cost_warp(warp, nwarps);
-  long long* cscore = reinterpret_cast<long long*>(smem_raw + group_smem_base(R, E));
-  int* crow = reinterpret_cast<int*>(cscore + 24);   // [2 * kCostLevels][2][R] (donor, quota)
-  int* cwrem = crow + 2 * kCostLevels * 2 * R + warp * B;   // this warp's [B]
-  const int cib = max(ceil_log2(R), ceil_log2(B));
+  const CostSmem cs = cost_smem(smem_raw + group_smem_base(R, E), R);
   if constexpr (NJ <= 2) {
     if (a.cost && cwarp >= 0) {
-      int g[NJ], dn[NJ], zz[NJ];
-      cost_groups<NJ>(remE, R, B, g);
-      const int T1 = total_T(true);
-      int mg = 0;
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) mg = max(mg, g[j]);
-      mg = __reduce_max_sync(kFull, mg);
-      c_even = (static_cast<long long>(T1) + R - 1) / R;
-      const long long limit = slack_cap(c_even, a.slack_ppm);
-      c_hi = min(max(static_cast<long long>(mg), c_even), limit);   // clamp(min=even, max=U)
-      const int L = static_cast<int>(c_even + ((c_hi - c_even) * cwarp + (kCostLevels - 2)) /
-                                                  (kCostLevels - 1));
-      // packed keys when the values (<= T) leave room for the index bits; diagnostics stop 199
-      // forces the two-reduction path, as in the other greedy loops
-      const bool pk = plan_stop(a) != 199 && T1 >= 0 &&
-                      static_cast<long long>(T1) < (1ll << (31 - cib));
-      const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ceil_log2(R), dn, zz);
-      int* row = crow + cwarp * 2 * R;
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-        if (lane + 32 * j < R) { row[lane + 32 * j] = dn[j]; row[R + lane + 32 * j] = zz[j]; }
-      const long long sc = ok ? cost_score<NJ>(g, dn, zz, R, B, remE, cwrem, a.replica_cost, pk,
-                                               ceil_log2(R), ceil_log2(B))
-                              : kInfeasible;
-      if (lane == 0) cscore[1 + cwarp] = sc;
+      const CostLevels lv = cost_stage1<NJ>(cs, remE, R, B, total_T(true), cwarp, a.slack_ppm,
+                                            plan_stop(a) != 199);
+      c_even = lv.even;
+      c_hi = lv.hi;
     }
   }
   if (warp == nwarps - 1 && lane == 0) {
@@ -1401,88 +1594,16 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   const int nvs_s = valid ? misc[5] : misc[6];
   if (plan_stop(a) == 2) return;
 
-  // Policy "cost", stage 2 and the choice.  Stage 2's levels lie between the neighbours of stage
-  // 1's first-minimum level; warp 0 scores MoonEP's plan meanwhile (step 1's quotas).  The
-  // winner's quotas replace step 1's outputs, so steps 2-4 below plan it.  An invalid histogram
+  // Policy "cost", the splits, stage 2 and the choice.  All warps split the (candidate, donor)
+  // pairs of stage 1 and MoonEP's plan (step 1's quotas); one warp per row scores it; the
+  // candidate warps place stage 2's levels between the neighbours of stage 1's first-minimum
+  // level; all warps split stage 2's pairs; the rows are scored; warp 0 picks the first minimum
+  // and its quotas replace step 1's outputs, so steps 2-4 below plan it.  An invalid histogram
   // plans as MoonEP's plan of the empty one (as without the policy).
   if constexpr (NJ <= 2) {
-    if (a.cost && valid) {
-      const bool pk = plan_stop(a) != 199 && T >= 0 &&
-                      static_cast<long long>(T) < (1ll << (31 - cib));
-      if (cwarp >= 0 || warp == 0) {
-        int g[NJ], dn[NJ], zz[NJ];
-        cost_groups<NJ>(remE, R, B, g);
-        bool ok = true;
-        if (cwarp >= 0) {
-          long long bv = cscore[1];
-          int kb = 0;
-          for (int k = 1; k < kCostLevels; ++k)
-            if (cscore[1 + k] < bv) { bv = cscore[1 + k]; kb = k; }   // first minimum
-          auto lv1 = [&](int k) {
-            return c_even + ((c_hi - c_even) * k + (kCostLevels - 2)) / (kCostLevels - 1);
-          };
-          const long long lo = lv1(max(kb - 1, 0)), top = lv1(min(kb + 1, kCostLevels - 1));
-          const int L = static_cast<int>(lo + ((top - lo) * (cwarp + 1) + kCostLevels) /
-                                                  (kCostLevels + 1));
-          ok = level_quotas_warp<NJ>(g, L, R, pk, ceil_log2(R), dn, zz);
-          int* row = crow + (kCostLevels + cwarp) * 2 * R;
-#pragma unroll
-          for (int j = 0; j < NJ; ++j)
-            if (lane + 32 * j < R) { row[lane + 32 * j] = dn[j]; row[R + lane + 32 * j] = zz[j]; }
-        } else {
-#pragma unroll
-          for (int j = 0; j < NJ; ++j) {
-            const int d = lane + 32 * j;
-            dn[j] = d < R ? donor_of[d] : -1;
-            zz[j] = d < R ? z_of[d] : 0;
-          }
-        }
-        const long long sc = ok ? cost_score<NJ>(g, dn, zz, R, B, remE, cwrem, a.replica_cost,
-                                                 pk, ceil_log2(R), ceil_log2(B))
-                                : kInfeasible;
-        if (lane == 0) cscore[cwarp >= 0 ? 1 + kCostLevels + cwarp : 0] = sc;
-      }
-      __syncthreads();
-      if (warp == 0) {
-        long long bv = cscore[0];
-        int best = 0;
-        for (int c = 1; c < kCostScores; ++c)
-          if (cscore[c] < bv) { bv = cscore[c]; best = c; }   // first minimum: MoonEP on ties
-        if (best > 0) {
-          const int* row = crow + (best - 1) * 2 * R;
-          for (int i = lane; i < R * RW; i += 32) rmask[i] = 0u;
-          __syncwarp();
-          unsigned lo = 0u, hi = 0u;
-#pragma unroll
-          for (int j = 0; j < NJ; ++j) {
-            const int d = lane + 32 * j;
-            if (d < R) {
-              const int h = row[d];
-              donor_of[d] = h;
-              z_of[d] = h >= 0 ? row[R + d] : 0;
-              if (h >= 0) {
-                atomicOr(&rmask[h * RW + (d >> 5)], 1u << (d & 31));
-                if (h < 32) lo |= 1u << h; else hi |= 1u << (h - 32);
-              }
-            }
-          }
-          lo = __reduce_or_sync(kFull, lo);
-          hi = __reduce_or_sync(kFull, hi);
-          const unsigned lt = (1u << lane) - 1u;
-          int nd = 0;
-#pragma unroll
-          for (int j = 0; j < NJ; ++j) {             // the donor list, ascending (as step 1's)
-            const int d = lane + 32 * j;
-            const bool isd = d < R && (((j == 0 ? lo : hi) >> lane) & 1u);
-            const unsigned bl = __ballot_sync(kFull, isd);
-            if (isd) donors[nd + __popc(bl & lt)] = d;
-            nd += __popc(bl);
-          }
-          if (lane == 0) misc[1] = nd;
-        }
-      }
-      __syncthreads();
-    }
+    if (a.cost && valid)
+      cost_search<NJ>(cs, remE, donor_of, z_of, rmask, donors, misc, R, B, T, cwarp, c_even, c_hi,
+                      a.replica_cost, plan_stop(a) != 199);
   }
 
   // ---- 2. split_quotas (one warp per donor; the last warp lists the receivers meanwhile) -------

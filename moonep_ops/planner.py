@@ -669,8 +669,9 @@ def plan_all_ranks(topk_per_rank: Sequence[Tensor] | Tensor, num_experts: int,
 # The device planner: moonep_plan of libmoonep_ep.so (csrc/plan_kernels.cu)
 #
 # Bit-exact with moonep::plan(hist[:, :E], topk, rank, R, S, tp, total, "moonep") -- or with
-# policy "cost" and its slack_ppm / replica_cost -- for every histogram that passes validation, with no host synchronisation and no allocation inside the
-# library, so it can be captured in a CUDA graph.  Its input hist_RX is [R, E+3] int32 on the
+# policy "cost" and its slack_ppm / replica_cost (R <= 64, E/R <= 256: cost_device_limit) -- for
+# every histogram that passes validation, with no host synchronisation and no allocation inside
+# the library, so it can be captured in a CUDA graph.  Its input hist_RX is [R, E+3] int32 on the
 # device; row r = [bincount of rank r's top-k ids (E), bad_ids_flag, s_r, total_num_tokens
 # (-1: uniform s)].  Validation runs on the device and ORs native.ERR_* bits into the int32
 # ``err`` word instead of raising: a row not summing to s_r*K, s_r outside [1, S], an s / total
@@ -810,14 +811,15 @@ def _launch(lib, group_only, hist_RX, topk_sK, s, K, rank, R, E, S, token_paddin
             nbytes, err, stream, slack_ppm=0, replica_cost=0):
     if group_only:
         rc = lib.plan_group(hist_RX.data_ptr(), s, K, rank, R, E, S, token_padding, NvS,
-                      slack_ppm, replica_cost, bufs.cu.data_ptr(), bufs.etc.data_ptr(), bufs.zf.data_ptr(),
-                      bufs.stats.data_ptr(), ws.data_ptr(), nbytes, err.data_ptr(), stream)
+                            slack_ppm, replica_cost, bufs.cu.data_ptr(), bufs.etc.data_ptr(),
+                            bufs.zf.data_ptr(), bufs.stats.data_ptr(), ws.data_ptr(), nbytes,
+                            err.data_ptr(), stream)
         native.ep_check(rc, "moonep_plan_group")
     else:
         rc = lib.plan(hist_RX.data_ptr(), topk_sK.data_ptr(), s, K, rank, R, E, S, token_padding,
-                     NvS, slack_ppm, replica_cost, bufs.dst.data_ptr(), bufs.cu.data_ptr(), bufs.etc.data_ptr(),
-                     bufs.zf.data_ptr(), bufs.stats.data_ptr(), ws.data_ptr(), nbytes,
-                     err.data_ptr(), stream)
+                      NvS, slack_ppm, replica_cost, bufs.dst.data_ptr(), bufs.cu.data_ptr(),
+                      bufs.etc.data_ptr(), bufs.zf.data_ptr(), bufs.stats.data_ptr(),
+                      ws.data_ptr(), nbytes, err.data_ptr(), stream)
         native.ep_check(rc, "moonep_plan")
 
 

@@ -126,7 +126,8 @@ def test_api_cost_policy(server):
     assert max(d["moonep"]) <= slack_cap(even, slack_to_ppm(0.1))
     exact = _api(server, **dict(q, policy="moonep"))
     assert d["redundant"] <= exact["redundant"]
-    for bad, msg in (("slack=2", "slack"), ("slack=x", "slack"), ("replica_cost=-1", "replica_cost")):
+    for bad, msg in (("slack=2", "slack"), ("slack=x", "slack"),
+                     ("replica_cost=-1", "replica_cost")):
         with pytest.raises(urllib.error.HTTPError) as ei:
             urllib.request.urlopen(f"{server}/api/plan?policy=cost&{bad}", timeout=30)
         assert ei.value.code == 400 and msg in json.load(ei.value)["error"]

@@ -230,7 +230,8 @@ class SymmBackend(Backend):
         # the torch process group (router grads, QB); virtual ranks have none
         self.group = heap.group if isinstance(heap, TorchSymmetricHeap) else None
         self.timeout_ns = int((DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s) * 1e9)
-        # "device": csrc/plan_kernels.cu (policies moonep, cost); "torch": moonep::plan on device tensors
+        # "device": csrc/plan_kernels.cu (policies moonep, cost); "torch": moonep::plan on device
+        # tensors
         planner = planner or os.environ.get("MOONEP_PLANNER", "auto")
         if planner not in ("auto", "device", "torch"):
             raise ValueError(f"planner must be 'auto', 'device' or 'torch', got {planner!r}")
