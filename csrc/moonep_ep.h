@@ -462,9 +462,10 @@ MOONEP_EXPORT size_t moonep_plan_workspace_bytes(int R, int E, int s, int K);
  */
 MOONEP_EXPORT int moonep_plan(const int32_t* hist_RX, const int32_t* topk_sK, int s, int K,
                               int rank, int R, int E, int S, int token_padding, int NvS,
-                              int slack_ppm, int64_t replica_cost, int32_t* dst_N, int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2,
-                              int32_t* stats_2, void* workspace, size_t workspace_bytes,
-                              int32_t* err, cudaStream_t stream);
+                              int slack_ppm, int64_t replica_cost, int32_t* dst_N,
+                              int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2, int32_t* stats_2,
+                              void* workspace, size_t workspace_bytes, int32_t* err,
+                              cudaStream_t stream);
 
 /**
  * The group plan only (one launch of one block, with programmatic dependent launch): cu_G,

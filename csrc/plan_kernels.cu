@@ -1,6 +1,7 @@
-// The MoonEP planner on the device (policy "moonep"), bit-exact with moonep::plan
-// (moonep_ops/ops/plan.py: plan_group with floor/ceil caps, rank_quotas "max", split_quotas
-// "max", layout, assign_slots, _rank_outputs).  docs/planner.md has the algorithm.
+// The MoonEP planner on the device (policies "moonep" and "cost"), bit-exact with moonep::plan
+// (moonep_ops/planner.py: plan_group with floor/ceil caps, rank_quotas "max", split_quotas
+// "max", layout, assign_slots, _rank_outputs; policy "cost": cost_plan, in the section "Policy
+// cost" below, between steps 1 and 2).  docs/planner.md has the algorithm.
 //
 // Launch 1, plan_group_kernel, grid 1 + nchunks, 1024 threads (R <= 12: 512, kSmallGroupThreads):
 //   block 0   steps 1-3 for the whole group from the [R, E+3] histogram (validation included):
@@ -160,8 +161,6 @@ constexpr int kCostMaxB = 256;
 constexpr int kCostWarps = 32;                       // scratch rows: the largest block's warps
 constexpr long long kInfeasible = 1ll << 62;         // planner._INFEASIBLE
 constexpr long long kPPM = 1000000;                  // geometry.PPM
-
-
 
 // geometry.slack_cap: ceil(c * (1 + ppm / 1e6)) in integers (c < 2^31: no overflow in int64).
 __host__ __device__ inline long long slack_cap(long long c, int ppm) {
@@ -2168,8 +2167,9 @@ int launch_group(GroupArgs ga, int grid, size_t smem, cudaStream_t stream) {
 }
 
 int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, int R, int E, int S,
-             int tp, int NvS, int ppm, long long rcost, int32_t* dst, int32_t* cu, int32_t* etc, int32_t* zf, int32_t* stats,
-             void* ws, size_t ws_bytes, int32_t* err, cudaStream_t stream, bool assign) {
+             int tp, int NvS, int ppm, long long rcost, int32_t* dst, int32_t* cu, int32_t* etc,
+             int32_t* zf, int32_t* stats, void* ws, size_t ws_bytes, int32_t* err,
+             cudaStream_t stream, bool assign) {
   if (int bad = check_sizes(s, K, rank, R, E, S, tp, NvS, ppm, rcost)) return bad;
   if (!hist || !cu || !etc || !zf || !stats || !ws || !err || (assign && (!topk || !dst)))
     return bad_arg("moonep_plan: null pointer argument (%d)", 0);
@@ -2247,12 +2247,13 @@ MOONEP_EXPORT size_t moonep_plan_workspace_bytes(int R, int E, int s, int K) {
 
 MOONEP_EXPORT int moonep_plan(const int32_t* hist_RX, const int32_t* topk_sK, int s, int K,
                               int rank, int R, int E, int S, int token_padding, int NvS,
-                              int slack_ppm, int64_t replica_cost, int32_t* dst_N, int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2,
-                              int32_t* stats_2, void* workspace, size_t workspace_bytes,
-                              int32_t* err, cudaStream_t stream) {
+                              int slack_ppm, int64_t replica_cost, int32_t* dst_N,
+                              int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2, int32_t* stats_2,
+                              void* workspace, size_t workspace_bytes, int32_t* err,
+                              cudaStream_t stream) {
   return run_plan(hist_RX, topk_sK, s, K, rank, R, E, S, token_padding, NvS, slack_ppm,
-                  replica_cost, dst_N, cu_G, etc_RB,
-                  zf_G2, stats_2, workspace, workspace_bytes, err, stream, true);
+                  replica_cost, dst_N, cu_G, etc_RB, zf_G2, stats_2, workspace, workspace_bytes,
+                  err, stream, true);
 }
 
 MOONEP_EXPORT int moonep_plan_group(const int32_t* hist_RX, int s, int K, int rank, int R, int E,
@@ -2262,8 +2263,8 @@ MOONEP_EXPORT int moonep_plan_group(const int32_t* hist_RX, int s, int K, int ra
                                     void* workspace, size_t workspace_bytes, int32_t* err,
                                     cudaStream_t stream) {
   return run_plan(hist_RX, nullptr, s, K, rank, R, E, S, token_padding, NvS, slack_ppm,
-                  replica_cost, nullptr, cu_G, etc_RB,
-                  zf_G2, stats_2, workspace, workspace_bytes, err, stream, false);
+                  replica_cost, nullptr, cu_G, etc_RB, zf_G2, stats_2, workspace, workspace_bytes,
+                  err, stream, false);
 }
 
 #ifdef MOONEP_DIAGNOSTICS

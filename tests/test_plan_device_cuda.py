@@ -656,5 +656,8 @@ if __name__ == "__main__":
     for which in ("garbage", "bad_ids", "own_row"):
         test_validation_sets_error_and_stays_in_range(which)
         print(which, "ok")
+    for ci in (14, 20, 32, 36):                   # policy cost, hot: R = 8, 16, 64; R = 8, B = 256
+        f, _ = _check_cost(COST_CASES[ci], [0], eps_list=(0.1,), rc_list=(16,))
+        print("cost", COST_CASES[ci][:4], "ok" if not f else f[0][:300])
     torch.cuda.synchronize()
     sys.exit(0)
