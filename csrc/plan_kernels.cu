@@ -199,7 +199,7 @@ struct GroupArgs {
 #endif
   int nvs_uni;         // nvs_s of T = R*s*K (uniform s, or an invalid histogram): host-computed
   int slack_ppm;       // policy "cost"'s cap slack (0: MoonEP, exact caps)
-  int cost;            // 1: policy "cost" with a slack (the level search runs), 0: MoonEP
+  int cost;            // host: 1 launches the kCost kernels (the level search), 0 MoonEP
   long long replica_cost;   // policy "cost": one replica's cost in token copies, [0, 2^40)
   int32_t* err;
 };
@@ -788,6 +788,9 @@ __device__ __forceinline__ int rank_quotas_order(const unsigned* kb, unsigned TT
 // refills each receiver from one donor (level_quotas retires a receiver after its round), which
 // is all steps 2-4 assume.
 //
+// Code: the kCost instances of plan_group_kernel (NJ <= 2) only, so policy "moonep"'s kernels
+// are compiled as without it.
+//
 // Parallelism.  Level quotas: one warp per candidate level (cost_warp: 8 warps, none on warp
 // 0's scheduler); stage 1's 8 depend only on the group loads, so they run during step 1 (warp
 // 0's MoonEP quotas), before its barrier.  Splits: every (candidate, donor) pair is independent
@@ -963,33 +966,57 @@ __device__ __forceinline__ void cost_split_pair(const int* dnr, const int* zzr, 
     any |= __ballot_sync(kFull, q[j] > 0);
   }
   if (any == 0u) return;                             // uniform: not a donor of this candidate
-  __syncwarp();                                      // the last pair's reads of wrem are done
-  for (int le = lane; le < B; le += 32) wrem[le] = remE[h * B + le];
-  __syncwarp();
   int no = 0, to = 0;
-  for (int it = 0; it < R - 1 + B; ++it) {
-    int qv = 0, qi = 0, rv = 0, ri = 0;
+  // One round: first argmax quota (d), first argmax tokens left (le), t = min of both.
+  // torch: t = min(rem, q) if q > 0 else 0; no quota or no token left: nothing moves again.
+  auto quota_max = [&](int& D) {
+    int qv = 0, qi = 0;
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
       if (q[j] > qv) { qv = q[j]; qi = lane + 32 * j; }
-    for (int le = lane; le < B; le += 32) {
-      const int x = wrem[le];
-      if (x > rv) { rv = x; ri = le; }
-    }
-    int D, LE;
-    const int QM = warp_first_max(qv, qi, pk, ibR, D);
-    const int RM = warp_first_max(rv, ri, pk, ibB, LE);
-    // torch: t = min(rem, q) if q > 0 else 0; no quota or no token left: nothing moves again
-    if (QM <= 0 || RM <= 0) break;
-    const int t = min(QM, RM);
+    return warp_first_max(qv, qi, pk, ibR, D);
+  };
+  auto take = [&](int D, int t) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
       if (lane + 32 * j == D) { q[j] -= t; ++nin[j]; tin[j] += t; }
-    __syncwarp();                                    // every lane has read wrem this round
-    if (lane == (LE & 31)) wrem[LE] -= t;
-    __syncwarp();
     ++no;                                            // a (le, d) pair is chosen at most once
     to += t;
+  };
+  if (B <= 64) {
+    // Tokens left in registers, experts lane and lane + 32 (no shared round trip per round).
+    int r0 = lane < B ? remE[h * B + lane] : 0, r1 = lane + 32 < B ? remE[h * B + lane + 32] : 0;
+    for (int it = 0; it < R - 1 + B; ++it) {
+      const int rv = r1 > r0 ? r1 : r0, ri = r1 > r0 ? lane + 32 : lane;   // ties: lower le
+      int D, LE;
+      const int QM = quota_max(D);
+      const int RM = warp_first_max(rv, ri, pk, ibB, LE);
+      if (QM <= 0 || RM <= 0) break;
+      const int t = min(QM, RM);
+      take(D, t);
+      if (LE == lane) r0 -= t;
+      if (LE == lane + 32) r1 -= t;
+    }
+  } else {
+    __syncwarp();                                    // the last pair's reads of wrem are done
+    for (int le = lane; le < B; le += 32) wrem[le] = remE[h * B + le];
+    __syncwarp();
+    for (int it = 0; it < R - 1 + B; ++it) {
+      int rv = 0, ri = 0;
+      for (int le = lane; le < B; le += 32) {
+        const int x = wrem[le];
+        if (x > rv) { rv = x; ri = le; }
+      }
+      int D, LE;
+      const int QM = quota_max(D);
+      const int RM = warp_first_max(rv, ri, pk, ibB, LE);
+      if (QM <= 0 || RM <= 0) break;
+      const int t = min(QM, RM);
+      take(D, t);
+      __syncwarp();                                  // every lane has read wrem this round
+      if (lane == (LE & 31)) wrem[LE] -= t;
+      __syncwarp();
+    }
   }
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
@@ -1064,10 +1091,8 @@ struct CostLevels {
 
 // Policy "cost", stage 1's quotas on candidate warp cwarp (before step 1's barrier): its level,
 // its quotas, zeroed split counts (candidate 0 also MoonEP's, and the group loads).
-// __noinline__ here and in cost_search: the policy's registers stay out of the kernel's own
-// allocation, so policy "moonep" keeps the spill-free code it had.
 template <int NJ>
-__device__ __noinline__ CostLevels cost_stage1(CostSmem cs, const int* remE, int R, int B, int T1,
+__device__ __forceinline__ CostLevels cost_stage1(CostSmem cs, const int* remE, int R, int B, int T1,
                                                int cwarp, int slack_ppm, bool packing) {
   const int lane = threadIdx.x & 31;
   const int cib = max(ceil_log2(R), ceil_log2(B));
@@ -1114,7 +1139,7 @@ __device__ __noinline__ CostLevels cost_stage1(CostSmem cs, const int* remE, int
 // splits, stage 2 and the choice (see the section comment).  Rewrites donor_of, z_of, rmask,
 // donors and misc[1] when a level plan wins.
 template <int NJ>
-__device__ __noinline__ void cost_search(CostSmem cs, const int* remE, int* donor_of, int* z_of,
+__device__ __forceinline__ void cost_search(CostSmem cs, const int* remE, int* donor_of, int* z_of,
                                          unsigned* rmask, int* donors, int* misc, int R, int B,
                                          int T, int cwarp, long long c_even, long long c_hi,
                                          long long rc, bool packing) {
@@ -1212,10 +1237,12 @@ __device__ __noinline__ void cost_search(CostSmem cs, const int* remE, int* dono
 
 // ---------------------------------------------------------------------------------------------
 // Launch 1, block 0: steps 1-3.  NJ = ceil(R/32) rounded up to a power of two (register slots of
-// the per-rank values each lane holds in the warp-level greedy loops).
+// the per-rank values each lane holds in the warp-level greedy loops).  kCost: policy "cost"'s
+// search between steps 1 and 2 (its own instances, NJ <= 2: the policy "moonep" kernels carry
+// none of its code or registers).
 // ---------------------------------------------------------------------------------------------
 
-template <int NJ, int NT>
+template <int NJ, int NT, bool kCost = false>
 __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (blockIdx.x > 0) {
@@ -1568,8 +1595,8 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   long long c_even = 0, c_hi = 0;                    // ceil(T/R) and the top level
   const int cwarp = cost_warp(warp, nwarps);
   const CostSmem cs = cost_smem(smem_raw + group_smem_base(R, E), R);
-  if constexpr (NJ <= 2) {
-    if (a.cost && cwarp >= 0) {
+  if constexpr (NJ <= 2 && kCost) {
+    if (cwarp >= 0) {
       const CostLevels lv = cost_stage1<NJ>(cs, remE, R, B, total_T(true), cwarp, a.slack_ppm,
                                             plan_stop(a) != 199);
       c_even = lv.even;
@@ -1599,8 +1626,8 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   // level; all warps split stage 2's pairs; the rows are scored; warp 0 picks the first minimum
   // and its quotas replace step 1's outputs, so steps 2-4 below plan it.  An invalid histogram
   // plans as MoonEP's plan of the empty one (as without the policy).
-  if constexpr (NJ <= 2) {
-    if (a.cost && valid)
+  if constexpr (NJ <= 2 && kCost) {
+    if (valid)
       cost_search<NJ>(cs, remE, donor_of, z_of, rmask, donors, misc, R, B, T, cwarp, c_even, c_hi,
                       a.replica_cost, plan_stop(a) != 199);
   }
@@ -2140,12 +2167,12 @@ int check_sizes(int s, int K, int rank, int R, int E, int S, int tp, int NvS, in
   return 0;
 }
 
-template <int NJ, int NT = kGroupThreads>
+template <int NJ, int NT = kGroupThreads, bool kCost = false>
 int launch_group(GroupArgs ga, int grid, size_t smem, cudaStream_t stream) {
   load_tiling(ga.R, ga.E, NT / 32, ga);
-  const int slot = NT != kGroupThreads ? 7
-                   : NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5;
-  cudaError_t e = ensure_smem(plan_group_kernel<NJ, NT>, slot, smem);
+  const int slot = (kCost ? 8 : 0) + (NT != kGroupThreads ? 7
+                   : NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5);
+  cudaError_t e = ensure_smem(plan_group_kernel<NJ, NT, kCost>, slot, smem);
   if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: shared memory for the group kernel");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(grid);
@@ -2161,7 +2188,7 @@ int launch_group(GroupArgs ga, int grid, size_t smem, cudaStream_t stream) {
 #else
   cfg.numAttrs = 1;
 #endif
-  e = cudaLaunchKernelEx(&cfg, plan_group_kernel<NJ, NT>, ga);
+  e = cudaLaunchKernelEx(&cfg, plan_group_kernel<NJ, NT, kCost>, ga);
   if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: group kernel launch");
   return moonep_ep::fail(cudaGetLastError(), "moonep_plan: group kernel launch");
 }
@@ -2196,9 +2223,12 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   ga.C = ch.C; ga.N = s * K;
   // nvs_s of T = R*s*K (< 2^31: check_sizes); the kernel computes it only for per-rank s
   ga.nvs_uni = nvs_of(static_cast<unsigned>(R * s * K), R, tp, E / R, NvS, ppm);
-  // slack_ppm = 0 is policy "cost" without slack, i.e. MoonEP (planner.plan_group): no search
+  // slack_ppm = 0 is policy "cost" without slack, i.e. MoonEP (planner.plan_group): no search.
   ga.slack_ppm = ppm;
-  ga.cost = ppm > 0 ? 1 : 0;
+  // replica_cost = 0: the score is the max load, and MoonEP's, ceil(T/R), is the least any plan
+  // has, so MoonEP wins or ties and wins the tie (docs/planner.md, "Reductions"): the search
+  // would always pick it, so it is skipped (only the slack's NvS / nvs_s remain).
+  ga.cost = ppm > 0 && rcost > 0 ? 1 : 0;
   ga.replica_cost = rcost;
   ga.err = err;
 #ifdef MOONEP_DIAGNOSTICS
@@ -2209,12 +2239,18 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
 #else
   constexpr bool full = true;
 #endif
-  const size_t gsmem_g = group_smem_bytes(R, E, ppm > 0), gsmem_c = static_cast<size_t>(E) * 4;
+  const size_t gsmem_g = group_smem_bytes(R, E, ga.cost != 0);
+  const size_t gsmem_c = static_cast<size_t>(E) * 4;
   const size_t gsmem = gsmem_g > gsmem_c ? gsmem_g : gsmem_c;
   const int grid = assign && full ? 1 + ch.nchunks : 1;
   const int nj = (R + 31) / 32;
   int rc;
-  if (sorting_warps_fit(R, kSmallGroupThreads / 32))      // R <= 12
+  if (ga.cost) {                                         // R <= 64: check_sizes
+    if (sorting_warps_fit(R, kSmallGroupThreads / 32))
+      rc = launch_group<1, kSmallGroupThreads, true>(ga, grid, gsmem, stream);
+    else if (nj <= 1) rc = launch_group<1, kGroupThreads, true>(ga, grid, gsmem, stream);
+    else rc = launch_group<2, kGroupThreads, true>(ga, grid, gsmem, stream);
+  } else if (sorting_warps_fit(R, kSmallGroupThreads / 32))      // R <= 12
     rc = launch_group<1, kSmallGroupThreads>(ga, grid, gsmem, stream);
   else if (nj <= 1) rc = launch_group<1>(ga, grid, gsmem, stream);
   else if (nj <= 2) rc = launch_group<2>(ga, grid, gsmem, stream);
