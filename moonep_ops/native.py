@@ -30,7 +30,7 @@ from typing import Optional
 
 # Bumped with every exported signature change; the library reports its own value, and a mismatch
 # makes the library "not loadable" rather than risking a call with the wrong arguments.
-GEMM_ABI_VERSION = 8       # cutlass_kernels/moonep_gemm.h
+GEMM_ABI_VERSION = 9       # cutlass_kernels/moonep_gemm.h
 EP_ABI_VERSION = 3         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 
 _vpp = POINTER(c_void_p)
@@ -51,6 +51,17 @@ GEMM_PROTOTYPES: dict[str, tuple] = {
         c_void_p,                        # cu_seqlens (int32, device)
         c_int, c_int, c_int, c_int, c_int,   # G, epn, m, n, k (the CUTLASS problem shape)
         POINTER(c_float), c_int, c_int,  # tuning table (host), candidate mask, flags
+        c_void_p, c_size_t, c_int,       # workspace (device), its bytes, sm_count
+        c_void_p,                        # cudaStream_t
+    ]),
+    # FP8 blockwise-scaled grouped GEMM (cutlass_kernels/kernel_fp8_fwd.cu): G, sm_count
+    "moonep_gemm_fp8_workspace_bytes": (c_size_t, [c_int, c_int]),
+    "moonep_grouped_gemm_fp8": (c_int, [
+        c_void_p, c_void_p,              # a (e4m3 [M, k]), a_scale (fp32 [M, ceil(k/128)])
+        c_void_p, c_void_p,              # b_local (e4m3 [epn, n, k]), its scales [epn, P, C]
+        c_void_p, c_void_p,              # b_slot, b_slot_scale
+        c_void_p, c_void_p,              # d (bf16 [M, n]), cu_seqlens (int32 [G], device)
+        c_int, c_int, c_int, c_int, c_int,   # G, epn, M, n, k
         c_void_p, c_size_t, c_int,       # workspace (device), its bytes, sm_count
         c_void_p,                        # cudaStream_t
     ]),
