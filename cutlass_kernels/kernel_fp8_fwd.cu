@@ -305,9 +305,13 @@ int moonep_grouped_gemm_fp8(const void* a, const float* a_scale, const void* b_l
   if (!a || !a_scale || !b_local || !b_local_scale || !b_slot || !b_slot_scale || !d || !cu_seqlens)
     return gemm_fail("moonep_grouped_gemm_fp8: a NULL operand pointer");
   if (!fp8::aligned16(a) || !fp8::aligned16(b_local) || !fp8::aligned16(b_slot) ||
-      !fp8::aligned16(d) || !fp8::aligned16(workspace))
-    return gemm_fail("moonep_grouped_gemm_fp8: a, b_local, b_slot, d and the workspace must be "
-                     "16-byte aligned (TMA)");
+      !fp8::aligned16(d))
+    return gemm_fail("moonep_grouped_gemm_fp8: a, b_local, b_slot and d must be 16-byte aligned "
+                     "(TMA)");
+  // CUTLASS keeps per-SM TMA descriptors (64-byte aligned objects) in its part of the workspace,
+  // which starts at a multiple of kAlign from the base
+  if ((reinterpret_cast<uintptr_t>(workspace) & (fp8::kAlign - 1)) != 0)
+    return gemm_fail("moonep_grouped_gemm_fp8: the workspace must be 256-byte aligned");
   if (!fp8::aligned4(a_scale) || !fp8::aligned4(b_local_scale) || !fp8::aligned4(b_slot_scale) ||
       !fp8::aligned4(cu_seqlens))
     return gemm_fail("moonep_grouped_gemm_fp8: scales and cu_seqlens must be 4-byte aligned");

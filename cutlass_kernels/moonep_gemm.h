@@ -197,7 +197,8 @@ MOONEP_API size_t moonep_gemm_fp8_workspace_bytes(int G, int sm_count);
  * @param n              output features O (multiple of 16).
  * @param k              input features I, the reduction (multiple of 16).
  * @param workspace      device scratch of at least moonep_gemm_fp8_workspace_bytes(G, sm_count)
- *                       bytes, 16-byte aligned, no initialisation needed; one per concurrent
+ *                       bytes, 256-byte aligned (any torch allocation is), no initialisation
+ *                       needed; one per concurrent
  *                       call (keep it alive until the call's work has completed).
  * @param workspace_bytes  its size in bytes.
  * @param sm_count       SMs of the device, in [1, 1024]: the persistent grid.
