@@ -172,6 +172,7 @@ def main(argv=None) -> int:
               f"{native.gemm_load_error()}")
         return 2
     import moonep_ops as mo
+    torch.backends.cuda.matmul.allow_tf32 = False     # the spot check's fp32 reference
     t0 = time.time()
     gen = torch.Generator(device="cuda").manual_seed(1234)
     G = 2 * EPN
