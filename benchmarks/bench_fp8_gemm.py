@@ -99,7 +99,7 @@ class Fp8Call:
     """The C entry with preallocated output and workspace (what the op does minus allocation)."""
 
     def __init__(self, aq, as_, blq, bls, bsq, bss, cu):
-        self.lib = native.require_gemm()
+        self.lib = native.require_gemm_fp8()
         self.t = (aq, as_, blq, bls, bsq, bss, cu)
         self.epn, self.n, self.k = blq.shape
         self.M = aq.shape[0]
@@ -166,10 +166,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_fp8_gemm: needs CUDA")
         return 2
-    lib = native.gemm()
-    if lib is None or not hasattr(lib, "grouped_gemm_fp8"):
-        print(f"bench_fp8_gemm: libmoonep_gemm.so with the FP8 GEMM not loaded: "
-              f"{native.gemm_load_error()}")
+    if native.gemm_fp8() is None:
+        print(f"bench_fp8_gemm: the FP8 grouped GEMM is not available: "
+              f"{native.gemm_fp8_unavailable()}")
         return 2
     import moonep_ops as mo
     torch.backends.cuda.matmul.allow_tf32 = False     # the spot check's fp32 reference

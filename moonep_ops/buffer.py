@@ -48,7 +48,8 @@ from .comm_stream import EventHandle, StreamOrder, check_async_args, check_comm_
 from .geometry import PPM, GroupSpec, check_cost_args, slack_to_ppm
 from .gemm import plan_cost
 from .ops import dispatch as _dispatch_ops  # noqa: F401  (registers moonep::dispatch, combine)
-from .ops.moe_experts import ExpertPool
+from .ops.moe_experts import PRECISIONS, ExpertPool
+from .ops.quantize_fp8 import FP8ArgumentError
 from .planner import POLICIES, Plan
 
 
@@ -180,20 +181,25 @@ class Buffer:
         prefetch_weight / reduce_grad).  A plain tensor on backends that need none."""
         return self.backend.symmetric_zeros(shape, dtype)
 
-    def expert_pool(self, D: int, F: int, dtype: torch.dtype) -> ExpertPool:
+    def expert_pool(self, D: int, F: int, dtype: torch.dtype,
+                    precision: str = "bf16") -> ExpertPool:
         """Collective on first use: this Buffer's redundant-slot pool for experts of model dim D
         and FFN dim F (built once per shape, shared by every layer of that shape, freed by
-        ``destroy``)."""
+        ``destroy``).  ``precision`` "fp8": the slots hold e4m3 weights and their 128 x 128
+        block scales (moonep_ops/ops/moe_experts_fp8.py); the slot grads stay in ``dtype``."""
         self._check_live()
         for name, v in (("D", D), ("F", F)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"expert_pool: {name} must be a positive int, got {v!r}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"expert_pool: dtype must be a floating torch.dtype, got {dtype!r}")
-        key = (D, F, dtype)
+        if precision not in PRECISIONS:
+            raise ValueError(f"expert_pool: precision must be one of {PRECISIONS}, got "
+                             f"{precision!r}")
+        key = (D, F, dtype, precision)
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = ExpertPool(self.backend, self.name, D, F, dtype)
+            pool = self._pools[key] = ExpertPool(self.backend, self.name, D, F, dtype, precision)
         return pool
 
     def check_errors(self) -> None:
@@ -323,6 +329,46 @@ class Buffer:
                  s=s, token_padding=self.token_padding, total_num_tokens=tot, NvS=self.NvS,
                  nvs_s=self.nvs_s(s, tot), slack_ppm=self.slack_ppm)
         out = (h, (w if route_weights_sK is not None else None), cu, p)
+        return out + (ev,) if async_op else out
+
+    def dispatch_fp8(self, x_sD: Tensor, topk_ids_sK: Tensor,
+                     route_weights_sK: Optional[Tensor] = None, *,
+                     total_num_tokens: Optional[int] = None, pow2_scales: bool = False,
+                     async_op: bool = False, previous_event=None):
+        """``dispatch`` with the rows in FP8 (collective; moonep::dispatch_fp8).
+
+        ``x`` is quantised once on this rank, one fp32 scale per 1 x 128 tile of a row (rounded
+        up to a power of two with ``pow2_scales``), and each e4m3 row travels with its scales:
+        D + 4*ceil(D/128) bytes a row instead of D*sizeof(dtype).  Returns ``(h [nvs_s, D]
+        float8_e4m3fn, h_scale [nvs_s, ceil(D/128)] fp32, w [nvs_s] fp32 or None,
+        cu_seqlens [G] int32, plan)``: the slots, plan and padding of ``dispatch`` (padding
+        rows and their scales zero).  Not differentiable (``x`` and the route weights are
+        detached); the plan serves ``combine`` and ``dispatch(plan=...)`` as usual.
+        ``async_op=True``: as in ``dispatch``.  Needs a backend with ``supports_fp8_dispatch``.
+        """
+        self._check_live()
+        if async_op is not False or previous_event is not None:
+            check_async_args(self, async_op, previous_event)
+        tot = -1 if total_num_tokens is None else total_num_tokens
+        if not isinstance(tot, int) or isinstance(tot, bool):
+            raise TypeError(f"total_num_tokens must be an int or None, got {type(tot).__name__}")
+        if not isinstance(pow2_scales, bool):      # the op's schema would coerce an int silently
+            raise FP8ArgumentError(f"dispatch_fp8: pow2_scales must be a bool, got "
+                                   f"{type(pow2_scales).__name__}")
+        x_in = x_sD.detach() if isinstance(x_sD, Tensor) else x_sD
+        w_in = route_weights_sK.detach() if isinstance(route_weights_sK, Tensor) else route_weights_sK
+
+        def fresh():
+            return torch.ops.moonep.dispatch_fp8(x_in, topk_ids_sK, w_in, self.name, tot,
+                                                 pow2_scales)
+
+        (h, hs, w, cu, dst, etc, zf, stats), ev = self._run(
+            fresh, (x_in, topk_ids_sK, w_in), async_op, previous_event)
+        s = x_sD.shape[0]
+        p = Plan(dst, cu, etc, zf, stats, rank=self.rank, R=self.R, E=self.E, S=self.S, K=self.K,
+                 s=s, token_padding=self.token_padding, total_num_tokens=tot, NvS=self.NvS,
+                 nvs_s=self.nvs_s(s, tot))
+        out = (h, hs, (w if route_weights_sK is not None else None), cu, p)
         return out + (ev,) if async_op else out
 
     def combine(self, plan: Plan, h_MD: Tensor, w_M: Optional[Tensor] = None, *,

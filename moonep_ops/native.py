@@ -30,8 +30,17 @@ from typing import Optional
 
 # Bumped with every exported signature change; the library reports its own value, and a mismatch
 # makes the library "not loadable" rather than risking a call with the wrong arguments.
-GEMM_ABI_VERSION = 9       # cutlass_kernels/moonep_gemm.h
+GEMM_ABI_VERSION = 8       # cutlass_kernels/moonep_gemm.h
 EP_ABI_VERSION = 3         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
+
+# The FP8 grouped GEMM (moonep_ops/ops/grouped_mm_fp8.py) is a later ABI of libmoonep_gemm.so:
+# ABI 9 = every ABI 8 export unchanged plus GEMM_FP8_PROTOTYPES.  So a library of either version
+# loads and serves the bf16 GEMMs, and the FP8 ops use the kernel only when the library reports
+# ABI >= GEMM_FP8_ABI_VERSION and exports both functions (``gemm_fp8()``); otherwise they run
+# their reference.  The decision reads the version the library reports, never ``hasattr``
+# alone, so an ABI 8 library that happens to carry a same-named symbol is not called.
+GEMM_FP8_ABI_VERSION = 9
+GEMM_ABI_VERSIONS = (GEMM_ABI_VERSION, GEMM_FP8_ABI_VERSION)   # what _GEMM accepts
 
 _vpp = POINTER(c_void_p)
 _i64p = POINTER(c_int64)
@@ -54,14 +63,18 @@ GEMM_PROTOTYPES: dict[str, tuple] = {
         c_void_p, c_size_t, c_int,       # workspace (device), its bytes, sm_count
         c_void_p,                        # cudaStream_t
     ]),
-    # FP8 blockwise-scaled grouped GEMM (cutlass_kernels/kernel_fp8_fwd.cu): G, sm_count
-    "moonep_gemm_fp8_workspace_bytes": (c_size_t, [c_int, c_int]),
+}
+
+# ABI >= 9 only.  Argument order: the call in grouped_mm_fp8._launch (the kernel's contract).
+GEMM_FP8_PROTOTYPES: dict[str, tuple] = {
+    "moonep_gemm_fp8_workspace_bytes": (c_size_t, [c_int, c_int]),     # G, sm_count
     "moonep_grouped_gemm_fp8": (c_int, [
-        c_void_p, c_void_p,              # a (e4m3 [M, k]), a_scale (fp32 [M, ceil(k/128)])
-        c_void_p, c_void_p,              # b_local (e4m3 [epn, n, k]), its scales [epn, P, C]
-        c_void_p, c_void_p,              # b_slot, b_slot_scale
-        c_void_p, c_void_p,              # d (bf16 [M, n]), cu_seqlens (int32 [G], device)
-        c_int, c_int, c_int, c_int, c_int,   # G, epn, M, n, k
+        c_void_p, c_void_p,              # A [m, k] e4m3, A scales [m, ceil(k/128)] fp32
+        c_void_p, c_void_p,              # B_local [epn, n, k] e4m3, its [epn, ceil(n/128), ceil(k/128)] scales
+        c_void_p, c_void_p,              # B_slot, its scales (same shapes)
+        c_void_p,                        # D [m, n] bf16
+        c_void_p,                        # cu_seqlens [G] int32 (device)
+        c_int, c_int, c_int, c_int, c_int,   # G, epn, m, n, k
         c_void_p, c_size_t, c_int,       # workspace (device), its bytes, sm_count
         c_void_p,                        # cudaStream_t
     ]),
@@ -131,11 +144,18 @@ def lib_dir() -> Path:
 class _Lib:
     """One library: loaded on first use, every prototype declared, ABI version checked."""
 
-    def __init__(self, file: str, version_fn: str, version: int, protos: dict, optional: dict):
+    def __init__(self, file: str, version_fn: str, version: int, protos: dict, optional: dict,
+                 versions: tuple = (), since: Optional[dict] = None):
+        """``versions``: every ABI version accepted (default: ``version`` only); ``since``:
+        {abi: prototypes} declared only when the library reports at least that ABI (a later
+        ABI's additions; see ``feature``)."""
         self.file, self.version_fn, self.version = file, version_fn, version
-        self.protos, self.optional = protos, optional
+        self.versions = tuple(versions) or (version,)
+        self.protos, self.optional, self.since = protos, optional, dict(since or {})
         self._fns: Optional[SimpleNamespace] = None
         self.error: Optional[str] = None
+        self.loaded_version: Optional[int] = None
+        self.feature_errors: dict[int, str] = {}
         self._tried = False
 
     def load(self) -> Optional[SimpleNamespace]:
@@ -165,20 +185,66 @@ class _Lib:
         except (OSError, AttributeError) as e:   # wrong arch, missing symbol, missing libcuda
             self.error = f"could not load {path}: {e}"
             return None
-        if got != self.version:
-            self.error = f"{path} has ABI version {got}, this package expects {self.version}"
+        if got not in self.versions:
+            want = " or ".join(map(str, self.versions))
+            self.error = f"{path} has ABI version {got}, this package expects {want}"
             return None
+        self.loaded_version = got
+        for abi, protos in sorted(self.since.items()):
+            if got < abi:
+                self.feature_errors[abi] = f"{path} has ABI version {got} (< {abi})"
+                continue
+            missing = [n for n in protos if not hasattr(lib, n)]
+            if missing:       # a broken build of that ABI: keep the older exports usable
+                self.feature_errors[abi] = (f"{path} reports ABI {got} but lacks "
+                                            f"{', '.join(missing)}")
+                continue
+            for name, (res, args) in protos.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = res, args
+                fns[name] = fn
         self._fns = SimpleNamespace(**{n.removeprefix("moonep_"): f for n, f in fns.items()})
         return self._fns
 
+    def feature(self, abi: int) -> Optional[SimpleNamespace]:
+        """The functions when the loaded library has ABI >= ``abi`` with all of that ABI's
+        added exports (``since[abi]``) declared; else None (the reason: ``feature_errors``)."""
+        fns = self.load()
+        if fns is None or abi in self.feature_errors or self.loaded_version is None \
+                or self.loaded_version < abi:
+            return None
+        return fns
 
-_GEMM = _Lib("libmoonep_gemm.so", "moonep_gemm_abi_version", GEMM_ABI_VERSION, GEMM_PROTOTYPES, {})
+
+_GEMM = _Lib("libmoonep_gemm.so", "moonep_gemm_abi_version", GEMM_ABI_VERSION, GEMM_PROTOTYPES, {},
+             versions=GEMM_ABI_VERSIONS, since={GEMM_FP8_ABI_VERSION: GEMM_FP8_PROTOTYPES})
 _EP = _Lib("libmoonep_ep.so", "moonep_ep_abi_version", EP_ABI_VERSION, EP_PROTOTYPES, EP_DIAGNOSTICS)
 
 
 def gemm() -> Optional[SimpleNamespace]:
     """libmoonep_gemm.so's functions (names without the ``moonep_`` prefix), or None."""
     return _GEMM.load()
+
+
+def gemm_fp8() -> Optional[SimpleNamespace]:
+    """libmoonep_gemm.so's functions when it has the FP8 grouped GEMM (ABI >=
+    GEMM_FP8_ABI_VERSION, both GEMM_FP8_PROTOTYPES exported), else None."""
+    return _GEMM.feature(GEMM_FP8_ABI_VERSION)
+
+
+def gemm_fp8_unavailable() -> Optional[str]:
+    """Why :func:`gemm_fp8` returned None (None if it did not)."""
+    if gemm_fp8() is not None:
+        return None
+    return _GEMM.error or _GEMM.feature_errors.get(GEMM_FP8_ABI_VERSION, "not loaded")
+
+
+def require_gemm_fp8() -> SimpleNamespace:
+    lib = gemm_fp8()
+    if lib is None:
+        raise NativeLibraryMissing("moonep FP8 grouped GEMM: not available: "
+                                   f"{gemm_fp8_unavailable()}")
+    return lib
 
 
 def ep() -> Optional[SimpleNamespace]:

@@ -45,7 +45,12 @@ stage() {
   [[ ",$STAGES," == *",$name,"* ]] || return 0
   echo "==== $name"
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  if declare -F "$1" > /dev/null; then     # a shell function: timeout(1) cannot exec it
+    export -f "$1" libs_ok; export PY
+    timeout "$limit" bash -c "$*" > "$OUT/$name.log" 2>&1
+  else
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  fi
   local rc=$?
   tail -n ${TAIL:-15} "$OUT/$name.log"
   local last

@@ -36,11 +36,9 @@ def _lib_or_reason():
         return None, "needs CUDA"
     if torch.cuda.get_device_capability() != (9, 0):
         return None, "libmoonep_gemm.so is built for sm_90a"
-    lib = native.gemm()
+    lib = native.gemm_fp8()         # ABI >= 9 and both FP8 exports, by the reported version
     if lib is None:
-        return None, f"CUTLASS library not loaded: {native.gemm_load_error()}"
-    if native.GEMM_ABI_VERSION < 9 or not hasattr(lib, "grouped_gemm_fp8"):
-        return None, "libmoonep_gemm.so predates the FP8 GEMM (ABI < 9)"
+        return None, f"FP8 grouped GEMM not available: {native.gemm_fp8_unavailable()}"
     return lib, ""
 
 
@@ -264,10 +262,32 @@ def test_fp8_cuda_graph_replay_reads_new_sizes():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         rc = call(aq, as_, blq, bls, bsq, bss, cu, d, ws)
-    assert rc == 0, native.gemm().gemm_last_error()
+    assert rc == 0, _LIB.gemm_last_error()
     for counts in (counts1, counts2, counts1):
         cu.copy_(torch.tensor(np.cumsum(counts), dtype=torch.int32))
         d.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
         check(d, reference(aq, as_, blq, bls, bsq, bss, cu), cu)
+
+
+@needs_fp8
+def test_op_layer_runs_this_kernel():
+    """moonep_ops/ops/grouped_mm_fp8.py on CUDA: the forward op is this kernel (bitwise the
+    direct call), and its dgrad (the kernel on transposed weights and scale grids, n = I, k = O)
+    matches the dequantised reference; padding rows zero in both."""
+    from moonep_ops.ops import grouped_mm_fp8 as g8
+    assert g8.backend_for_fp8(torch.empty(1, device="cuda")) == "cutlass"
+    counts = [300, 0, 129, 1, 0, 77, 250, 64]
+    inputs = make(counts, 384, 256, 40)
+    aq, as_, blq, bls, bsq, bss, cu = inputs
+    y = g8.grouped_mm_fp8(*inputs)
+    torch.cuda.synchronize()
+    assert torch.equal(y, run(inputs)), "the op's forward is not the direct kernel call"
+    check(y, reference(*inputs), cu)
+    # dgrad: dy [M, O] quantised per 1 x 128 tile along O; dx = dequant(dy) @ dequant(W_g)
+    dq, ds = quant_rows(tile_varied((aq.shape[0], blq.shape[1]), (1, TILE), fresh_gen()))
+    dx = g8.grouped_mm_fp8_dgrad(dq, ds, blq, bls, bsq, bss, cu)
+    torch.cuda.synchronize()
+    wt = lambda q, s: (q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous())
+    check(dx, reference(dq, ds, *wt(blq, bls), *wt(bsq, bss), cu), cu)

@@ -766,3 +766,29 @@ _results = cached_runner(__name__, MULTI_RANK, timeout_s=420, pg_timeout_s=120)
 def test_multi_rank(R, case):
     res = _results(R)[case]
     assert res.ok, res.error
+
+
+def test_precision_fp8_passes_through():
+    """convert_model(precision="fp8") builds FP8 blocks (the DeepSeek-V3 recipe, docs/fp8.md):
+    logits of a bf16 model stay close to the bf16 conversion's, and the backward runs.  Sizes
+    that the FP8 kernels cannot take (F = 24) are refused before any block is converted."""
+    with pytest.raises(ValueError, match="multiples of 16"):
+        hf.convert_model(tiny("mixtral").to(torch.bfloat16), capacity=CAP, token_padding=TP,
+                         precision="fp8")
+    models = {}
+    for prec in ("bf16", "fp8"):
+        model = tiny("mixtral", intermediate_size=32).to(torch.bfloat16)
+        hf.convert_model(model, capacity=CAP, token_padding=TP, precision=prec,
+                         fp8_pow2_scales=prec == "fp8")
+        blocks = hf.converted_blocks(model)
+        assert {(b.moe.args.precision, b.moe.args.fp8_pow2_scales) for b in blocks.values()} \
+            == {(prec, prec == "fp8")}
+        models[prec] = model
+    ids = batch(0)
+    out = {p: m(input_ids=ids, labels=ids) for p, m in models.items()}
+    rel = float((out["fp8"].logits.float() - out["bf16"].logits.float()).norm()
+                / out["bf16"].logits.float().norm())
+    assert 0 < rel < 5e-2, rel
+    out["fp8"].loss.backward()
+    grads = [p.grad for p in models["fp8"].parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)

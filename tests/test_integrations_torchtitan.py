@@ -433,3 +433,37 @@ def _results():
 def test_training_losses_match_torchtitan_all_to_all(case):
     r = _results()[case]
     assert r.ok, f"{case}:\n{r.error}"
+
+
+def test_override_carries_the_precision(monkeypatch):
+    """precision="fp8" (and fp8_pow2_scales) reach the routed experts and their pool; the
+    layer runs in FP8 on a one-rank Buffer and stays close to the bf16 one."""
+    outs = {}
+    for prec in ("bf16", "fp8"):
+        cfg = _config("qwen3", 2, moonep=True, capacity=64, token_padding=4, precision=prec,
+                      fp8_pow2_scales=prec == "fp8")
+        rb = next(layer.moe.routed_experts for layer in cfg.layers
+                  if getattr(layer, "moe", None) is not None)
+        assert (rb.precision, rb.fp8_pow2_scales) == (prec, prec == "fp8")
+
+        def one_rank(group, S, D, K, E, **kw):
+            return Buffer(S, D, K, E, token_padding=kw["token_padding"], backend="single",
+                          dtype=mtt.COMPUTE_DTYPE)
+
+        monkeypatch.setattr(mtt, "_shared_buffer", one_rank)
+        torch.manual_seed(0)
+        net = cfg.build()
+        net.init_weights(buffer_device=None)
+        layer = next(blk.moe for blk in net.layers.values() if blk.moe_enabled)
+        buf = layer.routed_experts.bind(64, group=object())
+        pool = next(iter(buf._pools.values()))
+        assert pool.precision == prec
+        x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
+        outs[prec] = layer(x)
+        buf.destroy()
+    rel = float((outs["fp8"].float() - outs["bf16"].float()).norm() / outs["bf16"].float().norm())
+    assert 0 < rel < 1.2e-1, rel
+    with pytest.raises(ValueError, match="precision must be one of"):
+        mtt.moonep(RoutedExperts.Config(inner_experts=rb.inner_experts,
+                                        token_dispatcher=rb.token_dispatcher),
+                   precision="fp4").build()

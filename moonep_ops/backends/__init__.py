@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import native
-from .base import Backend, DispatchResult
+from .base import Backend, DispatchFP8Result, DispatchResult
 from .collective import CollectiveBackend, SingleRankBackend, TorchDistBackend
 from .symm import SymmBackend, SymmetricHeap, TorchSymmetricHeap, VirtualGroup, VirtualHeap
 
@@ -65,6 +65,6 @@ def default_heap(group, device: torch.device) -> SymmetricHeap:
     return TorchSymmetricHeap(group)
 
 
-__all__ = ["Backend", "DispatchResult", "CollectiveBackend", "TorchDistBackend",
+__all__ = ["Backend", "DispatchResult", "DispatchFP8Result", "CollectiveBackend", "TorchDistBackend",
            "SingleRankBackend", "SymmBackend", "SymmetricHeap", "TorchSymmetricHeap",
            "VirtualGroup", "VirtualHeap", "make_backend", "resolve_device", "default_heap", "KINDS"]

@@ -8,6 +8,8 @@ the same for every backend:
   op                              backend method       what it does
   moonep::dispatch                dispatch             exchange histograms, plan, scatter rows
   moonep::dispatch_with_plan      dispatch_with_plan   scatter rows with a saved plan
+  moonep::dispatch_fp8            dispatch_fp8         dispatch of e4m3 rows with their scales
+                                                       (capability supports_fp8_dispatch)
   moonep::combine                 combine              gather each token's K rows, sum in fp32
   moonep::prefetch_weight         prefetch_weight      owners push experts into the slots
   moonep::reduce_grad             reduce_grad          owners add the slots' grads, zero them
@@ -18,7 +20,9 @@ differ, then per-group state is allocated), the ops run, ``release()`` ends it (
 
 Capabilities are declared class attributes, never probed:
   capturable      the methods never read device memory on the host (CUDA-graph capture safe);
-  supports_async  the methods may run on a side stream (Buffer's async mode).
+  supports_async  the methods may run on a side stream (Buffer's async mode);
+  supports_fp8_dispatch  ``dispatch_fp8`` is implemented (the base class raises
+                  NotImplementedError naming this flag; moonep::dispatch_fp8 checks it first).
 
 Implementations (moonep_ops/backends/):
   CollectiveBackend  (collective.py) every method from two primitives, all_gather and
@@ -51,12 +55,25 @@ class DispatchResult(NamedTuple):
     remote_stats_2: Tensor  # [2] int32
 
 
+class DispatchFP8Result(NamedTuple):
+    """What ``Backend.dispatch_fp8`` returns (the outputs of moonep::dispatch_fp8, in order)."""
+    h_MD: Tensor            # [nvs_s, D] float8_e4m3fn rows grouped by expert; padding rows 0
+    h_scale_MC: Tensor      # [nvs_s, ceil(D/128)] fp32 1x128-tile scales; padding rows 0
+    w_M: Tensor             # [nvs_s] fp32 route weight of every row (zero where none)
+    cu_seqlens_G: Tensor
+    dst_N: Tensor
+    experts_to_copy_RB: Tensor
+    zero_fill_G2: Tensor
+    remote_stats_2: Tensor
+
+
 class Backend(abc.ABC):
     """One rank's data plane of one EP group (see the module docstring)."""
 
     kind: ClassVar[str]                 # the Buffer(backend=...) name: "torch", "single", "symm"
     capturable: ClassVar[bool] = False
     supports_async: ClassVar[bool] = False
+    supports_fp8_dispatch: ClassVar[bool] = False
 
     rank: int
     world_size: int
@@ -140,6 +157,18 @@ class Backend(abc.ABC):
         """Scatter with a saved plan: every entry's row x[n // K] and weight w[n] to its slot.
         Returns fresh (h [nvs_s, D], w [nvs_s] fp32); rows and weights no entry names are zero.
         Duplicate entries (same token, same destination) reuse their primary's row."""
+
+    def dispatch_fp8(self, xq_sD: Tensor, xs_sC: Tensor, topk_sK: Tensor, w_sK: Optional[Tensor],
+                     total: int, reject: str) -> DispatchFP8Result:
+        """``dispatch`` of rows quantised on this rank: ``xq_sD`` float8_e4m3fn [s, D] and its
+        1x128-tile scales ``xs_sC`` fp32 [s, ceil(D/128)] travel together, D + 4*ceil(D/128)
+        bytes a row (2*D in bf16), into the same expert-grouped layout as ``dispatch`` (the same
+        plan, the same slots; duplicates copied on the destination; padding rows and their
+        scales zero).  Every received row and scale is bitwise the source's.  Only backends
+        that declare ``supports_fp8_dispatch``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement dispatch_fp8 (its capability "
+            "supports_fp8_dispatch is False)")
 
     @abc.abstractmethod
     def combine(self, h_MD: Tensor, w_M: Optional[Tensor], dst_N: Tensor

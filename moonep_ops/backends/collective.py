@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..geometry import GroupSpec
 from .. import planner as _plan
-from .base import Backend, DispatchResult
+from .base import Backend, DispatchFP8Result, DispatchResult
 
 
 def decode_dst(dst_N: Tensor, NvS: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -50,6 +50,8 @@ def _as_bytes(t: Tensor) -> Tensor:
 
 class CollectiveBackend(Backend):
     """The data plane on top of ``all_gather`` and ``all_to_all_v`` (split sizes on the host)."""
+
+    supports_fp8_dispatch = True      # rows move as bytes: e4m3 rows and their scales together
 
     # -- primitives ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -101,7 +103,9 @@ class CollectiveBackend(Backend):
         return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
 
     # -- the data plane ----------------------------------------------------------------------
-    def dispatch(self, x_sD, topk_sK, w_sK, total, reject):
+    def _plan(self, x_sD, topk_sK, total, reject):
+        """Histogram exchange and planning, the first half of dispatch and dispatch_fp8:
+        (dst, cu, etc, zf, stats, nvs_s)."""
         self._no_capture(x_sD)
         spec = self.spec
         E, s = spec.E, x_sD.shape[0]
@@ -125,13 +129,40 @@ class CollectiveBackend(Backend):
             raise ValueError(f"total_num_tokens={total} but the ranks pass s={s_R} "
                              f"(sum {sum(s_R)})")
         dst, cu, etc, zf, stats = _plan.plan_from_host_rows(rows, topk_sK, self.rank, spec, total)
-        h, w = self.dispatch_with_plan(x_sD, w_sK, dst, spec.nvs_s(s, total))
+        return dst, cu, etc, zf, stats, spec.nvs_s(s, total)
+
+    def dispatch(self, x_sD, topk_sK, w_sK, total, reject):
+        dst, cu, etc, zf, stats, nvs_s = self._plan(x_sD, topk_sK, total, reject)
+        h, w = self.dispatch_with_plan(x_sD, w_sK, dst, nvs_s)
         return DispatchResult(h, w, cu, dst, etc, zf, stats)
+
+    def dispatch_fp8(self, xq_sD, xs_sC, topk_sK, w_sK, total, reject):
+        dst, cu, etc, zf, stats, nvs_s = self._plan(xq_sD, topk_sK, total, reject)
+        # one row of bytes per token: its D e4m3 values, then its ceil(D/128) fp32 scales
+        packed = torch.cat([_as_bytes(xq_sD), _as_bytes(xs_sC)], 1)
+        hp, w = self._scatter(packed, w_sK, dst, nvs_s)
+        D = xq_sD.shape[1]
+        h = hp[:, :D].contiguous().view(xq_sD.dtype)
+        hs = hp[:, D:].contiguous().view(xs_sC.dtype)
+        return DispatchFP8Result(h, hs, w, cu, dst, etc, zf, stats)
+
+    def _landing(self, n_rows: int, row_bytes: int) -> Tensor:
+        """[n_rows, row_bytes] uint8 over the receive area (sized NvS*D*itemsize bytes; a
+        narrower row, e.g. an FP8 row with its scales, fits in it)."""
+        flat = self.recv_rows.view(-1).view(torch.uint8)
+        if n_rows * row_bytes <= flat.numel():
+            return flat[:n_rows * row_bytes].view(n_rows, row_bytes)
+        return torch.empty((n_rows, row_bytes), dtype=torch.uint8, device=self.device)
 
     def dispatch_with_plan(self, x_sD, w_sK, dst_N, nvs_s):
         self._no_capture(x_sD)
+        return self._scatter(x_sD, w_sK, dst_N, nvs_s)
+
+    def _scatter(self, x_sX, w_sK, dst_N, nvs_s):
+        """Every entry's row x[n // K] (any dtype, moved as bytes) and weight w[n] to its slot:
+        fresh (h [nvs_s, X] in x's dtype, w [nvs_s] fp32), rows no entry names zero."""
         R, K, NvS = self.world_size, self.spec.K, self.spec.NvS
-        s, D = x_sD.shape
+        s, X = x_sX.shape
         N = s * K
         dest, loff, primary = decode_dst(dst_N, NvS)
         # The primary of an entry: the first k' of the same token bound for the same rank.
@@ -139,13 +170,13 @@ class CollectiveBackend(Backend):
         first_k = (d_sK[:, :, None] == d_sK[:, None, :]).to(torch.int8).argmax(-1)
         ploff = loff.view(s, K).gather(1, first_k).view(-1)
         if w_sK is None:
-            wbits = torch.zeros(N, dtype=torch.long, device=x_sD.device)
+            wbits = torch.zeros(N, dtype=torch.long, device=x_sX.device)
         else:
             wbits = w_sK.reshape(-1).view(torch.int32).long()
         order = torch.sort(dest, stable=True).indices           # by destination, then entry
         meta = torch.stack([loff, ploff, wbits], 1).index_select(0, order)   # [N, 3] int64
         p_order = order[primary.index_select(0, order)]          # primaries only, same order
-        rows = x_sD.index_select(0, p_order // K)                 # each row once per (t, d)
+        rows = x_sX.index_select(0, p_order // K)                 # each row once per (t, d)
         send = torch.stack([torch.bincount(dest, minlength=R),
                             torch.bincount(dest[primary], minlength=R)], 1)
         recv = self._exchange_counts(send)
@@ -157,12 +188,15 @@ class CollectiveBackend(Backend):
                                f"> nvs_s={nvs_s}: plans of the ranks disagree")
         meta_in = self.recv_meta[:n_meta]
         self.all_to_all_v(meta_in, meta, [r[0] for r in recv_l], [c[0] for c in send_l])
-        rows_in = self.recv_rows[:n_rows]
-        self._a2a_bytes(rows_in, rows, [r[1] for r in recv_l], [c[1] for c in send_l])
+        row_bytes = _row_bytes(x_sX)
+        landing = self._landing(n_rows, row_bytes)
+        self.all_to_all_v(landing, _as_bytes(rows), [r[1] for r in recv_l],
+                          [c[1] for c in send_l])
+        rows_in = landing.view(x_sX.dtype) if row_bytes else x_sX.new_empty((n_rows, X))
         # Land in a fresh, zeroed [nvs_s] layout: padding and tail rows are exactly zero.
         r_loff, r_ploff, r_w = meta_in.unbind(1)
-        h = x_sD.new_zeros((nvs_s, D))
-        w = torch.zeros(nvs_s, dtype=torch.int32, device=x_sD.device)
+        h = x_sX.new_zeros((nvs_s, X))
+        w = torch.zeros(nvs_s, dtype=torch.int32, device=x_sX.device)
         w[r_loff] = r_w.to(torch.int32)
         is_p = r_loff == r_ploff
         h[r_loff[is_p]] = rows_in

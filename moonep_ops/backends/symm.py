@@ -51,9 +51,9 @@ import torch
 from torch import Tensor
 
 from .. import native
-from ..geometry import GroupSpec
+from ..geometry import GroupSpec, ceil_div
 from .. import planner as _plan
-from .base import Backend, DispatchResult
+from .base import Backend, DispatchFP8Result, DispatchResult
 from .collective import _row_bytes
 
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
@@ -221,6 +221,7 @@ class SymmBackend(Backend):
     kind = "symm"
     capturable = True             # no host reads: the ops are capturable in CUDA graphs
     supports_async = True
+    supports_fp8_dispatch = True  # packed e4m3 rows + scales through the byte-row kernels
 
     def __init__(self, heap: SymmetricHeap, *, timeout_s: Optional[float] = None,
                  planner: Optional[str] = None, combine: Optional[str] = None):
@@ -333,7 +334,8 @@ class SymmBackend(Backend):
               self._stream())
 
     # -- Backend methods ----------------------------------------------------------------------
-    def dispatch(self, x_sD, topk_sK, w_sK, total, reject):
+    def _plan(self, x_sD, topk_sK, total, reject):
+        """Histogram exchange and planning (the first half of dispatch and dispatch_fp8)."""
         spec = self.spec
         if reject:
             raise ValueError(f"moonep dispatch: {reject}")
@@ -356,26 +358,53 @@ class SymmBackend(Backend):
         (dst, cu, etc, zf, stats), _ = _plan.plan_from_rows(
             hist_RX, topk_sK, self.rank, spec, total, self.err,
             device=self.planner != "torch", clamp_ids=True)
-        h, w = self.dispatch_with_plan(x_sD, w_sK, dst, spec.nvs_s(s, total))
+        return dst, cu, etc, zf, stats, spec.nvs_s(s, total)
+
+    def dispatch(self, x_sD, topk_sK, w_sK, total, reject):
+        dst, cu, etc, zf, stats, nvs_s = self._plan(x_sD, topk_sK, total, reject)
+        h, w = self.dispatch_with_plan(x_sD, w_sK, dst, nvs_s)
         return DispatchResult(h, w, cu, dst, etc, zf, stats)
 
+    def dispatch_fp8(self, xq_sD, xs_sC, topk_sK, w_sK, total, reject):
+        # The data plane moves rows as bytes (csrc/ep_kernels.cu: dispatch_send stages s rows of
+        # row_bytes, dispatch_recv / dispatch_dups copy and zero whole rows), so an FP8 row and
+        # its scales travel as one packed row of D + 4*ceil(D/128) bytes through the same
+        # kernels; the Buffer's staging rows (D * sizeof(dtype) bytes) hold it.
+        D = xq_sD.shape[1]
+        rb = D + 4 * ceil_div(D, 128)      # ops/quantize_fp8.fp8_row_bytes (a layer above)
+        if rb > self.row_bytes:
+            raise ValueError(f"moonep dispatch_fp8: a packed FP8 row ({rb} bytes) does not fit "
+                             f"the Buffer's staging rows of {self.row_bytes} bytes")
+        dst, cu, etc, zf, stats, nvs_s = self._plan(xq_sD, topk_sK, total, reject)
+        packed = torch.cat([xq_sD.view(torch.uint8), xs_sC.view(torch.uint8)], 1)
+        hp = torch.empty((nvs_s, rb), dtype=torch.uint8, device=xq_sD.device)
+        w = self._scatter(packed, rb, w_sK, dst, hp)
+        h = hp[:, :D].contiguous().view(xq_sD.dtype)
+        hs = hp[:, D:].contiguous().view(xs_sC.dtype)
+        return DispatchFP8Result(h, hs, w, cu, dst, etc, zf, stats)
+
     def dispatch_with_plan(self, x_sD, w_sK, dst_N, nvs_s):
+        h = torch.empty((nvs_s, self.spec.D), dtype=x_sD.dtype, device=x_sD.device)
+        return h, self._scatter(x_sD, self.row_bytes, w_sK, dst_N, h)
+
+    def _scatter(self, x_rows, row_bytes, w_sK, dst_N, h):
+        """The s rows of ``x_rows`` (contiguous, ``row_bytes`` bytes each) and the weights to
+        their slots: fills ``h`` (nvs_s rows of ``row_bytes``), returns w [nvs_s] fp32."""
         spec = self.spec
-        s = x_sD.shape[0]
+        s, nvs_s = x_rows.shape[0], h.shape[0]
         stream = self._stream()
-        h = torch.empty((nvs_s, spec.D), dtype=x_sD.dtype, device=x_sD.device)
-        w = torch.empty((nvs_s,), dtype=torch.float32, device=x_sD.device)
-        _call("dispatch_send", x_sD.data_ptr(), self.row_bytes,
+        w = torch.empty((nvs_s,), dtype=torch.float32, device=x_rows.device)
+        _call("dispatch_send", x_rows.data_ptr(), row_bytes,
               w_sK.data_ptr() if w_sK is not None else None, dst_N.data_ptr(), s, spec.K,
               self.rank, spec.R, spec.S, spec.NvS, nvs_s, self.x_stage.data_ptr(),
               self.desc_peers.data_ptr(), self.wland_peers.data_ptr(), self.epoch.data_ptr(),
               self.err.data_ptr(), stream)
         self.barrier("sent")
-        _call("dispatch_recv", h.data_ptr(), w.data_ptr(), nvs_s, self.row_bytes,
+        _call("dispatch_recv", h.data_ptr(), w.data_ptr(), nvs_s, row_bytes,
               self.desc.data_ptr(), self.wland.data_ptr(), self.x_peers.data_ptr(), spec.R, spec.S,
               self.epoch.data_ptr(), self.err.data_ptr(), self.num_sms, stream)
         self.barrier("received")
-        return h, w
+        return w
 
     def combine(self, h_MD, w_M, dst_N):
         spec = self.spec

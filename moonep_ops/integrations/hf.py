@@ -471,13 +471,13 @@ class MoonEPBlock(nn.Module):
 
 
 def _build(c: _Conversion, capacity: int, token_padding: int, policy: str, slack: float,
-           link_gbps: Optional[float]) -> MoonEPBlock:
+           link_gbps: Optional[float], precision: str, fp8_pow2_scales: bool) -> MoonEPBlock:
     """An unbound MoonEPBlock on the meta device (no memory until bind)."""
     fam = c.family
     args = MoEArgs(**router_args(c.config), num_shared_experts=1 if fam.shared else 0,
                    shared_hidden_dim=c.Fs, shared_gate=fam.shared_gate is not None,
                    capacity=capacity, token_padding=token_padding, policy=policy, slack=slack,
-                   link_gbps=link_gbps)
+                   link_gbps=link_gbps, precision=precision, fp8_pow2_scales=fp8_pow2_scales)
     moe = MoonEPMoE(args, c.D, c.F, dtype=c.dtype, device="meta")
     layout = tuple((k, tuple(t.shape), t.dtype) for k, t in c.block.state_dict().items())
     return MoonEPBlock(moe, fam, layout)
@@ -501,7 +501,8 @@ def _load_block(layer: MoonEPBlock, block: nn.Module) -> None:
 
 def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None, capacity: int,
                   token_padding: int = 128, policy: str = "moonep", slack: float = 0.0,
-                  link_gbps: Optional[float] = None) -> nn.Module:
+                  link_gbps: Optional[float] = None, precision: str = "bf16",
+                  fp8_pow2_scales: bool = False) -> nn.Module:
     """Replace every supported sparse-MoE block of ``model`` by a ``MoonEPBlock``, in place.
 
     Collective over ``group`` (None: the default group when torch.distributed is initialised,
@@ -518,6 +519,9 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
       policy: planner policy, one of ``moonep_ops.POLICIES``.
       slack, link_gbps: policy "cost"'s cap slack eps and link bandwidth (``Buffer``'s
         arguments; each block's FFN dim is the cost model's F).
+      precision: the routed experts' precision, "bf16" (default) or "fp8" (the DeepSeek-V3 FP8
+        recipe, docs/fp8.md: a bf16 model whose hidden and expert FFN sizes are multiples of
+        16); fp8_pow2_scales: power-of-two FP8 scales.
 
     Every block is validated before any is converted: an unsupported block or option raises
     NotImplementedError (bad arguments: ValueError) naming the block class and the config field,
@@ -558,7 +562,8 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
         raise ValueError(f"the sparse-MoE blocks lie on several devices {devices}; MoonEP "
                          "converts a model whose blocks share one device")
 
-    layers = [_build(c, capacity, token_padding, policy, slack, link_gbps) for c in todo]
+    layers = [_build(c, capacity, token_padding, policy, slack, link_gbps, precision,
+                     fp8_pow2_scales) for c in todo]
     try:
         bind_moe(nn.ModuleList(layers), group=group, device=devices.pop())   # collective
         for layer, c in zip(layers, todo):

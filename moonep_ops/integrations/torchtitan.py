@@ -30,6 +30,10 @@ Override kwargs (all optional):
   link_gbps      policy "cost": link GB/s per direction (default: the H200 NVLink datasheet's).
   backend        MoonEP data-plane backend ("auto": symmetric memory on CUDA, torch.distributed
                  collectives on gloo).
+  precision      the routed experts' precision: "bf16" (default) or "fp8" (the DeepSeek-V3 FP8
+                 recipe, docs/fp8.md: tokens dispatched in e4m3 with their scales, FP8 expert
+                 GEMMs and dgrads, bf16 weight grads; D and F multiples of 16).
+  fp8_pow2_scales  power-of-two FP8 scales (default False).
 
 Where it sits in torchtitan's flow (``Trainer.__init__``)::
 
@@ -125,7 +129,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
 from ..buffer import Buffer
 from ..geometry import slack_to_ppm
-from ..nn.moe import check_backend_dims
+from ..nn.moe import check_backend_dims, check_precision
 from ..ops import moe_experts as _moe_experts_ops  # noqa: F401  (registers moonep::moe_experts)
 from ..planner import POLICIES
 
@@ -177,6 +181,8 @@ class MoonEPRoutedExperts(RoutedExperts):
         backend: str = "auto"
         slack: float = 0.0
         link_gbps: Optional[float] = None
+        precision: str = "bf16"
+        fp8_pow2_scales: bool = False
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -198,6 +204,9 @@ class MoonEPRoutedExperts(RoutedExperts):
         self.backend = config.backend
         self.slack = config.slack
         self.link_gbps = config.link_gbps
+        check_precision(config.precision, config.fp8_pow2_scales, COMPUTE_DTYPE, 16, 16)
+        self.precision = config.precision
+        self.fp8_pow2_scales = config.fp8_pow2_scales
         self.ep_group: Optional[dist.ProcessGroup] = None
         self._ep_local_rank: Optional[int] = None
         self.moonep_buffer: Optional[Buffer] = None
@@ -245,6 +254,7 @@ class MoonEPRoutedExperts(RoutedExperts):
             raise ValueError(f"the Buffer has (D, K, E, dtype) = {(buffer.D, buffer.K, buffer.E, buffer.dtype)}, "
                              f"the layer needs {(D, K, E, COMPUTE_DTYPE)}")
         check_backend_dims(buffer.device.type, COMPUTE_DTYPE, D, F)
+        check_precision(self.precision, self.fp8_pow2_scales, COMPUTE_DTYPE, D, F)
         if local.shape[0] != buffer.epn:
             raise ValueError(f"this rank holds {local.shape[0]} experts but MoonEP's group of "
                              f"R={buffer.R} expects E/R={buffer.epn}: the experts must be Shard(0) "
@@ -252,7 +262,7 @@ class MoonEPRoutedExperts(RoutedExperts):
         if self._ep_local_rank is not None and self._ep_local_rank != buffer.rank:
             raise ValueError(f"ep mesh coordinate {self._ep_local_rank} != rank {buffer.rank} of "
                              "the ep process group: expert ownership would not match")
-        self.pool_name = buffer.expert_pool(D, F, COMPUTE_DTYPE).name
+        self.pool_name = buffer.expert_pool(D, F, COMPUTE_DTYPE, precision=self.precision).name
         self.capacity = buffer.S
         self.moonep_buffer = buffer
         return buffer
@@ -299,27 +309,38 @@ class MoonEPRoutedExperts(RoutedExperts):
         x_TD = x_BLD.reshape(T, D).to(COMPUTE_DTYPE)
         ids_TK = topk_expert_ids_BLK.reshape(T, K).to(torch.int32)
         w_TK = topk_scores_BLK.reshape(T, K).float()
-        h_MD, w_M, cu_G, plan = buf.dispatch(x_TD, ids_TK, w_TK)
-        with maybe_set_sparse_mesh():                  # as RoutedExperts does (spmd_types only)
-            w1, w3, w2 = self._expert_weights()
-            y_MD, _, _ = torch.ops.moonep.moe_experts(h_MD, cu_G, plan.experts_to_copy, w1, w3,
-                                                      w2, self.pool_name)
-        z_MD = (y_MD.float() * w_M[:, None]).to(COMPUTE_DTYPE)
+        if self.precision == "fp8":
+            h_MD, hs_MC, w_M, cu_G, plan = buf.dispatch_fp8(x_TD, ids_TK, w_TK,
+                                                            pow2_scales=self.fp8_pow2_scales)
+            with maybe_set_sparse_mesh():
+                w1, w3, w2 = self._expert_weights()
+                z_MD, _, _, _ = torch.ops.moonep.moe_experts_fp8(
+                    h_MD, hs_MC, w_M, cu_G, plan.experts_to_copy, w1, w3, w2, self.pool_name,
+                    x_TD, w_TK, plan.dst, plan.total_num_tokens, self.fp8_pow2_scales)
+        else:
+            h_MD, w_M, cu_G, plan = buf.dispatch(x_TD, ids_TK, w_TK)
+            with maybe_set_sparse_mesh():      # as RoutedExperts does (spmd_types only)
+                w1, w3, w2 = self._expert_weights()
+                y_MD, _, _ = torch.ops.moonep.moe_experts(h_MD, cu_G, plan.experts_to_copy, w1,
+                                                          w3, w2, self.pool_name)
+            z_MD = (y_MD.float() * w_M[:, None]).to(COMPUTE_DTYPE)
         out_TD, _ = buf.combine(plan, z_MD)
         return out_TD.to(x_BLD.dtype).view(B, -1, D)
 
     def extra_repr(self) -> str:
         buf = self.moonep_buffer
         where = f"rank {buf.rank}/{buf.R}, S={buf.S}" if buf is not None else "unbound"
-        return f"moonep: {where}, token_padding={self.token_padding}, policy={self.policy}"
+        return (f"moonep: {where}, token_padding={self.token_padding}, policy={self.policy}, "
+                f"precision={self.precision}")
 
 
 @override(target=RoutedExperts.Config, exact=True,
           description="MoonEP expert parallelism (perfect load balance) for the routed experts")
 def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None,
            token_padding: Optional[int] = None, policy: str = "moonep",
-           backend: str = "auto", slack: float = 0.0,
-           link_gbps: Optional[float] = None) -> MoonEPRoutedExperts.Config:
+           backend: str = "auto", slack: float = 0.0, link_gbps: Optional[float] = None,
+           precision: str = "bf16",
+           fp8_pow2_scales: bool = False) -> MoonEPRoutedExperts.Config:
     """The override factory: ``RoutedExperts.Config`` -> ``MoonEPRoutedExperts.Config``, every
     field of the matched config kept (``derive``).  Exact match: a model's own subclass of
     ``RoutedExperts`` is left alone (its behaviour would be lost).  The token dispatcher becomes torchtitan's
@@ -331,12 +352,12 @@ def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None,
     standard = AllToAllTokenDispatcher.Config(num_experts=disp.num_experts, top_k=disp.top_k)
     return derive(cfg, MoonEPRoutedExperts.Config, token_dispatcher=standard, capacity=capacity,
                   token_padding=token_padding, policy=policy, backend=backend, slack=slack,
-                  link_gbps=link_gbps)
+                  link_gbps=link_gbps, precision=precision, fp8_pow2_scales=fp8_pow2_scales)
 
 
 def moonep_override(**kwargs: Any):
     """The ``override.imports`` entry for ``Trainer.Config.override.imports`` (kwargs: capacity,
-    token_padding, policy, backend, slack, link_gbps)."""
+    token_padding, policy, backend, slack, link_gbps, precision, fp8_pow2_scales)."""
     return (OVERRIDE, dict(kwargs)) if kwargs else OVERRIDE
 
 

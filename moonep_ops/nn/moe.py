@@ -38,8 +38,54 @@ from torch.nn.functional import silu
 from ..buffer import Buffer
 from ..geometry import slack_to_ppm
 from ..ops import moe_experts as _moe_experts  # noqa: F401  (registers moonep::moe_experts)
+from ..ops import moe_experts_fp8 as _moe_experts_fp8  # noqa: F401  (moonep::moe_experts_fp8)
+from ..ops.grouped_mm_fp8 import ALIGN as FP8_ALIGN
+from ..ops.moe_experts import PRECISIONS
 from ..planner import POLICIES
 from .router import Router
+
+
+def check_precision(precision: str, pow2_scales: bool, dtype: torch.dtype, D: int,
+                    F: int) -> None:
+    """The expert precision of a layer: "bf16" (any dtype: the name of the default path) or
+    "fp8" (bf16 tokens and weights, D and F multiples of 16: the FP8 kernels' 16-byte rows)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if not isinstance(pow2_scales, bool):
+        raise TypeError(f"fp8_pow2_scales must be a bool, got {type(pow2_scales).__name__}")
+    if precision != "fp8":
+        return
+    if dtype != torch.bfloat16:
+        raise ValueError(f"precision='fp8' needs a bfloat16 layer (tokens, weights and outputs "
+                         f"of the FP8 recipe are bf16), got dtype={dtype}")
+    if D % FP8_ALIGN or F % FP8_ALIGN:
+        raise ValueError(f"precision='fp8' needs D and F multiples of {FP8_ALIGN} (16-byte rows of "
+                         f"e4m3 for the FP8 grouped GEMM); got D={D}, F={F}")
+
+
+def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_sK: Tensor,
+                   w1: Tensor, w3: Tensor, w2: Tensor, *, precision: str = "bf16",
+                   pow2_scales: bool = False, total_num_tokens: Optional[int] = None) -> Tensor:
+    """dispatch -> routed SwiGLU experts -> route weights -> combine, in one precision:
+    ``[s, D]``, differentiable in x, the route weights and the experts.
+
+    "bf16": Buffer.dispatch, moonep::moe_experts, the weights applied in fp32, combine.
+    "fp8": Buffer.dispatch_fp8 (e4m3 rows + scales), moonep::moe_experts_fp8 (which applies
+    the weights and carries dispatch's transpose in its backward), combine."""
+    if precision == "fp8":
+        h, hs, w_M, cu, plan = buf.dispatch_fp8(x_sD, ids_sK, w_sK,
+                                                total_num_tokens=total_num_tokens,
+                                                pow2_scales=pow2_scales)
+        z, _, _, _ = torch.ops.moonep.moe_experts_fp8(h, hs, w_M, cu, plan.experts_to_copy, w1,
+                                                      w3, w2, pool_name, x_sD, w_sK, plan.dst,
+                                                      plan.total_num_tokens, pow2_scales)
+    else:
+        h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
+        y, _, _ = torch.ops.moonep.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2,
+                                               pool_name)
+        z = (y.float() * w_M[:, None]).to(x_sD.dtype)
+    out, _ = buf.combine(plan, z)
+    return out
 
 
 def check_backend_dims(device_type: str, dtype: torch.dtype, D: int, F: int) -> None:
@@ -87,6 +133,12 @@ class MoEArgs:
       slack eps and link bandwidth (the Buffer's arguments; the layer's hidden_dim is the cost
       model's F).  backend: data-plane backend.
       side_stream: run the shared experts on a side stream on CUDA (eager mode).
+    Expert precision (docs/fp8.md):
+      precision: "bf16" (default) or "fp8", the DeepSeek-V3 recipe: tokens dispatched in e4m3
+      with 1 x 128-tile scales, expert weights quantised per 128 x 128 block, the three expert
+      GEMMs and their dgrads in FP8 with fp32 accumulation and bf16 outputs, weight grads in
+      bf16, combine in bf16 with fp32 accumulation.  Needs a bf16 layer with D and F multiples
+      of 16.  fp8_pow2_scales: round every scale up to a power of two.
     """
 
     num_experts: int = 8
@@ -113,6 +165,8 @@ class MoEArgs:
     link_gbps: Optional[float] = None
     backend: str = "auto"
     side_stream: bool = True
+    precision: str = "bf16"
+    fp8_pow2_scales: bool = False
 
     def router_kwargs(self) -> dict:
         names = ("score_func", "topk_before_score", "route_norm", "route_norm_eps", "route_scale",
@@ -165,6 +219,7 @@ class MoonEPMoE(nn.Module):
             raise ValueError(f"slack is a setting of policy 'cost', the layer's policy is "
                              f"{args.policy!r}")
         dtype = dtype if dtype is not None else torch.get_default_dtype()
+        check_precision(args.precision, args.fp8_pow2_scales, dtype, dim, hidden_dim)
         self.args = args
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, E, K
         self.dtype = dtype
@@ -297,6 +352,7 @@ class MoonEPMoE(nn.Module):
         if mine != theirs:
             raise ValueError(f"the Buffer has (D, K, E, dtype) = {theirs}, the layer {mine}")
         check_backend_dims(buffer.device.type, self.dtype, self.dim, self.hidden_dim)
+        check_precision(a.precision, a.fp8_pow2_scales, self.dtype, self.dim, self.hidden_dim)
         B, r = buffer.epn, buffer.rank
         dev = buffer.device
         with torch.no_grad():
@@ -317,7 +373,8 @@ class MoonEPMoE(nn.Module):
                     mod.to(dev)
         if isinstance(self.router, Router) and self.router.balance_group is None:
             self.router.balance_group = buffer.group
-        self.pool_name = buffer.expert_pool(self.dim, self.hidden_dim, self.dtype).name
+        self.pool_name = buffer.expert_pool(self.dim, self.hidden_dim, self.dtype,
+                                            precision=a.precision).name
         self.buffer, self.expert_offset = buffer, r * B
         self._side = (torch.cuda.Stream(device=dev) if self.args.side_stream and dev.type == "cuda"
                       and self.shared is not None else None)
@@ -359,11 +416,10 @@ class MoonEPMoE(nn.Module):
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 shared_out = self._shared(x_sD)
-        h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
-        y, _, _ = torch.ops.moonep.moe_experts(h, cu, plan.experts_to_copy, self.w1, self.w3,
-                                               self.w2, self.pool_name)
-        z = (y.float() * w_M[:, None]).to(x_sD.dtype)
-        out, _ = buf.combine(plan, z)
+        out = routed_experts(buf, self.pool_name, x_sD, ids_sK, w_sK, self.w1, self.w3, self.w2,
+                             precision=self.args.precision,
+                             pow2_scales=self.args.fp8_pow2_scales,
+                             total_num_tokens=total_num_tokens)
         if self.shared is not None:
             if side is not None:
                 torch.cuda.current_stream().wait_stream(side)
@@ -434,4 +490,5 @@ def bind_moe(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
     return list(buffers.values())
 
 
-__all__ = ["MoEArgs", "MoonEPMoE", "SwiGLU", "bind_moe", "moe_layers", "check_backend_dims"]
+__all__ = ["MoEArgs", "MoonEPMoE", "SwiGLU", "bind_moe", "moe_layers", "check_backend_dims",
+           "check_precision", "routed_experts"]

@@ -12,6 +12,15 @@ a Python object, so they trace under ``torch.compile(fullgraph=True)``.
       -> h [nvs_s,D], w [nvs_s] f32                    (scatter with a saved plan)
   combine(h [nvs_s|NvS,D], route_weights [nvs_s|NvS] f32?, dst [s*K] i32, buffer, total)
       -> y [s,D] (h's dtype), w [s,K] f32               (w is zeros when none was given)
+  dispatch_fp8(x [s,D], topk_ids, route_weights?, buffer, total, pow2_scales=False)
+      -> h [nvs_s,D] e4m3, h_scale [nvs_s,ceil(D/128)] f32, w, cu_seqlens, dst,
+         experts_to_copy, zero_fill_ranges, remote_stats
+      x is quantised once on this rank (1 x 128 tiles, moonep_ops/ops/quantize_fp8.py) and the
+      e4m3 rows travel with their scales (D + 4*ceil(D/128) bytes a row instead of
+      D*sizeof(dtype)) into the layout dispatch would give: same plan, same slots; padding rows
+      and their scales are zero.  Needs a backend with ``supports_fp8_dispatch``.  Not
+      differentiable (the FP8 expert op routes the gradient: moonep_ops/ops/moe_experts_fp8.py);
+      combine stays in the Buffer's dtype with fp32 accumulation.
 
 total_num_tokens = -1 means every rank passes the same s.  Semantics (moonep.md §4):
   * dispatch writes token t's row to the K slots named by dst (a duplicate entry - same token,
@@ -33,6 +42,7 @@ from torch import Tensor
 from .. import registry, runtime
 from ..backends.base import Backend
 from .checks import on_device
+from .quantize_fp8 import FP8_DTYPE, FP8ArgumentError, fp8_checks, quantize_rows, scale_cols
 
 
 def _backend(name: str) -> Backend:
@@ -282,3 +292,60 @@ def _combine_backward(ctx, grad_y, grad_w):
 _combine.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
+
+# ---------------------------------------------------------------------------------------------
+# moonep::dispatch_fp8  (quantise once on the source rank, rows + scales travel together)
+# ---------------------------------------------------------------------------------------------
+
+_DISPATCH_FP8_SCHEMA = ("(Tensor x, Tensor topk_ids, Tensor? route_weights, str buffer, "
+                        "int total_num_tokens, bool pow2_scales=False) -> (Tensor, Tensor, Tensor, "
+                        "Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def check_fp8_dispatch(be, pow2_scales) -> None:
+    """The capability and the flag (the shared dispatch checks run first)."""
+    if not isinstance(pow2_scales, bool):
+        raise FP8ArgumentError(f"dispatch_fp8: pow2_scales must be a bool, got {type(pow2_scales).__name__}")
+    if not be.supports_fp8_dispatch:
+        raise NotImplementedError(
+            f"dispatch_fp8: the Buffer's backend {type(be).__name__} does not declare the "
+            "capability supports_fp8_dispatch (moonep_ops/backends/base.py)")
+
+
+@fp8_checks
+def check_dispatch_fp8_args(x, topk, rw, be, total, pow2_scales) -> int:
+    """dispatch's checks, then the FP8 ones; every bad argument is a ValueError
+    (FP8ArgumentError, also a TypeError for a wrong type or dtype) raised before any work."""
+    s = check_dispatch_args(x, topk, rw, be, total)
+    check_fp8_dispatch(be, pow2_scales)
+    return s
+
+
+@torch.library.custom_op("moonep::dispatch_fp8", mutates_args=(), schema=_DISPATCH_FP8_SCHEMA,
+                         tags=_TAGS)
+def _dispatch_fp8(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], buffer: str,
+                  total_num_tokens: int, pow2_scales: bool = False):
+    be = _backend(buffer)
+    check_dispatch_fp8_args(x, topk_ids, route_weights, be, total_num_tokens, pow2_scales)
+    reject = ""
+    if runtime.should_validate(topk_ids):
+        E = be.spec.E
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= E:
+            reject = f"expert ids must lie in [0, E={E}); got values in [{lo}, {hi}]"
+    xq, xs = quantize_rows(x, pow2_scales)
+    return tuple(be.dispatch_fp8(xq, xs, topk_ids, route_weights, total_num_tokens, reject))
+
+
+@_dispatch_fp8.register_fake
+def _dispatch_fp8_fake(x, topk_ids, route_weights, buffer, total_num_tokens, pow2_scales=False):
+    be = _backend(buffer)
+    s = check_dispatch_fp8_args(x, topk_ids, route_weights, be, total_num_tokens, pow2_scales)
+    n = be.spec.nvs_s(s, total_num_tokens)
+    D, i32 = be.spec.D, torch.int32
+    return (x.new_empty((n, D), dtype=FP8_DTYPE),
+            x.new_empty((n, scale_cols(D)), dtype=torch.float32),
+            x.new_empty((n,), dtype=torch.float32),
+            x.new_empty((be.spec.G,), dtype=i32), x.new_empty((s * be.spec.K,), dtype=i32),
+            x.new_empty((be.spec.R, be.spec.epn), dtype=i32), x.new_empty((be.spec.G, 2), dtype=i32),
+            x.new_empty((2,), dtype=i32))

@@ -34,29 +34,59 @@ from ..backends.base import Backend
 from . import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm*)
 from . import expert_weights as _ew  # noqa: F401  (registers moonep::prefetch_weight, reduce_grad)
 from .checks import check_no_overlap, on_device
+from .quantize_fp8 import FP8_DTYPE, scale_cols
 from .swiglu import swiglu, swiglu_backward
 
 
-class ExpertPool:
-    """Redundant-expert slots of one process for one (D, F, dtype): weights and grad landing.
-    Built by ``Buffer.expert_pool``; the pool's tensors are symmetric on the CUDA backend
-    (owners push weights into the slots and pull grads from them)."""
+PRECISIONS = ("bf16", "fp8")
 
-    def __init__(self, backend, backend_name: str, D: int, F: int, dtype: torch.dtype):
+
+class ExpertPool:
+    """Redundant-expert slots of one process for one (D, F, dtype, precision): weights and grad
+    landing.  Built by ``Buffer.expert_pool``; the pool's tensors are symmetric on the CUDA
+    backend (owners push weights into the slots and pull grads from them).
+
+    precision "bf16": slot weights w1, w3 [B, F, D], w2 [B, D, F] in ``dtype``.
+    precision "fp8" (moonep_ops/ops/moe_experts_fp8.py): the slot weights are e4m3 with their
+    128 x 128 block scales s1, s3 [B, ceil(F/128), ceil(D/128)], s2 [B, ceil(D/128),
+    ceil(F/128)] fp32.  The slot grads g1, g3, g2 are in ``dtype`` either way (weight grads
+    stay in the weights' dtype)."""
+
+    def __init__(self, backend, backend_name: str, D: int, F: int, dtype: torch.dtype,
+                 precision: str = "bf16"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         B = backend.spec.epn
         self.backend_name = backend_name
-        self.D, self.F, self.dtype = D, F, dtype
+        self.D, self.F, self.dtype, self.precision = D, F, dtype, precision
         z = backend.symmetric_zeros
-        self.w1 = z((B, F, D), dtype)
-        self.w3 = z((B, F, D), dtype)
-        self.w2 = z((B, D, F), dtype)
+        wdt = FP8_DTYPE if precision == "fp8" else dtype
+        self.w1 = z((B, F, D), wdt)
+        self.w3 = z((B, F, D), wdt)
+        self.w2 = z((B, D, F), wdt)
+        self.s1 = self.s3 = self.s2 = None
+        if precision == "fp8":
+            cF, cD = scale_cols(F), scale_cols(D)
+            self.s1 = z((B, cF, cD), torch.float32)
+            self.s3 = z((B, cF, cD), torch.float32)
+            self.s2 = z((B, cD, cF), torch.float32)
         self.g1 = z((B, F, D), dtype)
         self.g3 = z((B, F, D), dtype)
         self.g2 = z((B, D, F), dtype)
         self.name = registry.register(self, "pool")
 
+    def slot_weights(self) -> list[Tensor]:
+        """What prefetch_weight fills: [w1, w3, w2], or fp8 [w1, s1, w3, s3, w2, s2]."""
+        if self.precision == "fp8":
+            return [self.w1, self.s1, self.w3, self.s3, self.w2, self.s2]
+        return [self.w1, self.w3, self.w2]
+
     def tensors(self) -> tuple[Tensor, ...]:
-        return (self.w1, self.w3, self.w2, self.g1, self.g3, self.g2)
+        return tuple(self.slot_weights()) + (self.g1, self.g3, self.g2)
+
+    def tensor_names(self) -> tuple[str, ...]:
+        w = ("w1", "s1", "w3", "s3", "w2", "s2") if self.precision == "fp8" else ("w1", "w3", "w2")
+        return w + ("g1", "g3", "g2")
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -64,6 +94,7 @@ class ExpertPool:
     def release(self) -> None:
         registry.unregister(self.name)
         self.w1 = self.w3 = self.w2 = self.g1 = self.g3 = self.g2 = None
+        self.s1 = self.s3 = self.s2 = None
 
 
 def _pool(name: str) -> ExpertPool:
@@ -76,7 +107,8 @@ def _prefetch(pool: ExpertPool, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor)
 
 
 def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
-                       pool: ExpertPool, values: bool = True, **more: Tensor) -> None:
+                       pool: ExpertPool, values: bool = True, precision: str = "bf16",
+                       **more: Tensor) -> None:
     """Every check of moe_experts(_backward), before the first write (the pool's slots) and the
     first collective (prefetch_weight).  ``more``: the backward's dy [M, D], g and u [M, F].
     ``values``: real kernels only (cu_seqlens values, memory overlap)."""
@@ -91,6 +123,9 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
     if w3.shape != w1.shape or tuple(w2.shape) != (B, D, F):
         raise ValueError(f"expert weights must be w1, w3 [B, F, D] and w2 [B, D, F]; got "
                          f"{tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)}")
+    if pool.precision != precision:
+        raise ValueError(f"the pool holds {pool.precision} slots; this op needs a {precision} "
+                         f"pool (Buffer.expert_pool(D, F, dtype, precision={precision!r}))")
     if (D, F, w1.dtype) != (pool.D, pool.F, pool.dtype):
         raise ValueError(f"weights (D={D}, F={F}, {w1.dtype}) do not match the pool "
                          f"(D={pool.D}, F={pool.F}, {pool.dtype})")
@@ -124,8 +159,7 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
     # the grouped GEMMs would check them only after prefetch_weight wrote the pool's slots.
     _gm._check_cu(cu, 2 * B, M, h.device, values)
     if values:
-        written = [(f"the pool's {n}", t) for n, t in zip(("w1", "w3", "w2", "g1", "g3", "g2"),
-                                                           pool.tensors())]
+        written = [(f"the pool's {n}", t) for n, t in zip(pool.tensor_names(), pool.tensors())]
         check_no_overlap("moe_experts", written, list(named_t.items()))
 
 

@@ -1,0 +1,261 @@
+"""Op family ``moonep::moe_experts_fp8`` / ``moonep::moe_experts_fp8_backward``: the routed SwiGLU
+experts of one rank in FP8 (the DeepSeek-V3 recipe), fed by ``moonep::dispatch_fp8``.
+
+    z_MD, y_MD, g_MF, u_MF = moe_experts_fp8(h_MD e4m3, h_scale_MC, w_M, cu_G, etc_RB,
+                                             w1, w3, w2, pool, x_sD, route_weights_sK, dst_N,
+                                             total_num_tokens, pow2_scales)
+      the home weights are quantised per 128 x 128 block (e4m3 + fp32 scales) and pushed into
+      the pool's FP8 slots (prefetch_weight moves the e4m3 weights and their scales: 3*D*F +
+      12*ceil(D/128)*ceil(F/128) bytes an expert instead of 6*D*F in bf16), then
+        g = grouped_mm_fp8(h, w1),  u = grouped_mm_fp8(h, w3)           bf16 out
+        a = swiglu_quantize_fp8(g, u)       silu(g) * u in fp32, straight to e4m3 1 x 128 tiles
+        y = grouped_mm_fp8(a, w2)                                         bf16 out
+        z = bf16(fp32(y) * w_M)              the route weight of each row (the bf16 layer's
+                                             multiply, moved inside the op)
+    backward (moe_experts_fp8_backward, one op like the bf16 one):
+        dy = bf16(dz * w_M), dw_M = sum_D fp32(dz) * fp32(y)
+        da = grouped_mm_fp8_dgrad(q(dy), w2)   dy per 1 x 128 tile along D; the weights' own
+                                               block scales serve the transposed blocks
+        dg, du, a = swiglu_backward(g, u, da)  (a recomputed in bf16, as in the bf16 path)
+        dh = grouped_mm_fp8_dgrad(q(dg), w1) + grouped_mm_fp8_dgrad(q(du), w3)
+        wgrad in the weights' dtype, fp32 accumulation (grouped_mm_wgrad_into):
+          dw1 = dg^T h_bf16, dw3 = du^T h_bf16   h_bf16 = bf16(h * h_scale): the dispatched rows
+                                                 themselves (the bf16 rows never leave their
+                                                 source rank in the FP8 path)
+          dw2 = dy^T a                           a: the bf16 SwiGLU output (kept precision)
+        reduce_grad of the slot grads (as the bf16 op), then
+        (dx_sD, d_route_weights_sK) = combine(dh, dw_M, dst): dispatch's transpose, in the
+        Buffer's dtype with fp32 accumulation.
+      So quantisation is straight-through: the gradient of x and of the route weights is that
+      of the bf16 layer evaluated at the FP8 forward's values.
+
+Why one node carries dispatch's transpose: the rows reach the experts as e4m3 tensors, and an
+e4m3 tensor cannot carry a bf16 gradient through autograd (the engine casts a gradient to its
+tensor's dtype).  So ``moonep::dispatch_fp8`` is not differentiable, and this op takes the
+source rank's ``x_sD`` and ``route_weights_sK`` (read by nothing but autograd) plus the plan's
+``dst_N``, and returns their gradients from its backward's combine.
+
+Shapes (moonep_ops/geometry.py): h [M, D] e4m3, h_scale [M, ceil(D/128)] fp32, w_M [M] fp32,
+w1, w3 [B, F, D], w2 [B, D, F] bf16 (the layer's weights), x [s, D] bf16, route_weights [s, K]
+fp32, dst [s*K] int32; D and F multiples of 16 (grouped_mm_fp8).  The pool is the Buffer's
+precision "fp8" ExpertPool (``Buffer.expert_pool(D, F, torch.bfloat16, "fp8")``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import registry
+from ..backends.base import Backend
+from . import dispatch as _dispatch  # noqa: F401  (registers moonep::combine)
+from . import expert_weights as _ew  # noqa: F401  (registers moonep::prefetch_weight, reduce_grad)
+from . import grouped_mm as _gm
+from . import grouped_mm_fp8 as g8
+from . import quantize_fp8 as qf
+from .checks import check_no_overlap, on_device
+from .moe_experts import ExpertPool
+from .swiglu import swiglu_backward
+
+DTYPE = torch.bfloat16        # the recipe's activations, outputs and weights
+
+__all__ = ["quantised_weights"]
+
+
+def _pool(name: str) -> ExpertPool:
+    return registry.lookup(name, ExpertPool)
+
+
+def quantised_weights(w1: Tensor, w3: Tensor, w2: Tensor, pow2: bool) -> list[Tensor]:
+    """[w1q, s1, w3q, s3, w2q, s2]: the home experts per 128 x 128 block (prefetch's order)."""
+    out = []
+    for w in (w1, w3, w2):
+        out += list(qf.quantize_blocks(w.detach(), pow2))
+    return out
+
+
+@qf.fp8_checks
+def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, values=True,
+           x=None, rw=None, dst=None, total=None, **more) -> tuple[int, int, int, int]:
+    """Every check of the two ops, before the first write (the pool's slots) and the first
+    collective (prefetch_weight).  Returns (B, F, D, M)."""
+    if pool.precision != "fp8":
+        raise ValueError(f"{op}: the pool holds {pool.precision} slots; this op needs the "
+                         "Buffer's fp8 pool (Buffer.expert_pool(D, F, dtype, precision='fp8'))")
+    named_t = dict(h_scale=hs, row_weights=wM, cu_seqlens=cu, experts_to_copy=etc, w1=w1,
+                   w3=w3, w2=w2, **more)
+    if x is not None:
+        named_t.update(x=x, route_weights=rw, dst=dst)
+    for name, t in named_t.items():
+        if not isinstance(t, Tensor):
+            raise qf.FP8ArgumentError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
+    if not isinstance(pow2, bool):
+        raise qf.FP8ArgumentError(f"{op}: pow2_scales must be a bool, got {type(pow2).__name__}")
+    for name in ("w1", "w3", "w2"):
+        t = named_t[name]
+        if t.dim() != 3:
+            raise ValueError(f"{op}: {name} must be 3-D, got {tuple(t.shape)}")
+        if t.dtype != DTYPE:
+            raise qf.FP8ArgumentError(f"{op}: {name} must be {DTYPE} (the FP8 recipe's weights), got "
+                            f"{t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (got strides {t.stride()})")
+    B, F, D = w1.shape
+    if w3.shape != w1.shape or tuple(w2.shape) != (B, D, F):
+        raise ValueError(f"{op}: expert weights must be w1, w3 [B, F, D] and w2 [B, D, F]; got "
+                         f"{tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)}")
+    if (D, F, w1.dtype) != (pool.D, pool.F, pool.dtype):
+        raise ValueError(f"{op}: weights (D={D}, F={F}, {w1.dtype}) do not match the pool "
+                         f"(D={pool.D}, F={pool.F}, {pool.dtype})")
+    if B != pool.w1.shape[0]:
+        raise ValueError(f"{op}: expert weights hold B={B} experts, the Buffer has epn="
+                         f"{pool.w1.shape[0]}")
+    g8._check_align(op, F, D, names=("F", "D"))
+    M, _ = qf.check_rows_fp8(op, "h", h, hs, cols=D)
+    if wM.dtype != torch.float32 or tuple(wM.shape) != (M,):
+        raise ValueError(f"{op}: row_weights must be [M={M}] float32, got {list(wM.shape)} "
+                         f"{wM.dtype}")
+    want = {"dz": (M, D), "y": (M, D), "g": (M, F), "u": (M, F)}
+    for name, t in more.items():
+        if tuple(t.shape) != want[name] or t.dtype != DTYPE:
+            raise ValueError(f"{op}: {name} must be {list(want[name])} {DTYPE}, got "
+                             f"{list(t.shape)} {t.dtype}")
+    be = registry.lookup(pool.backend_name, Backend)
+    R, K = be.spec.R, be.spec.K
+    if etc.dtype != torch.int32 or tuple(etc.shape) != (R, B):
+        raise ValueError(f"{op}: experts_to_copy must be int32 [R={R}, epn={B}], got "
+                         f"{list(etc.shape)} {etc.dtype}")
+    if dst is not None and (dst.dtype != torch.int32 or dst.dim() != 1 or dst.shape[0] % K):
+        raise ValueError(f"{op}: dst must be int32 [s*K] (the plan's), got {list(dst.shape)} "
+                         f"{dst.dtype}")
+    if x is not None:
+        s = dst.shape[0] // K
+        if x.dim() != 2 or tuple(x.shape) != (s, D) or x.dtype != be.spec.dtype:
+            raise ValueError(f"{op}: x must be the source tokens [s={s}, D={D}] "
+                             f"{be.spec.dtype}, got {list(x.shape)} {x.dtype}")
+        if rw.dtype != torch.float32 or tuple(rw.shape) != (s, K):
+            raise ValueError(f"{op}: route_weights must be [s={s}, K={K}] float32, got "
+                             f"{list(rw.shape)} {rw.dtype}")
+    if be.spec.dtype != DTYPE:
+        raise qf.FP8ArgumentError(f"{op}: the Buffer's dtype is {be.spec.dtype}; the FP8 path combines "
+                        f"in {DTYPE}")
+    if total is not None and not isinstance(total, (int, torch.SymInt)):
+        raise qf.FP8ArgumentError(f"{op}: total_num_tokens must be an int")
+    dev = pool.w1.device
+    for name, t in list(named_t.items()) + [("h", h)]:
+        if not on_device(t, dev):
+            raise ValueError(f"{op}: {name} is on {t.device}, the pool on {dev}")
+        if name in ("experts_to_copy", "cu_seqlens", "row_weights", "dst") \
+                and not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (got strides {t.stride()})")
+    _gm._check_cu(cu, 2 * B, M, h.device, values)
+    if values:
+        written = [(f"the pool's {n}", t) for n, t in zip(pool.tensor_names(), pool.tensors())]
+        check_no_overlap(op, written, list(named_t.items()) + [("h", h)])
+    return B, F, D, M
+
+
+def _prefetch(pool: ExpertPool, etc: Tensor, local: list[Tensor]) -> None:
+    torch.ops.moonep.prefetch_weight(etc, local, pool.slot_weights(), pool.backend_name)
+
+
+_TAGS = ()   # capturable when the Buffer's backend is (as moe_experts)
+
+_FWD_SCHEMA = ("(Tensor h, Tensor h_scale, Tensor row_weights, Tensor cu_seqlens, "
+               "Tensor experts_to_copy, Tensor w1, Tensor w3, Tensor w2, str pool, Tensor x, "
+               "Tensor route_weights, Tensor dst, int total_num_tokens, bool pow2_scales=False)"
+               " -> (Tensor, Tensor, Tensor, Tensor)")
+_BWD_SCHEMA = ("(Tensor dz, Tensor h, Tensor h_scale, Tensor row_weights, Tensor y, Tensor g, "
+               "Tensor u, Tensor cu_seqlens, Tensor experts_to_copy, Tensor w1, Tensor w3, "
+               "Tensor w2, str pool, Tensor dst, int total_num_tokens, bool pow2_scales=False)"
+               " -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("moonep::moe_experts_fp8", mutates_args=(), schema=_FWD_SCHEMA,
+                         tags=_TAGS)
+def _moe_experts_fp8(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x,
+                     route_weights, dst, total_num_tokens, pow2_scales=False):
+    p = _pool(pool)
+    _check("moe_experts_fp8", p, h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3,
+           w2, pow2_scales, x=x, rw=route_weights, dst=dst, total=total_num_tokens)
+    q1, s1, q3, s3, q2, s2 = quantised_weights(w1, w3, w2, pow2_scales)
+    _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2])
+    cu = cu_seqlens
+    mm = torch.ops.moonep.grouped_mm_fp8
+    g = mm(h, h_scale, q1, s1, p.w1, p.s1, cu)
+    u = mm(h, h_scale, q3, s3, p.w3, p.s3, cu)
+    aq, as_ = torch.ops.moonep.swiglu_quantize_fp8(g, u, pow2_scales)
+    y = mm(aq, as_, q2, s2, p.w2, p.s2, cu)
+    z = (y.float() * row_weights[:, None]).to(DTYPE)
+    return z, y, g, u
+
+
+@_moe_experts_fp8.register_fake
+def _(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x, route_weights,
+      dst, total_num_tokens, pow2_scales=False):
+    B, F, D, M = _check("moe_experts_fp8", _pool(pool), h, h_scale, row_weights, cu_seqlens,
+                        experts_to_copy, w1, w3, w2, pow2_scales, values=False, x=x,
+                        rw=route_weights, dst=dst, total=total_num_tokens)
+    return (w1.new_empty((M, D)), w1.new_empty((M, D)), w1.new_empty((M, F)),
+            w1.new_empty((M, F)))
+
+
+@torch.library.custom_op("moonep::moe_experts_fp8_backward", mutates_args=(), schema=_BWD_SCHEMA,
+                         tags=_TAGS)
+def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, experts_to_copy,
+                              w1, w3, w2, pool, dst, total_num_tokens, pow2_scales=False):
+    p = _pool(pool)
+    _check("moe_experts_fp8_backward", p, h, h_scale, row_weights, cu_seqlens, experts_to_copy,
+           w1, w3, w2, pow2_scales, dst=dst, total=total_num_tokens, dz=dz, y=y, g=g, u=u)
+    q1, s1, q3, s3, q2, s2 = quantised_weights(w1, w3, w2, pow2_scales)
+    _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2])   # slots may hold another layer
+    cu = cu_seqlens
+    dzf = dz.float()
+    dy = (dzf * row_weights[:, None]).to(DTYPE)
+    d_rows = (dzf * y.float()).sum(-1)                          # grad of row_weights, fp32
+    quant = torch.ops.moonep.quantize_fp8_rows
+    dgrad = torch.ops.moonep.grouped_mm_fp8_dgrad
+    da = dgrad(*quant(dy, pow2_scales), q2, s2, p.w2, p.s2, cu)
+    dg, du, a = swiglu_backward(g, u, da)
+    dh = dgrad(*quant(dg, pow2_scales), q1, s1, p.w1, p.s1, cu) \
+        + dgrad(*quant(du, pow2_scales), q3, s3, p.w3, p.s3, cu)
+    h_bf = qf.dequantize_rows(h, h_scale).to(DTYPE)              # the rows the forward used
+    d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
+    torch.ops.moonep.grouped_mm_wgrad_into(dg, h_bf, cu, d1, p.g1)
+    torch.ops.moonep.grouped_mm_wgrad_into(du, h_bf, cu, d3, p.g3)
+    torch.ops.moonep.grouped_mm_wgrad_into(dy, a, cu, d2, p.g2)
+    torch.ops.moonep.reduce_grad(experts_to_copy, [d1, d3, d2], [p.g1, p.g3, p.g2],
+                                 p.backend_name)
+    dx, drw = torch.ops.moonep.combine(dh, d_rows, dst, p.backend_name, total_num_tokens)
+    return dx, drw, d1, d3, d2
+
+
+@_moe_experts_fp8_backward.register_fake
+def _(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool, dst,
+      total_num_tokens, pow2_scales=False):
+    p = _pool(pool)
+    _check("moe_experts_fp8_backward", p, h, h_scale, row_weights, cu_seqlens, experts_to_copy,
+           w1, w3, w2, pow2_scales, values=False, dst=dst, total=total_num_tokens, dz=dz, y=y,
+           g=g, u=u)
+    be = registry.lookup(p.backend_name, Backend)
+    K, D = be.spec.K, w1.shape[2]
+    s = dst.shape[0] // K
+    return (w1.new_empty((s, D)), w1.new_empty((s, K), dtype=torch.float32),
+            w1.new_empty(w1.shape), w3.new_empty(w3.shape), w2.new_empty(w2.shape))
+
+
+def _setup(ctx, inputs, output):
+    (h, hs, wM, cu, etc, w1, w3, w2, pool, x, rw, dst, total, pow2) = inputs
+    _, y, g, u = output
+    ctx.pool, ctx.total, ctx.pow2 = pool, total, pow2
+    ctx.save_for_backward(h, hs, wM, y, g, u, cu, etc, w1, w3, w2, dst)
+
+
+def _backward(ctx, dz, _dy, _dg, _du):
+    h, hs, wM, y, g, u, cu, etc, w1, w3, w2, dst = ctx.saved_tensors
+    dx, drw, d1, d3, d2 = torch.ops.moonep.moe_experts_fp8_backward(
+        dz.contiguous(), h, hs, wM, y, g, u, cu, etc, w1, w3, w2, ctx.pool, dst, ctx.total,
+        ctx.pow2)
+    return (None, None, None, None, None, d1, d3, d2, None, dx, drw, None, None, None)
+
+
+_moe_experts_fp8.register_autograd(_backward, setup_context=_setup)

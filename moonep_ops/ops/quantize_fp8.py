@@ -1,0 +1,316 @@
+"""Op family ``moonep::quantize_fp8_rows`` / ``quantize_fp8_blocks`` / ``swiglu_quantize_fp8``:
+the FP8 (e4m3) quantisation of the DeepSeek-V3 recipe, with its CPU reference.
+
+Format.  ``torch.float8_e4m3fn`` (max 448, 3 mantissa bits) values with fp32 scales; the real
+number an element stands for is ``q * scale`` of its tile or block:
+
+  activations  x_MI  -> q_MI e4m3, scale_MC fp32   one scale per 1 x 128 tile of a row:
+                                                    C = ceil(I / 128), scale[m, c] covers
+                                                    x[m, 128c : 128c + 128]
+  weights      w_..OI -> q_..OI e4m3, scale_..PC   one scale per 128 x 128 block:
+                                                    P = ceil(O / 128), C = ceil(I / 128)
+
+(legend: moonep_ops/geometry.py; a last tile or block that is cut short by the dims is scaled
+like a full one.)  A tile's scale is ``max(amax / 448, 2^-126)``, amax = its largest |x| in fp32,
+so its largest element maps to +-448 and an all-zero tile gets the smallest normal fp32 scale
+(its elements stay exactly 0).  With ``pow2_scales`` the scale is rounded UP to a power of two
+(2^ceil(log2(amax / 448))): multiplying by it is exact, the largest element maps into
+(224, 448], and the scales of a transposed or regrouped block are bit-identical by construction.
+Elements: ``q = e4m3(clamp(x / scale, -448, 448))``, round to nearest even.
+
+Error (an e4m3 element has 3 mantissa bits): |x - q*scale| <= 2^-4 |x| for |x / scale| >= 2^-6
+(normal e4m3), <= 2^-10 * scale below (subnormal e4m3, spacing 2^-9); tests/test_fp8_ops.py
+checks both, and the looser 2^-3 relative bound per element.
+
+Ops (schemas, fakes and references are pure Python; on CUDA tensors the same torch code runs):
+  quantize_fp8_rows(x [M, I] floating, pow2_scales=False) -> (q [M, I] e4m3, scale [M, C] fp32)
+  quantize_fp8_blocks(w [..., O, I] floating, pow2_scales=False)
+                                                     -> (q [..., O, I] e4m3, scale [..., P, C])
+  swiglu_quantize_fp8(g [M, F], u [M, F], pow2_scales=False) -> (q [M, F] e4m3, scale [M, C])
+      a = silu(g) * u in fp32 (moonep::swiglu's formula), quantised per 1 x 128 tile straight
+      from fp32: the SwiGLU output that feeds the down projection is never rounded to bf16.
+Python helpers: ``dequantize_rows``, ``dequantize_blocks`` (fp32 results), ``scale_cols``.
+None of the ops is differentiable: quantisation sits inside the FP8 ops' own backward
+(moonep_ops/ops/grouped_mm_fp8.py, moe_experts_fp8.py), which treat it as the identity
+(straight-through).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ..geometry import ceil_div
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0                     # torch.finfo(torch.float8_e4m3fn).max
+TILE = 128                          # 1 x 128 activation tiles, 128 x 128 weight blocks
+SCALE_FLOOR = 2.0 ** -126           # the smallest normal fp32: an all-zero tile's scale
+
+
+class FP8ArgumentError(ValueError, TypeError):
+    """A bad argument to an FP8 op (wrong dtype, shape, alignment or scale grid), raised before
+    any work.  A ValueError; also a TypeError, so code written against the bf16 ops' convention
+    (TypeError for a wrong type or dtype) still catches it."""
+
+
+def fp8_checks(fn):
+    """Decorate an argument check of an FP8 op: a TypeError raised inside it (by a check shared
+    with the bf16 ops) comes out as an FP8ArgumentError with the same message."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FP8ArgumentError:
+            raise
+        except TypeError as e:
+            raise FP8ArgumentError(str(e)) from None
+    return wrapped
+
+__all__ = ["FP8ArgumentError", "FP8_DTYPE", "fp8_row_bytes", "FP8_MAX", "TILE", "scale_cols", "quantize_rows", "quantize_blocks",
+           "swiglu_quantize", "dequantize_rows", "dequantize_blocks", "check_rows_fp8",
+           "check_blocks_fp8"]
+
+
+def scale_cols(n) -> int:
+    """ceil(n / 128): the tiles (or blocks) along a dim of n elements (works on SymInts)."""
+    return ceil_div(n, TILE)
+
+
+def fp8_row_bytes(D) -> int:
+    """Bytes of one dispatched FP8 row: D e4m3 values, then its ceil(D/128) fp32 scales."""
+    return D + 4 * scale_cols(D)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks (shape / dtype / device: run in the fakes too)
+# --------------------------------------------------------------------------------------------
+
+def _check_float(op: str, name: str, t, min_dim: int, max_dim: int | None = None) -> None:
+    if not isinstance(t, Tensor):
+        raise FP8ArgumentError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
+    if not t.dtype.is_floating_point or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2,
+                                                    torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        raise FP8ArgumentError(f"{op}: {name} must be a floating tensor (bf16, fp16, fp32, fp64), "
+                        f"got {t.dtype}")
+    if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
+        want = f"{min_dim}-D" if max_dim == min_dim else f"at least {min_dim}-D"
+        raise ValueError(f"{op}: {name} must be {want}, got shape {tuple(t.shape)}")
+
+
+def _check_bool(op: str, pow2) -> None:
+    if not isinstance(pow2, bool):
+        raise FP8ArgumentError(f"{op}: pow2_scales must be a bool, got {type(pow2).__name__}")
+
+
+def check_rows_fp8(op: str, name: str, q, scale, cols: int | None = None) -> tuple[int, int]:
+    """A 1 x 128-tile quantised operand: q [M, I] e4m3 and scale [M, ceil(I/128)] fp32, one
+    device, contiguous.  Returns (M, I)."""
+    for n, t in ((name, q), (f"{name}_scale", scale)):
+        if not isinstance(t, Tensor):
+            raise FP8ArgumentError(f"{op}: {n} must be a Tensor, got {type(t).__name__}")
+    if q.dtype != FP8_DTYPE:
+        raise FP8ArgumentError(f"{op}: {name} must be {FP8_DTYPE} (e4m3), got {q.dtype}")
+    if scale.dtype != torch.float32:
+        raise FP8ArgumentError(f"{op}: {name}_scale must be float32, got {scale.dtype}")
+    if q.dim() != 2:
+        raise ValueError(f"{op}: {name} must be 2-D [M, I], got shape {tuple(q.shape)}")
+    M, I = q.shape
+    if cols is not None and I != cols:
+        raise ValueError(f"{op}: {name} has {I} columns, expected {cols}")
+    want = (M, scale_cols(I))
+    if scale.dim() != 2 or tuple(scale.shape) != want:
+        raise ValueError(f"{op}: {name}_scale must be [M, ceil(I/128)] = {list(want)} (one "
+                         f"scale per 1x128 tile of {name}), got {list(scale.shape)}")
+    if scale.device != q.device:
+        raise ValueError(f"{op}: {name}_scale is on {scale.device}, {name} on {q.device}")
+    for n, t in ((name, q), (f"{name}_scale", scale)):
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {n} must be contiguous (got strides {t.stride()})")
+    return M, I
+
+
+def check_blocks_fp8(op: str, name: str, q, scale) -> tuple[int, ...]:
+    """A 128 x 128-block quantised weight: q [..., O, I] e4m3, scale [..., ceil(O/128),
+    ceil(I/128)] fp32, one device, contiguous.  Returns q's shape."""
+    for n, t in ((name, q), (f"{name}_scale", scale)):
+        if not isinstance(t, Tensor):
+            raise FP8ArgumentError(f"{op}: {n} must be a Tensor, got {type(t).__name__}")
+    if q.dtype != FP8_DTYPE:
+        raise FP8ArgumentError(f"{op}: {name} must be {FP8_DTYPE} (e4m3), got {q.dtype}")
+    if scale.dtype != torch.float32:
+        raise FP8ArgumentError(f"{op}: {name}_scale must be float32, got {scale.dtype}")
+    if q.dim() < 2:
+        raise ValueError(f"{op}: {name} must be at least 2-D [..., O, I], got {tuple(q.shape)}")
+    O, I = q.shape[-2:]
+    want = tuple(q.shape[:-2]) + (scale_cols(O), scale_cols(I))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{op}: {name}_scale must be [..., ceil(O/128), ceil(I/128)] = "
+                         f"{list(want)} (one scale per 128x128 block of {name}), got "
+                         f"{list(scale.shape)}")
+    if scale.device != q.device:
+        raise ValueError(f"{op}: {name}_scale is on {scale.device}, {name} on {q.device}")
+    for n, t in ((name, q), (f"{name}_scale", scale)):
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {n} must be contiguous (got strides {t.stride()})")
+    return tuple(q.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (any device; fp32 math)
+# --------------------------------------------------------------------------------------------
+
+def _scale_of(amax: Tensor, pow2: bool) -> Tensor:
+    s = torch.clamp_min(amax / FP8_MAX, SCALE_FLOOR)
+    if pow2:
+        m, e = torch.frexp(s)                         # s = m * 2^e, m in [0.5, 1)
+        e = torch.where(m == 0.5, e - 1, e)           # already a power of two
+        s = torch.ldexp(torch.ones_like(s), e)
+    return s
+
+
+def _cast(v: Tensor) -> Tensor:
+    return torch.clamp(v, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _pad_last(x: Tensor, n: int) -> Tensor:
+    pad = scale_cols(n) * TILE - n
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+
+def quantize_rows_from_fp32(xf: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    """1 x 128 tiles of an fp32 (or fp64) [M, I] tensor -> (q e4m3, scale fp32)."""
+    M, I = xf.shape
+    C = scale_cols(I)
+    xf = xf.to(torch.float32)
+    tiles = _pad_last(xf, I).view(M, C, TILE)
+    s = _scale_of(tiles.abs().amax(-1), pow2)                      # [M, C]
+    q = _cast(tiles / s[..., None]).view(M, C * TILE)[:, :I]
+    return q.contiguous(), s.contiguous()
+
+
+def quantize_rows(x_MI: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+    """Reference of moonep::quantize_fp8_rows (see the module docstring)."""
+    _check_float("quantize_fp8_rows", "x", x_MI, 2, 2)
+    _check_bool("quantize_fp8_rows", pow2_scales)
+    return quantize_rows_from_fp32(x_MI, pow2_scales)
+
+
+def quantize_blocks(w: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+    """Reference of moonep::quantize_fp8_blocks (see the module docstring)."""
+    _check_float("quantize_fp8_blocks", "w", w, 2)
+    _check_bool("quantize_fp8_blocks", pow2_scales)
+    *lead, O, I = w.shape
+    P, C = scale_cols(O), scale_cols(I)
+    wf = w.to(torch.float32).reshape(-1, O, I)
+    padded = torch.nn.functional.pad(wf, (0, C * TILE - I, 0, P * TILE - O))
+    blocks = padded.view(-1, P, TILE, C, TILE)
+    s = _scale_of(blocks.abs().amax(dim=(2, 4)), pow2_scales)     # [n, P, C]
+    q = _cast(blocks / s[:, :, None, :, None]).view(-1, P * TILE, C * TILE)[:, :O, :I]
+    return (q.reshape(*lead, O, I).contiguous(), s.reshape(*lead, P, C).contiguous())
+
+
+def swiglu_quantize(g_MF: Tensor, u_MF: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+    """Reference of moonep::swiglu_quantize_fp8: a = silu(g) * u in fp32, 1 x 128 tiles."""
+    _check_swiglu(g_MF, u_MF, pow2_scales)
+    gf, uf = g_MF.to(torch.float32), u_MF.to(torch.float32)
+    a = (gf * torch.sigmoid(gf)).mul_(uf)
+    return quantize_rows_from_fp32(a, pow2_scales)
+
+
+def _check_swiglu(g, u, pow2) -> None:
+    op = "swiglu_quantize_fp8"
+    _check_float(op, "g", g, 2, 2)
+    _check_float(op, "u", u, 2, 2)
+    _check_bool(op, pow2)
+    if g.dtype != u.dtype:
+        raise FP8ArgumentError(f"{op}: g is {g.dtype} but u is {u.dtype}: both must share one dtype")
+    if g.device != u.device:
+        raise ValueError(f"{op}: g is on {g.device} but u on {u.device}")
+    if tuple(g.shape) != tuple(u.shape):
+        raise ValueError(f"{op}: g {tuple(g.shape)} and u {tuple(u.shape)} must match")
+
+
+def dequantize_rows(q_MI: Tensor, scale_MC: Tensor) -> Tensor:
+    """fp32 [M, I]: every element times its 1 x 128 tile's scale."""
+    M, I = check_rows_fp8("dequantize_rows", "q", q_MI, scale_MC)
+    s = scale_MC.repeat_interleave(TILE, dim=1)[:, :I]
+    return q_MI.to(torch.float32) * s
+
+
+def dequantize_blocks(q: Tensor, scale: Tensor) -> Tensor:
+    """fp32 [..., O, I]: every element times its 128 x 128 block's scale."""
+    shape = check_blocks_fp8("dequantize_blocks", "q", q, scale)
+    O, I = shape[-2:]
+    s = scale.repeat_interleave(TILE, dim=-2).repeat_interleave(TILE, dim=-1)[..., :O, :I]
+    return q.to(torch.float32) * s
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("moonep::quantize_fp8_rows", mutates_args=(),
+                         schema="(Tensor x, bool pow2_scales=False) -> (Tensor, Tensor)")
+def _quantize_rows_op(x: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+    return quantize_rows(x, pow2_scales)
+
+
+@_quantize_rows_op.register_fake
+def _(x, pow2_scales=False):
+    _check_float("quantize_fp8_rows", "x", x, 2, 2)
+    _check_bool("quantize_fp8_rows", pow2_scales)
+    M, I = x.shape
+    return (x.new_empty((M, I), dtype=FP8_DTYPE),
+            x.new_empty((M, scale_cols(I)), dtype=torch.float32))
+
+
+@torch.library.custom_op("moonep::quantize_fp8_blocks", mutates_args=(),
+                         schema="(Tensor w, bool pow2_scales=False) -> (Tensor, Tensor)")
+def _quantize_blocks_op(w: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+    return quantize_blocks(w, pow2_scales)
+
+
+@_quantize_blocks_op.register_fake
+def _(w, pow2_scales=False):
+    _check_float("quantize_fp8_blocks", "w", w, 2)
+    _check_bool("quantize_fp8_blocks", pow2_scales)
+    *lead, O, I = w.shape
+    return (w.new_empty(tuple(w.shape), dtype=FP8_DTYPE),
+            w.new_empty((*lead, scale_cols(O), scale_cols(I)), dtype=torch.float32))
+
+
+@torch.library.custom_op("moonep::swiglu_quantize_fp8", mutates_args=(),
+                         schema="(Tensor g, Tensor u, bool pow2_scales=False) -> (Tensor, Tensor)")
+def _swiglu_quantize_op(g: Tensor, u: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+    return swiglu_quantize(g, u, pow2_scales)
+
+
+@_swiglu_quantize_op.register_fake
+def _(g, u, pow2_scales=False):
+    _check_swiglu(g, u, pow2_scales)
+    M, F = g.shape
+    return (g.new_empty((M, F), dtype=FP8_DTYPE),
+            g.new_empty((M, scale_cols(F)), dtype=torch.float32))
+
+
+# Public API: the ops (trace under torch.compile; the references above are plain functions).
+
+def quantize_fp8_rows(x_MI: Tensor, *, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+    """(q [M, I] e4m3, scale [M, ceil(I/128)] fp32), one scale per 1 x 128 tile."""
+    return torch.ops.moonep.quantize_fp8_rows(x_MI, pow2_scales)
+
+
+def quantize_fp8_blocks(w: Tensor, *, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+    """(q [..., O, I] e4m3, scale [..., ceil(O/128), ceil(I/128)] fp32), one per 128 x 128."""
+    return torch.ops.moonep.quantize_fp8_blocks(w, pow2_scales)
+
+
+def swiglu_quantize_fp8(g_MF: Tensor, u_MF: Tensor, *, pow2_scales: bool = False
+                        ) -> tuple[Tensor, Tensor]:
+    """silu(g) * u in fp32, quantised per 1 x 128 tile: (q [M, F] e4m3, scale [M, ceil(F/128)])."""
+    return torch.ops.moonep.swiglu_quantize_fp8(g_MF, u_MF, pow2_scales)
+
+
+__all__ += ["quantize_fp8_rows", "quantize_fp8_blocks", "swiglu_quantize_fp8"]

@@ -1,0 +1,104 @@
+"""The FP8 GEMM's backend choice against the library's declared ABI (CPU: stub libraries).
+
+native.py accepts libmoonep_gemm.so of ABI 8 (bf16 GEMMs) or 9 (ABI 8 + the FP8 grouped GEMM),
+and grouped_mm_fp8 calls the kernel only when the library *reports* ABI >= 9 and exports both
+FP8 functions; every other case runs the reference.  The stubs below are tiny C libraries
+(gcc) that export the right names and report a chosen version: nothing is ever called but the
+version function.
+"""
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moonep_ops import native
+from moonep_ops.ops import grouped_mm_fp8 as g8
+
+ROOT = Path(__file__).resolve().parent.parent
+FP8_NAMES = tuple(native.GEMM_FP8_PROTOTYPES)
+CC = shutil.which("cc") or shutil.which("gcc")
+
+
+def _stub(tmp_path: Path, abi: int, fp8: bool) -> native._Lib:
+    names = [n for n in native.GEMM_PROTOTYPES if n != "moonep_gemm_abi_version"]
+    names += list(FP8_NAMES) if fp8 else []
+    src = [f"int moonep_gemm_abi_version(void) {{ return {abi}; }}"]
+    src += [f"int {n}(void) {{ return 0; }}" for n in names]
+    (tmp_path / "stub.c").write_text("\n".join(src) + "\n")
+    subprocess.run([CC, "-shared", "-fPIC", "-o", str(tmp_path / "libmoonep_gemm.so"),
+                    str(tmp_path / "stub.c")], check=True)
+    return native._Lib("libmoonep_gemm.so", "moonep_gemm_abi_version", native.GEMM_ABI_VERSION,
+                       native.GEMM_PROTOTYPES, {}, versions=native.GEMM_ABI_VERSIONS,
+                       since={native.GEMM_FP8_ABI_VERSION: native.GEMM_FP8_PROTOTYPES})
+
+
+CUDA_LIKE = SimpleNamespace(device=torch.device("cuda"))   # backend_for_fp8 reads .device only
+
+
+@pytest.mark.skipif(CC is None, reason="needs a C compiler for the stub library")
+@pytest.mark.parametrize("abi,fp8,loads,has_fp8,why", [
+    (8, False, True, False, "ABI version 8 (< 9)"),
+    (8, True, True, False, "ABI version 8 (< 9)"),     # the version decides, not the symbol
+    (9, False, True, False, "lacks moonep_gemm_fp8_workspace_bytes, moonep_grouped_gemm_fp8"),
+    (9, True, True, True, None),
+    (10, True, False, False, "expects 8 or 9"),
+    (7, False, False, False, "expects 8 or 9"),
+])
+def test_fp8_kernel_only_from_an_abi9_library(tmp_path, monkeypatch, abi, fp8, loads, has_fp8,
+                                              why):
+    monkeypatch.setenv("MOONEP_LIB_DIR", str(tmp_path))
+    monkeypatch.delenv("MOONEP_DISABLE_NATIVE", raising=False)
+    monkeypatch.delenv("MOONEP_GEMM_BACKEND", raising=False)
+    lib = _stub(tmp_path, abi, fp8)
+    monkeypatch.setattr(native, "_GEMM", lib)
+    assert (native.gemm() is not None) == loads
+    assert (native.gemm_fp8() is not None) == has_fp8
+    if has_fp8:
+        assert native.gemm_fp8_unavailable() is None
+        assert g8.backend_for_fp8(CUDA_LIKE) == "cutlass"
+        monkeypatch.setenv("MOONEP_GEMM_BACKEND", "reference")
+        assert g8.backend_for_fp8(CUDA_LIKE) == "reference"
+    else:
+        assert why in native.gemm_fp8_unavailable()
+        assert g8.backend_for_fp8(CUDA_LIKE) == "reference"
+        with pytest.raises(native.NativeLibraryMissing, match="FP8"):
+            native.require_gemm_fp8()
+    assert g8.backend_for_fp8(torch.empty(1)) == "reference"        # CPU: always
+
+
+def test_missing_library_means_reference(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOONEP_LIB_DIR", str(tmp_path))
+    monkeypatch.delenv("MOONEP_DISABLE_NATIVE", raising=False)
+    lib = native._Lib("libmoonep_gemm.so", "moonep_gemm_abi_version", native.GEMM_ABI_VERSION,
+                      native.GEMM_PROTOTYPES, {}, versions=native.GEMM_ABI_VERSIONS,
+                      since={native.GEMM_FP8_ABI_VERSION: native.GEMM_FP8_PROTOTYPES})
+    monkeypatch.setattr(native, "_GEMM", lib)
+    assert native.gemm_fp8() is None and "not found" in native.gemm_fp8_unavailable()
+    assert g8.backend_for_fp8(CUDA_LIKE) == "reference"
+
+
+def _calls(fn_name: str) -> dict[str, int]:
+    """Attribute name -> argument count of every ``lib.<name>(...)`` call in a function."""
+    tree = ast.parse((ROOT / "moonep_ops/ops/grouped_mm_fp8.py").read_text())
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == fn_name:
+            for c in ast.walk(node):
+                if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute):
+                    out[c.func.attr] = len(c.args)
+    return out
+
+
+def test_launch_matches_the_declared_fp8_prototypes():
+    """The kernel's contract is the call in _launch: its argument count is the ctypes table's."""
+    launch = _calls("_launch")
+    assert launch["grouped_gemm_fp8"] == len(
+        native.GEMM_FP8_PROTOTYPES["moonep_grouped_gemm_fp8"][1])
+    assert _calls("_workspace_bytes")["gemm_fp8_workspace_bytes"] == len(
+        native.GEMM_FP8_PROTOTYPES["moonep_gemm_fp8_workspace_bytes"][1])
