@@ -29,8 +29,10 @@ extern "C" {
 // Bumped whenever an exported signature, the config table or the meaning of an argument changes
 // (moonep_ops/native.py checks it at load).  8: two families of configs per kind (cluster 1 x 2
 // and torch._grouped_mm's 2 x 1), one per call; more configs, so a longer tuning table; the
-// MOONEP_GEMM_PDL flag.  9: the FP8 grouped GEMM (moonep_grouped_gemm_fp8,
-// moonep_gemm_fp8_workspace_bytes).
+// MOONEP_GEMM_PDL flag.  9: every ABI 8 export unchanged plus the FP8 grouped GEMM
+// (moonep_grouped_gemm_fp8, moonep_gemm_fp8_workspace_bytes); native.py loads either version
+// (GEMM_ABI_VERSION 8, GEMM_FP8_ABI_VERSION 9) and calls the FP8 exports only from a library
+// that reports 9.
 #define MOONEP_GEMM_ABI_VERSION 9
 #define MOONEP_API __attribute__((visibility("default")))
 
