@@ -21,6 +21,10 @@ quotas).
 Routings: zipf (alpha 1.0, sampled with replacement), hot (one expert at 8x the mean load, the
 rest uniform), one_group (every entry to rank 0's experts: the longest greedy loops).
 token_padding 128, s = S.
+The cost table (--cost-eps / --cost-rc; --skip-cost leaves it out): policy "cost" (the level search
+in the group kernel) beside policy "moonep" (the exact caps) on the same rows, both as graphs
+replayed interleaved, with the ratio cost / exact of the medians (acceptance bar: <= 1.5) and a
+check against torch.ops.moonep.plan(..., "cost") on CUDA.
 """
 from __future__ import annotations
 
@@ -34,12 +38,19 @@ import torch
 import moonep_ops  # noqa: F401
 from moonep_ops import native
 from moonep_ops import planner as pdv
-from moonep_ops.geometry import Geometry
+from moonep_ops.geometry import Geometry, slack_to_ppm
 from moonep_ops.testing import histogram, make_routing, maxvio
 
 CONFIGS = [(8, 64, 512, 8, "hot"),
            (8, 384, 8192, 8, "zipf"), (8, 384, 8192, 8, "hot"), (8, 384, 8192, 8, "one_group"),
            (64, 1024, 8192, 8, "zipf"), (64, 1024, 8192, 8, "hot"), (64, 1024, 8192, 8, "one_group")]
+
+
+# (R, E, s, K, routing) of the cost table
+COST_CONFIGS = [(8, 256, 4096, 8, "zipf"), (8, 256, 4096, 8, "hot"), (8, 256, 4096, 8, "one_group"),
+                (8, 384, 8192, 8, "hot"), (16, 256, 4096, 8, "hot"),
+                (64, 256, 1024, 8, "zipf"), (64, 256, 1024, 8, "hot"),
+                (64, 256, 1024, 8, "one_group")]
 
 
 def routing(kind, R, E, s, K, seed=0):
@@ -146,6 +157,47 @@ def time_eager(fn, iters):
     return (time.perf_counter() - t0) * 1e6 / iters
 
 
+def cost_table(a) -> None:
+    """Policy "cost" against policy "moonep" on the device (group kernel alone, and the whole
+    plan), best / median us per plan, and the ratio of the medians."""
+    ppm, rc, tp, rank = slack_to_ppm(a.cost_eps), a.cost_rc, 128, 1
+    print(f"\npolicy cost (eps = {a.cost_eps}, replica_cost = {rc}) against the exact policy "
+          f"(moonep), us per plan, best / median; ratio = cost median / exact median")
+    print("| R | E | s | K | routing | exact group | cost group | ratio | exact plan | cost plan "
+          "| ratio | level plan chosen | err | vs torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for R, E, s, K, kind in COST_CONFIGS:
+        if R > a.max_r:
+            continue
+        tk = routing(kind, R, E, s, K)
+        tpe = histogram(tk, E)
+        hist = pdv.make_hist_rx(tpe, s).cuda()
+        topk = tk[rank].cuda()
+        err = torch.zeros(1, dtype=torch.int32, device="cuda")
+        geo0 = Geometry(R=R, E=E, S=s, K=K, token_padding=tp)
+        geo1 = Geometry(R=R, E=E, S=s, K=K, token_padding=tp, slack_ppm=ppm)
+        b0, b1 = pdv.allocate(hist, s, K, R), pdv.allocate(hist, s, K, R)
+
+        def fn(group_only, cost, hist=hist, topk=topk, R=R, s=s, err=err, b0=b0, b1=b1):
+            if cost:
+                return lambda: pdv.plan_into(hist, topk, rank, R, s, tp, geo1.NvS, err, b1,
+                                             group_only, slack_ppm=ppm, replica_cost=rc)
+            return lambda: pdv.plan_into(hist, topk, rank, R, s, tp, geo0.NvS, err, b0,
+                                         group_only)
+        gs = [capture(fn(True, False), a.launches), capture(fn(True, True), a.launches),
+              capture(fn(False, False), a.launches), capture(fn(False, True), a.launches)]
+        eg, cg, ep, cp = time_graphs(gs, a.launches, a.reps)
+        tpe_c = tpe.cuda()
+        ref = torch.ops.moonep.plan(tpe_c, topk, rank, R, s, tp, -1, "cost", ppm, rc)
+        exact = torch.ops.moonep.plan(tpe_c, topk, rank, R, s, tp, -1, "moonep")
+        same = all(torch.equal(x, y) for x, y in zip(ref, b1[:5]))
+        level = not all(torch.equal(x, y) for x, y in zip(ref[1:], exact[1:]))
+        print(f"| {R} | {E} | {s} | {K} | {kind} | {eg[0]:.1f} / {eg[1]:.1f} "
+              f"| {cg[0]:.1f} / {cg[1]:.1f} | {cg[1] / eg[1]:.2f} | {ep[0]:.1f} / {ep[1]:.1f} "
+              f"| {cp[0]:.1f} / {cp[1]:.1f} | {cp[1] / ep[1]:.2f} | {'yes' if level else 'no'} "
+              f"| {int(err.item())} | {'ok' if same else 'MISMATCH'} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--launches", type=int, default=100)
@@ -156,6 +208,11 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-torch-graph", action="store_true",
                     help="leave out the last table (the torch planner captured as a CUDA graph)")
     ap.add_argument("--max-r", type=int, default=1 << 30, help="only configurations with R <= this")
+    ap.add_argument("--cost-eps", type=float, default=0.05, help="policy cost's slack (cost table)")
+    ap.add_argument("--cost-rc", type=int, default=16,
+                    help="policy cost's replica cost in token copies (cost table)")
+    ap.add_argument("--skip-cost", action="store_true", help="leave out the cost table")
+    ap.add_argument("--only-cost", action="store_true", help="the cost table only")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available() or not pdv.device_planner_available():
         print("needs a CUDA device and libmoonep_ep.so (python -m moonep_ops.build --lib ep)")
@@ -170,6 +227,10 @@ def main(argv=None) -> int:
     del x
     print(f"SM clock after warm-up: {_clock()} MHz; {a.busy} matmuls queued before each replay")
     _BUSY["n"] = a.busy
+    if not a.skip_cost:
+        cost_table(a)
+    if a.only_cost:
+        return 0
     print("| R | E | s | K | routing | maxvio | group best | group med | plan best | plan med "
           "| torch eager | err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -38,7 +38,7 @@
 #include <cuda_runtime_api.h>  // cudaStream_t
 
 // Bumped whenever an exported signature changes (moonep_ops/native.py checks it at load).
-#define MOONEP_EP_ABI_VERSION 3
+#define MOONEP_EP_ABI_VERSION 4
 
 #ifdef __cplusplus
 #define MOONEP_EXPORT extern "C" __attribute__((visibility("default")))
@@ -391,14 +391,16 @@ MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void*
                                        void* du, void* a, int64_t n, int num_sms, void* stream);
 
 // =============================================================================================
-// Device planner (plan_kernels.cu): the MoonEP planner (policy "moonep") on the device,
-// bit-exact with the torch op moonep::plan (moonep_ops/ops/plan.py) for every histogram that
+// Device planner (plan_kernels.cu): the planner of policies "moonep" and "cost" on the device,
+// bit-exact with the torch op moonep::plan (moonep_ops/planner.py) for every histogram that
 // passes validation.  No host synchronisation, no allocation: capturable in a CUDA graph.
 // Algorithm notes: plan_kernels.cu, docs/planner.md.
 // Argument checks (else cudaErrorInvalidValue and a message): 1 <= R <= 1024, E a positive
 // multiple of R, 1 <= K <= 127, 1 <= s <= S, 0 <= rank < R, tp >= 1, R*S*K < 2^31,
-// NvS >= align_up(S*K + (tp-1)*G, tp) and R*NvS < 2^31, workspace_bytes large enough, no NULL
-// pointer argument.
+// 0 <= slack_ppm <= 10^6, 0 <= replica_cost < 2^40, with slack_ppm > 0 (policy "cost")
+// R <= 64 and E/R <= 256, NvS >= align_up(SK + (tp-1)*G, tp) with SK = S*K, or
+// slack_cap(S*K) = ceil(S*K * (10^6 + slack_ppm) / 10^6) with a slack, R*NvS < 2^31,
+// workspace_bytes large enough, no NULL pointer argument.
 // =============================================================================================
 
 /**
@@ -429,7 +431,17 @@ MOONEP_EXPORT size_t moonep_plan_workspace_bytes(int R, int E, int s, int K);
  * @param E                routed experts (B = E/R).
  * @param S                capacity: max tokens per rank per call.
  * @param token_padding    tp: every receive group's rows are padded to a multiple of tp.
- * @param NvS              receive rows at capacity (the geometry's NvS, or more).
+ * @param NvS              receive rows at capacity (the geometry's NvS, or more; with a slack
+ *                         the geometry's NvS of that slack, Geometry(slack_ppm=...).NvS).
+ * @param slack_ppm        policy "cost"'s cap slack eps in parts per million, [0, 10^6]: a rank
+ *                         may receive up to U = slack_cap(ceil(T/R)) copies (T = total entries
+ *                         of the call, computed on the device from the rows).  0: policy
+ *                         "moonep" (also policy "cost" without slack, which plans as MoonEP).
+ *                         > 0: policy "cost": MoonEP's plan and 2 x 8 level plans, scored
+ *                         on the device (planner.cost_plan), the first minimum planned.
+ * @param replica_cost     policy "cost"'s replica cost in token copies, [0, 2^40): the score
+ *                         is max rank load + replica_cost * max links.  Read only when
+ *                         slack_ppm > 0 (pass 0 otherwise).
  * @param dst_N            device int32 [s*K], output: entry n's destination, d*NvS + row on
  *                         rank d; -(d*NvS + row) - 1 for a duplicate (an earlier entry of the
  *                         same token already goes to rank d; its row is filled by a local copy).
@@ -450,9 +462,10 @@ MOONEP_EXPORT size_t moonep_plan_workspace_bytes(int R, int E, int s, int K);
  */
 MOONEP_EXPORT int moonep_plan(const int32_t* hist_RX, const int32_t* topk_sK, int s, int K,
                               int rank, int R, int E, int S, int token_padding, int NvS,
-                              int32_t* dst_N, int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2,
-                              int32_t* stats_2, void* workspace, size_t workspace_bytes,
-                              int32_t* err, cudaStream_t stream);
+                              int slack_ppm, int64_t replica_cost, int32_t* dst_N,
+                              int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2, int32_t* stats_2,
+                              void* workspace, size_t workspace_bytes, int32_t* err,
+                              cudaStream_t stream);
 
 /**
  * The group plan only (one launch of one block, with programmatic dependent launch): cu_G,
@@ -461,7 +474,8 @@ MOONEP_EXPORT int moonep_plan(const int32_t* hist_RX, const int32_t* topk_sK, in
  * only need the group tables, and for benchmarks.  Arguments as for moonep_plan.
  */
 MOONEP_EXPORT int moonep_plan_group(const int32_t* hist_RX, int s, int K, int rank, int R, int E,
-                                    int S, int token_padding, int NvS, int32_t* cu_G,
+                                    int S, int token_padding, int NvS, int slack_ppm,
+                                    int64_t replica_cost, int32_t* cu_G,
                                     int32_t* etc_RB, int32_t* zf_G2, int32_t* stats_2,
                                     void* workspace, size_t workspace_bytes, int32_t* err,
                                     cudaStream_t stream);

@@ -1,6 +1,7 @@
-// The MoonEP planner on the device (policy "moonep"), bit-exact with moonep::plan
-// (moonep_ops/ops/plan.py: plan_group with floor/ceil caps, rank_quotas "max", split_quotas
-// "max", layout, assign_slots, _rank_outputs).  docs/planner.md has the algorithm.
+// The MoonEP planner on the device (policies "moonep" and "cost"), bit-exact with moonep::plan
+// (moonep_ops/planner.py: plan_group with floor/ceil caps, rank_quotas "max", split_quotas
+// "max", layout, assign_slots, _rank_outputs; policy "cost": cost_plan, in the section "Policy
+// cost" below, between steps 1 and 2).  docs/planner.md has the algorithm.
 //
 // Launch 1, plan_group_kernel, grid 1 + nchunks, 1024 threads (R <= 12: 512, kSmallGroupThreads):
 //   block 0   steps 1-3 for the whole group from the [R, E+3] histogram (validation included):
@@ -139,10 +140,31 @@ inline WsLayout ws_layout(int R, int E, int s, int K) {
   return L;
 }
 
-inline size_t group_smem_bytes(int R, int E) {
+// The group kernel's shared memory without policy "cost"'s area (16-byte multiple: that area,
+// which holds int64 scores, starts right after it).
+__host__ __device__ inline size_t group_smem_base(int R, int E) {
   const size_t RW = (R + 31) / 32;
-  return 4 * (7 * static_cast<size_t>(E) + 1 + 10 * static_cast<size_t>(R) +
-              static_cast<size_t>(R) * RW + 48);
+  return (4 * (7 * static_cast<size_t>(E) + 1 + 10 * static_cast<size_t>(R) +
+               static_cast<size_t>(R) * RW + 48) + 15) & ~static_cast<size_t>(15);
+}
+
+// Policy "cost" (docs/planner.md, planner.cost_plan): MoonEP's plan + 2 stages of kCostLevels
+// level plans.  Its shared area (CostSmem, after the group kernel's own): kCostScores int64
+// scores, per candidate its quotas and per-rank split counts, one row of B ints per warp.
+// Limits (host-checked, planner.py mirrors them): R <= kCostMaxR (two register slots a lane:
+// the candidate warps keep every per-rank value in registers) and B <= kCostMaxB (the per-warp
+// rows stay <= 32 KiB).
+constexpr int kCostLevels = 8;                       // planner.COST_LEVELS
+constexpr int kCostScores = 1 + 2 * kCostLevels;
+constexpr int kCostMaxR = 64;
+constexpr int kCostMaxB = 256;
+constexpr int kCostWarps = 32;                       // scratch rows: the largest block's warps
+constexpr long long kInfeasible = 1ll << 62;         // planner._INFEASIBLE
+constexpr long long kPPM = 1000000;                  // geometry.PPM
+
+// geometry.slack_cap: ceil(c * (1 + ppm / 1e6)) in integers (c < 2^31: no overflow in int64).
+__host__ __device__ inline long long slack_cap(long long c, int ppm) {
+  return (c * (kPPM + ppm) + kPPM - 1) / kPPM;
 }
 
 inline size_t assign_smem_bytes(int E, int W) {
@@ -176,6 +198,9 @@ struct GroupArgs {
   long long* wstamps;  // null: off.  [5, 32] each warp's clock64 at stage ends
 #endif
   int nvs_uni;         // nvs_s of T = R*s*K (uniform s, or an invalid histogram): host-computed
+  int slack_ppm;       // policy "cost"'s cap slack (0: MoonEP, exact caps)
+  int cost;            // host: 1 launches the kCost kernels (the level search), 0 MoonEP
+  long long replica_cost;   // policy "cost": one replica's cost in token copies, [0, 2^40)
   int32_t* err;
 };
 
@@ -206,7 +231,15 @@ __device__ __forceinline__ int align_tp(int c, int tp) {
 // For the host (T = R*s*K) and the kernel (per-rank s) alike, in 32 bits: TT < 2^31 and per <
 // 2^32 (R*NvS < 2^31, checked on the host), and on the device 64-bit divisions are subroutine
 // calls (four of them made the last warp the last to reach step 1's barrier).
-__host__ __device__ inline int nvs_of(unsigned TT, int R, int tp, int B, int NvS) {
+// With a slack (policy "cost", ppm > 0) ceil(TT/R) becomes slack_cap(ceil(TT/R)) (Geometry.nvs_s),
+// in 64 bits (one call per kernel, off the critical path).
+__host__ __device__ inline int nvs_of(unsigned TT, int R, int tp, int B, int NvS, int ppm = 0) {
+  if (ppm > 0) {
+    const long long even = (static_cast<long long>(TT) + R - 1) / R;
+    const long long per = slack_cap(even, ppm) + static_cast<long long>(tp - 1) * 2 * B;
+    const long long v = (per + tp - 1) / tp * tp;
+    return v < NvS ? static_cast<int>(v) : NvS;
+  }
   const unsigned per = (TT + static_cast<unsigned>(R) - 1u) / static_cast<unsigned>(R)
                        + static_cast<unsigned>(tp - 1) * 2u * static_cast<unsigned>(B);
   const unsigned tpu = static_cast<unsigned>(tp), q = per / tpu;
@@ -746,11 +779,470 @@ __device__ __forceinline__ int rank_quotas_order(const unsigned* kb, unsigned TT
 }
 
 // ---------------------------------------------------------------------------------------------
-// Launch 1, block 0: steps 1-3.  NJ = ceil(R/32) rounded up to a power of two (register slots of
-// the per-rank values each lane holds in the warp-level greedy loops).
+// Policy "cost" (planner.cost_plan, bit-identical): candidates are MoonEP's plan (step 1's
+// quotas, which this kernel computes anyway) and 2 x kCostLevels "level" plans; each is scored
+// by max_r load_r + replica_cost * max_r max(out_links_r, in_links_r), and the first minimum
+// (MoonEP first, then stage 1, then stage 2) becomes the plan: its quotas replace step 1's
+// (donor_of, z_of, the receiver masks, the donor list) and steps 2-4 run on them unchanged.
+// That is exact because step 2 is split_quotas("max") and every level plan, like MoonEP's,
+// refills each receiver from one donor (level_quotas retires a receiver after its round), which
+// is all steps 2-4 assume.
+//
+// Code: the kCost instances of plan_group_kernel (NJ <= 2) only, so policy "moonep"'s kernels
+// are compiled as without it.
+//
+// Parallelism.  Level quotas: one warp per candidate level (cost_warp: 8 warps, none on warp
+// 0's scheduler); stage 1's 8 depend only on the group loads, so they run during step 1 (warp
+// 0's MoonEP quotas), before its barrier.  Splits: every (candidate, donor) pair is independent
+// (torch batches them the same way), so all warps of the block take the pairs of stage 1 and
+// MoonEP's plan, interleaved by candidate (one_group's single donor: 9 pairs on 9 warps); then
+// one warp per candidate scores it from the per-rank counts.  Stage 2 (its levels need stage
+// 1's first minimum): quotas on the 8 candidate warps, pairs on all warps, scores.  Warp 0
+// picks the winner.  Six block barriers in all, and the critical path beyond step 1 is two
+// single-donor splits (up to R-1+B rounds of 2 warp reductions each, the same greedy rounds as
+// MoonEP's step 2 without its batching shortcuts) plus one level's quotas (up to R-1 rounds of
+// 3 reductions).  A pair's split only counts (pieces, tokens) per rank; the winner's alloc
+// comes from step 2.
+//
+// Every value is a count bounded by T < 2^31 (host: R*S*K < 2^31), so int32 is exact where the
+// torch code uses int64; scores are int64 (replica_cost < 2^40, links < 2^15).  Argmax / argmin
+// take the lowest index on ties as torch.argmax / argmin do: one reduction of a packed
+// (value, index) key when the values leave room for the index bits, else two (value, then the
+// lowest index holding it).
 // ---------------------------------------------------------------------------------------------
 
-template <int NJ, int NT>
+// Candidate warp c (0..kCostLevels-1) of a block of nwarps: counting down from the last warp,
+// skipping warp 0's scheduler (warp % 4 == 0).  -1: not a candidate warp.
+__device__ __forceinline__ int cost_warp(int warp, int nwarps) {
+  if ((warp & 3) == 0) return -1;
+  const int top = nwarps - 1;                        // nwarps % 4 == 0: top % 4 == 3
+  const int c = (top - warp) - (top - warp) / 4;     // warps above it, less the skipped ones
+  return c < kCostLevels ? c : -1;
+}
+
+// Warp first argmax: v this lane's best value (<= 0: none), i its lowest index (<= 2^ib - 1).
+// Returns the warp's max (<= 0: none, I meaningless), I its lowest index.
+__device__ __forceinline__ int warp_first_max(int v, int i, bool pk, int ib, int& I) {
+  if (pk) {
+    const unsigned M = (1u << ib) - 1u;
+    const unsigned k = v > 0 ? (static_cast<unsigned>(v) << ib) | (M - static_cast<unsigned>(i))
+                             : 0u;
+    const unsigned K = __reduce_max_sync(kFull, k);
+    I = static_cast<int>(M - (K & M));
+    return static_cast<int>(K >> ib);
+  }
+  const int V = __reduce_max_sync(kFull, v);
+  I = __reduce_min_sync(kFull, v == V ? i : INT_MAX);
+  return V;
+}
+
+// Warp first argmin: v this lane's smallest value (INT_MAX: none), i its lowest index.
+__device__ __forceinline__ int warp_first_min(int v, int i, bool pk, int ib, int& I) {
+  if (pk) {
+    const unsigned k = v != INT_MAX ? (static_cast<unsigned>(v) << ib) | static_cast<unsigned>(i)
+                                    : 0xffffffffu;
+    const unsigned K = __reduce_min_sync(kFull, k);
+    I = static_cast<int>(K & ((1u << ib) - 1u));
+    return K == 0xffffffffu ? INT_MAX : static_cast<int>(K >> ib);
+  }
+  const int V = __reduce_min_sync(kFull, v);
+  I = __reduce_min_sync(kFull, v == V ? i : INT_MAX);
+  return V;
+}
+
+// planner.level_quotas for one level L on one warp (slot j of lane: rank d = lane + 32 j, g its
+// group load).  Out: dn[j] the receiver's donor (-1: none), zz[j] its quota.  Returns feasible
+// (every donor's excess placed).  Same rounds as the torch loop: R-1 at most, and the loop stops
+// only at a fixed point (no excess left, or no free receiver: every later round moves 0).
+template <int NJ>
+__device__ __forceinline__ bool level_quotas_warp(const int* g, int L, int R, bool pk, int ibR,
+                                                  int* dn, int* zz) {
+  const int lane = threadIdx.x & 31;
+  int ex[NJ], sp[NJ];
+  bool fr[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const bool in = lane + 32 * j < R;
+    ex[j] = in ? max(g[j] - L, 0) : 0;               // donors' excess
+    sp[j] = in ? max(L - g[j], 0) : 0;               // receivers' spare (fixed; free changes)
+    fr[j] = sp[j] > 0;
+    dn[j] = -1;
+    zz[j] = 0;
+  }
+  for (int it = 0; it < R - 1; ++it) {
+    int hv = 0, hi = 0;                              // most excess, ties: lowest rank
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (ex[j] > hv) { hv = ex[j]; hi = lane + 32 * j; }
+    int H;
+    const int EH = warp_first_max(hv, hi, pk, ibR, H);
+    if (EH <= 0) break;
+    // smallest free spare covering EH (ties: lowest), else the largest free spare (ties: lowest)
+    int fv = INT_MAX, fi = 0, lv = 0, li = 0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      if (fr[j]) {
+        if (sp[j] >= EH && sp[j] < fv) { fv = sp[j]; fi = lane + 32 * j; }
+        if (sp[j] > lv) { lv = sp[j]; li = lane + 32 * j; }
+      }
+    }
+    int FI, LI;
+    const int FV = warp_first_min(fv, fi, pk, ibR, FI);
+    const int LV = warp_first_max(lv, li, pk, ibR, LI);
+    if (LV <= 0) break;                              // no free receiver: stuck (m = 0 from now)
+    const bool fit = FV != INT_MAX;
+    const int u = fit ? FI : LI, m = min(EH, fit ? FV : LV);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int d = lane + 32 * j;
+      if (d == H) ex[j] -= m;
+      if (d == u) { fr[j] = false; dn[j] = H; zz[j] = m; }   // u retires (m > 0)
+    }
+  }
+  int left = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) left |= ex[j];
+  return __reduce_or_sync(kFull, static_cast<unsigned>(left)) == 0u;
+}
+
+// Policy "cost"'s shared area (24 int64, then cost_smem_ints ints): the int64 scores, then per
+// candidate row (0..7 stage 1, 8..15 stage 2, kCostMoonRow MoonEP) its (donor, quota) per
+// receiver (rows 0..15 only: MoonEP's are step 1's donor_of / z_of), its per-rank split counts
+// [4][R]
+// (pieces and tokens received, pieces and tokens given), its feasibility, the group loads [R],
+// and one row of B ints per warp (the split's tokens left).
+constexpr int kCostRows = 2 * kCostLevels + 1;
+constexpr int kCostMoonRow = 2 * kCostLevels;
+struct CostSmem {
+  long long* score;    // [kCostScores]: 0 MoonEP, 1 + c stage 1, 1 + kCostLevels + c stage 2
+  int* qrow;           // [2 * kCostLevels][2][R]
+  int* stat;           // [kCostRows][4][R]
+  int* feas;           // [kCostRows]
+  int* g;              // [R]
+  int* wrem;           // [kCostWarps][B]
+};
+
+__host__ __device__ inline size_t cost_smem_ints(int R, int E) {
+  return static_cast<size_t>(2 * kCostLevels * 2 + kCostRows * 4 + 1) * R + kCostRows + 3 +
+         static_cast<size_t>(kCostWarps) * (E / R);
+}
+
+__device__ __forceinline__ CostSmem cost_smem(unsigned char* base, int R) {
+  CostSmem c;
+  c.score = reinterpret_cast<long long*>(base);
+  c.qrow = reinterpret_cast<int*>(c.score + 24);
+  c.stat = c.qrow + 2 * kCostLevels * 2 * R;
+  c.feas = c.stat + kCostRows * 4 * R;
+  c.g = c.feas + kCostRows + 3;
+  c.wrem = c.g + R;
+  return c;
+}
+
+inline size_t group_smem_bytes(int R, int E, bool cost) {
+  return group_smem_base(R, E) + (cost ? 8 * 24 + 4 * cost_smem_ints(R, E) : 0);
+}
+
+// One (candidate, donor h) pair of planner.split_quotas_batched ("max") on one warp: the donor's
+// greedy (rounds of first argmax quota, first argmax tokens left, t = min of both), counting
+// per rank the pieces (alloc entries > 0 off home) and tokens instead of storing the alloc.
+// dnr / zzr: the candidate's donor and quota per receiver.  Every receiver has one donor and
+// every rank's give-side entries one writer (its own pair), so the stores need no atomics.
+// Returns at once when h gives nothing.
+template <int NJ>
+__device__ __forceinline__ void cost_split_pair(const int* dnr, const int* zzr, int h, int R,
+                                                int B, const int* remE, int* wrem, int* st,
+                                                bool pk, int ibR, int ibB) {
+  const int lane = threadIdx.x & 31;
+  int q[NJ], nin[NJ], tin[NJ];
+  bool mine[NJ];
+  unsigned any = 0u;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int d = lane + 32 * j;
+    mine[j] = d < R && dnr[d] == h;
+    q[j] = mine[j] ? zzr[d] : 0;
+    nin[j] = 0;
+    tin[j] = 0;
+    any |= __ballot_sync(kFull, q[j] > 0);
+  }
+  if (any == 0u) return;                             // uniform: not a donor of this candidate
+  int no = 0, to = 0;
+  // One round: first argmax quota (d), first argmax tokens left (le), t = min of both.
+  // torch: t = min(rem, q) if q > 0 else 0; no quota or no token left: nothing moves again.
+  auto quota_max = [&](int& D) {
+    int qv = 0, qi = 0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (q[j] > qv) { qv = q[j]; qi = lane + 32 * j; }
+    return warp_first_max(qv, qi, pk, ibR, D);
+  };
+  auto take = [&](int D, int t) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (lane + 32 * j == D) { q[j] -= t; ++nin[j]; tin[j] += t; }
+    ++no;                                            // a (le, d) pair is chosen at most once
+    to += t;
+  };
+  if (B <= 64) {
+    // Tokens left in registers, experts lane and lane + 32 (no shared round trip per round).
+    int r0 = lane < B ? remE[h * B + lane] : 0, r1 = lane + 32 < B ? remE[h * B + lane + 32] : 0;
+    for (int it = 0; it < R - 1 + B; ++it) {
+      const int rv = r1 > r0 ? r1 : r0, ri = r1 > r0 ? lane + 32 : lane;   // ties: lower le
+      int D, LE;
+      const int QM = quota_max(D);
+      const int RM = warp_first_max(rv, ri, pk, ibB, LE);
+      if (QM <= 0 || RM <= 0) break;
+      const int t = min(QM, RM);
+      take(D, t);
+      if (LE == lane) r0 -= t;
+      if (LE == lane + 32) r1 -= t;
+    }
+  } else {
+    __syncwarp();                                    // the last pair's reads of wrem are done
+    for (int le = lane; le < B; le += 32) wrem[le] = remE[h * B + le];
+    __syncwarp();
+    for (int it = 0; it < R - 1 + B; ++it) {
+      int rv = 0, ri = 0;
+      for (int le = lane; le < B; le += 32) {
+        const int x = wrem[le];
+        if (x > rv) { rv = x; ri = le; }
+      }
+      int D, LE;
+      const int QM = quota_max(D);
+      const int RM = warp_first_max(rv, ri, pk, ibB, LE);
+      if (QM <= 0 || RM <= 0) break;
+      const int t = min(QM, RM);
+      take(D, t);
+      __syncwarp();                                  // every lane has read wrem this round
+      if (lane == (LE & 31)) wrem[LE] -= t;
+      __syncwarp();
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int d = lane + 32 * j;
+    if (mine[j]) { st[d] = nin[j]; st[R + d] = tin[j]; }
+  }
+  if (lane == 0) { st[2 * R + h] = no; st[3 * R + h] = to; }
+}
+
+// Every (row, donor) pair of rows row0 + [0, nrows) (row index nrows - 1 + row0 may stand for
+// MoonEP: moon) over all warps.  Pairs are interleaved by row (p = h * nrows + r) so that the
+// candidates' splits of one donor (one_group: rank 0 in every row) run on different warps.
+template <int NJ>
+__device__ __forceinline__ void cost_split_all(const CostSmem& cs, int row0, int nrows, bool moon,
+                                               const int* donor_of, const int* z_of, int R,
+                                               int B, const int* remE, bool pk, int ibR,
+                                               int ibB) {
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  int* wrem = cs.wrem + warp * B;
+  for (int p = warp; p < nrows * R; p += nwarps) {
+    const int h = p / nrows, r = p - h * nrows;
+    const int row = moon && r == nrows - 1 ? kCostMoonRow : row0 + r;
+    if (!cs.feas[row]) continue;                     // infeasible: scored _INFEASIBLE anyway
+    const int* dnr = row == kCostMoonRow ? donor_of : cs.qrow + row * 2 * R;
+    const int* zzr = row == kCostMoonRow ? z_of : cs.qrow + row * 2 * R + R;
+    cost_split_pair<NJ>(dnr, zzr, h, R, B, remE, wrem, cs.stat + row * 4 * R, pk, ibR, ibB);
+  }
+}
+
+// planner.plan_scores of one row from its statistics: max_r load_r + rc * max_r links_r with
+// load_r = group_r - given_r + received_r (alloc[:, r].sum()) and links_r = max(pieces given,
+// pieces received) (plan_links); _INFEASIBLE for an infeasible level.
+template <int NJ>
+__device__ __forceinline__ long long cost_row_score(const CostSmem& cs, int row, int R,
+                                                    long long rc) {
+  const int lane = threadIdx.x & 31;
+  const int* st = cs.stat + row * 4 * R;
+  int ml = 0, mk = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int d = lane + 32 * j;
+    if (d < R) {
+      ml = max(ml, cs.g[d] - st[3 * R + d] + st[R + d]);
+      mk = max(mk, max(st[2 * R + d], st[d]));
+    }
+  }
+  ml = __reduce_max_sync(kFull, ml);
+  mk = __reduce_max_sync(kFull, mk);
+  return cs.feas[row] ? static_cast<long long>(ml) + rc * static_cast<long long>(mk)
+                      : kInfeasible;
+}
+
+// Group loads of the ranks of this lane's slots (from the column sums cnt = remE).
+template <int NJ>
+__device__ __forceinline__ void cost_groups(const int* remE, int R, int B, int* g) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int d = lane + 32 * j;
+    int x = 0;
+    if (d < R) {
+      const int* p = remE + d * B;
+      for (int b = 0; b < B; ++b) x += p[b];
+    }
+    g[j] = x;
+  }
+}
+
+struct CostLevels {
+  long long even, hi;    // ceil(T/R) and the top level of stage 1
+};
+
+// Policy "cost", stage 1's quotas on candidate warp cwarp (before step 1's barrier): its level,
+// its quotas, zeroed split counts (candidate 0 also MoonEP's, and the group loads).
+template <int NJ>
+__device__ __forceinline__ CostLevels cost_stage1(CostSmem cs, const int* remE, int R, int B, int T1,
+                                               int cwarp, int slack_ppm, bool packing) {
+  const int lane = threadIdx.x & 31;
+  const int cib = max(ceil_log2(R), ceil_log2(B));
+  int g[NJ], dn[NJ], zz[NJ];
+  cost_groups<NJ>(remE, R, B, g);
+  int mg = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) mg = max(mg, g[j]);
+  mg = __reduce_max_sync(kFull, mg);
+  CostLevels lv;
+  lv.even = (static_cast<long long>(T1) + R - 1) / R;
+  const long long limit = slack_cap(lv.even, slack_ppm);
+  lv.hi = min(max(static_cast<long long>(mg), lv.even), limit);   // clamp(min=even, max=U)
+  const int L = static_cast<int>(lv.even + ((lv.hi - lv.even) * cwarp + (kCostLevels - 2)) /
+                                               (kCostLevels - 1));
+  // packed keys when the values (<= T) leave room for the index bits; diagnostics stop 199
+  // forces the two-reduction path (packing false), as in the other greedy loops
+  const bool pk = packing && T1 >= 0 && static_cast<long long>(T1) < (1ll << (31 - cib));
+  const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ceil_log2(R), dn, zz);
+  int* row = cs.qrow + cwarp * 2 * R;
+  int* st = cs.stat + cwarp * 4 * R;
+  int* stm = cs.stat + kCostMoonRow * 4 * R;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const int d = lane + 32 * j;
+    if (d < R) {
+      row[d] = dn[j];
+      row[R + d] = zz[j];
+      st[d] = 0; st[R + d] = 0; st[2 * R + d] = 0; st[3 * R + d] = 0;
+      if (cwarp == 0) {                              // the group loads, MoonEP's statistics
+        cs.g[d] = g[j];
+        stm[d] = 0; stm[R + d] = 0; stm[2 * R + d] = 0; stm[3 * R + d] = 0;
+      }
+    }
+  }
+  if (lane == 0) {
+    cs.feas[cwarp] = ok ? 1 : 0;
+    if (cwarp == 0) cs.feas[kCostMoonRow] = 1;
+  }
+  return lv;
+}
+
+// Policy "cost" after step 1's barrier, on every thread of block 0 (valid histogram): the
+// splits, stage 2 and the choice (see the section comment).  Rewrites donor_of, z_of, rmask,
+// donors and misc[1] when a level plan wins.
+template <int NJ>
+__device__ __forceinline__ void cost_search(CostSmem cs, const int* remE, int* donor_of, int* z_of,
+                                         unsigned* rmask, int* donors, int* misc, int R, int B,
+                                         int T, int cwarp, long long c_even, long long c_hi,
+                                         long long rc, bool packing) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int RW = (R + 31) / 32;
+  const int cib = max(ceil_log2(R), ceil_log2(B));
+  const bool pk = packing && T >= 0 && static_cast<long long>(T) < (1ll << (31 - cib));
+  const int ibR = ceil_log2(R), ibB = ceil_log2(B);
+  cost_split_all<NJ>(cs, 0, kCostLevels + 1, true, donor_of, z_of, R, B, remE, pk, ibR, ibB);
+  __syncthreads();
+  if (warp <= kCostLevels) {
+    const int row = warp < kCostLevels ? warp : kCostMoonRow;
+    const long long sc = cost_row_score<NJ>(cs, row, R, rc);
+    if (lane == 0) cs.score[warp < kCostLevels ? 1 + warp : 0] = sc;
+  }
+  __syncthreads();
+  if (cwarp >= 0) {
+    long long bv = cs.score[1];
+    int kb = 0;
+    for (int k = 1; k < kCostLevels; ++k)
+      if (cs.score[1 + k] < bv) { bv = cs.score[1 + k]; kb = k; }   // first minimum
+    auto lv1 = [&](int k) {
+      return c_even + ((c_hi - c_even) * k + (kCostLevels - 2)) / (kCostLevels - 1);
+    };
+    const long long lo = lv1(max(kb - 1, 0)), top = lv1(min(kb + 1, kCostLevels - 1));
+    const int L = static_cast<int>(lo + ((top - lo) * (cwarp + 1) + kCostLevels) /
+                                            (kCostLevels + 1));
+    int g[NJ], dn[NJ], zz[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) g[j] = lane + 32 * j < R ? cs.g[lane + 32 * j] : 0;
+    const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ibR, dn, zz);
+    const int c = kCostLevels + cwarp;
+    int* row = cs.qrow + c * 2 * R;
+    int* st = cs.stat + c * 4 * R;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int d = lane + 32 * j;
+      if (d < R) {
+        row[d] = dn[j];
+        row[R + d] = zz[j];
+        st[d] = 0; st[R + d] = 0; st[2 * R + d] = 0; st[3 * R + d] = 0;
+      }
+    }
+    if (lane == 0) cs.feas[c] = ok ? 1 : 0;
+  }
+  __syncthreads();
+  cost_split_all<NJ>(cs, kCostLevels, kCostLevels, false, donor_of, z_of, R, B, remE, pk,
+                     ibR, ibB);
+  __syncthreads();
+  if (warp < kCostLevels) {
+    const long long sc = cost_row_score<NJ>(cs, kCostLevels + warp, R, rc);
+    if (lane == 0) cs.score[1 + kCostLevels + warp] = sc;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    long long bv = cs.score[0];
+    int best = 0;
+    for (int c = 1; c < kCostScores; ++c)
+      if (cs.score[c] < bv) { bv = cs.score[c]; best = c; }   // first minimum: MoonEP on ties
+    if (best > 0) {
+      const int* row = cs.qrow + (best - 1) * 2 * R;
+      for (int i = lane; i < R * RW; i += 32) rmask[i] = 0u;
+      __syncwarp();
+      unsigned lo = 0u, hi = 0u;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int d = lane + 32 * j;
+        if (d < R) {
+          const int h = row[d];
+          donor_of[d] = h;
+          z_of[d] = h >= 0 ? row[R + d] : 0;
+          if (h >= 0) {
+            atomicOr(&rmask[h * RW + (d >> 5)], 1u << (d & 31));
+            if (h < 32) lo |= 1u << h; else hi |= 1u << (h - 32);
+          }
+        }
+      }
+      lo = __reduce_or_sync(kFull, lo);
+      hi = __reduce_or_sync(kFull, hi);
+      const unsigned lt = (1u << lane) - 1u;
+      int nd = 0;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {             // the donor list, ascending (as step 1's)
+        const int d = lane + 32 * j;
+        const bool isd = d < R && (((j == 0 ? lo : hi) >> lane) & 1u);
+        const unsigned bl = __ballot_sync(kFull, isd);
+        if (isd) donors[nd + __popc(bl & lt)] = d;
+        nd += __popc(bl);
+      }
+      if (lane == 0) misc[1] = nd;
+    }
+  }
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch 1, block 0: steps 1-3.  NJ = ceil(R/32) rounded up to a power of two (register slots of
+// the per-rank values each lane holds in the warp-level greedy loops).  kCost: policy "cost"'s
+// search between steps 1 and 2 (its own instances, NJ <= 2: the policy "moonep" kernels carry
+// none of its code or registers).
+// ---------------------------------------------------------------------------------------------
+
+template <int NJ, int NT, bool kCost = false>
 __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   if (blockIdx.x > 0) {
@@ -1097,11 +1589,26 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
     if (g * R > total_T(true))
       sort_expert_keys(rh, B, ibB, MB, reinterpret_cast<unsigned*>(slotoff) + h * B);
   }
+  // Policy "cost", stage 1's quotas (see cost_warp): the kCostLevels levels even .. hi evenly,
+  // one per candidate warp, during step 1.  On an invalid histogram (warp 0 may be zeroing remE
+  // meanwhile) the results are garbage and unused: the search is skipped after the barrier.
+  long long c_even = 0, c_hi = 0;                    // ceil(T/R) and the top level
+  const int cwarp = cost_warp(warp, nwarps);
+  const CostSmem cs = cost_smem(smem_raw + group_smem_base(R, E), R);
+  if constexpr (NJ <= 2 && kCost) {
+    if (cwarp >= 0) {
+      const CostLevels lv = cost_stage1<NJ>(cs, remE, R, B, total_T(true), cwarp, a.slack_ppm,
+                                            plan_stop(a) != 199);
+      c_even = lv.even;
+      c_hi = lv.hi;
+    }
+  }
   if (warp == nwarps - 1 && lane == 0) {
     // nvs_s for either validity.  T = R*s*K (uniform s, or an invalid histogram) is the host's;
     // only per-rank s needs it here.
     int nv = a.nvs_uni;
-    if (total0 != -1) nv = nvs_of(static_cast<unsigned>(total_T(true)), R, tp, B, a.NvS);
+    if (total0 != -1)
+      nv = nvs_of(static_cast<unsigned>(total_T(true)), R, tp, B, a.NvS, a.slack_ppm);
     misc[5] = nv;
     misc[6] = a.nvs_uni;
   }
@@ -1112,6 +1619,18 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   const int T = total_T(valid);
   const int nvs_s = valid ? misc[5] : misc[6];
   if (plan_stop(a) == 2) return;
+
+  // Policy "cost", the splits, stage 2 and the choice.  All warps split the (candidate, donor)
+  // pairs of stage 1 and MoonEP's plan (step 1's quotas); one warp per row scores it; the
+  // candidate warps place stage 2's levels between the neighbours of stage 1's first-minimum
+  // level; all warps split stage 2's pairs; the rows are scored; warp 0 picks the first minimum
+  // and its quotas replace step 1's outputs, so steps 2-4 below plan it.  An invalid histogram
+  // plans as MoonEP's plan of the empty one (as without the policy).
+  if constexpr (NJ <= 2 && kCost) {
+    if (valid)
+      cost_search<NJ>(cs, remE, donor_of, z_of, rmask, donors, misc, R, B, T, cwarp, c_even, c_hi,
+                      a.replica_cost, plan_stop(a) != 199);
+  }
 
   // ---- 2. split_quotas (one warp per donor; the last warp lists the receivers meanwhile) -------
   const int ndon = misc[1];
@@ -1622,7 +2141,8 @@ cudaError_t ensure_smem(Kern kern, int slot, size_t bytes) {
   return e;
 }
 
-int check_sizes(int s, int K, int rank, int R, int E, int S, int tp, int NvS) {
+int check_sizes(int s, int K, int rank, int R, int E, int S, int tp, int NvS, int ppm,
+                long long rc) {
   if (R < 1 || R > kMaxR) return bad_arg("moonep_plan: R=%d outside [1, 1024]", R);
   if (E < R || E % R) return bad_arg("moonep_plan: E=%d must be a positive multiple of R=%d", E, R);
   if (K < 1 || K > kMaxK) return bad_arg("moonep_plan: K=%d outside [1, 127]", K);
@@ -1631,19 +2151,28 @@ int check_sizes(int s, int K, int rank, int R, int E, int S, int tp, int NvS) {
   if (tp < 1) return bad_arg("moonep_plan: token_padding=%d < 1", tp);
   if (static_cast<long long>(R) * S * K >= (1ll << 31))
     return bad_arg("moonep_plan: R*S*K >= 2^31 (R=%d, S=%d)", R, S);
+  if (ppm < 0 || ppm > kPPM) return bad_arg("moonep_plan: slack_ppm=%d outside [0, 10^6]", ppm);
+  if (rc < 0) return bad_arg("moonep_plan: replica_cost < 0%.0d", 0);
+  if (rc >= (1ll << 40)) return bad_arg("moonep_plan: replica_cost >= 2^40 token copies%.0d", 0);
+  if (ppm > 0 && (R > kCostMaxR || E / R > kCostMaxB))
+    return bad_arg("moonep_plan: policy cost on the device needs R <= 64 and E/R <= 256 "
+                   "(R=%d, E/R=%d)", R, E / R);
   const long long G = 2ll * (E / R);
-  const long long need = (static_cast<long long>(S) * K + (tp - 1) * G + tp - 1) / tp * tp;
+  // With a slack a rank receives up to slack_cap(S*K) copies (Geometry.NvS).
+  const long long SK = ppm > 0 ? slack_cap(static_cast<long long>(S) * K, ppm)
+                               : static_cast<long long>(S) * K;
+  const long long need = (SK + (tp - 1) * G + tp - 1) / tp * tp;
   if (NvS < need || static_cast<long long>(R) * NvS >= (1ll << 31))
     return bad_arg("moonep_plan: NvS=%d below the geometry's NvS or R*NvS >= 2^31 (R=%d)", NvS, R);
   return 0;
 }
 
-template <int NJ, int NT = kGroupThreads>
+template <int NJ, int NT = kGroupThreads, bool kCost = false>
 int launch_group(GroupArgs ga, int grid, size_t smem, cudaStream_t stream) {
   load_tiling(ga.R, ga.E, NT / 32, ga);
-  const int slot = NT != kGroupThreads ? 7
-                   : NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5;
-  cudaError_t e = ensure_smem(plan_group_kernel<NJ, NT>, slot, smem);
+  const int slot = (kCost ? 8 : 0) + (NT != kGroupThreads ? 7
+                   : NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5);
+  cudaError_t e = ensure_smem(plan_group_kernel<NJ, NT, kCost>, slot, smem);
   if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: shared memory for the group kernel");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(grid);
@@ -1659,15 +2188,16 @@ int launch_group(GroupArgs ga, int grid, size_t smem, cudaStream_t stream) {
 #else
   cfg.numAttrs = 1;
 #endif
-  e = cudaLaunchKernelEx(&cfg, plan_group_kernel<NJ, NT>, ga);
+  e = cudaLaunchKernelEx(&cfg, plan_group_kernel<NJ, NT, kCost>, ga);
   if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: group kernel launch");
   return moonep_ep::fail(cudaGetLastError(), "moonep_plan: group kernel launch");
 }
 
 int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, int R, int E, int S,
-             int tp, int NvS, int32_t* dst, int32_t* cu, int32_t* etc, int32_t* zf, int32_t* stats,
-             void* ws, size_t ws_bytes, int32_t* err, cudaStream_t stream, bool assign) {
-  if (int rc = check_sizes(s, K, rank, R, E, S, tp, NvS)) return rc;
+             int tp, int NvS, int ppm, long long rcost, int32_t* dst, int32_t* cu, int32_t* etc,
+             int32_t* zf, int32_t* stats, void* ws, size_t ws_bytes, int32_t* err,
+             cudaStream_t stream, bool assign) {
+  if (int bad = check_sizes(s, K, rank, R, E, S, tp, NvS, ppm, rcost)) return bad;
   if (!hist || !cu || !etc || !zf || !stats || !ws || !err || (assign && (!topk || !dst)))
     return bad_arg("moonep_plan: null pointer argument (%d)", 0);
   const WsLayout L = ws_layout(R, E, s, K);
@@ -1692,7 +2222,14 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   ga.chunkcnt = reinterpret_cast<int32_t*>(w + L.chunkcnt);
   ga.C = ch.C; ga.N = s * K;
   // nvs_s of T = R*s*K (< 2^31: check_sizes); the kernel computes it only for per-rank s
-  ga.nvs_uni = nvs_of(static_cast<unsigned>(R * s * K), R, tp, E / R, NvS);
+  ga.nvs_uni = nvs_of(static_cast<unsigned>(R * s * K), R, tp, E / R, NvS, ppm);
+  // slack_ppm = 0 is policy "cost" without slack, i.e. MoonEP (planner.plan_group): no search.
+  ga.slack_ppm = ppm;
+  // replica_cost = 0: the score is the max load, and MoonEP's, ceil(T/R), is the least any plan
+  // has, so MoonEP wins or ties and wins the tie (docs/planner.md, "Reductions"): the search
+  // would always pick it, so it is skipped (only the slack's NvS / nvs_s remain).
+  ga.cost = ppm > 0 && rcost > 0 ? 1 : 0;
+  ga.replica_cost = rcost;
   ga.err = err;
 #ifdef MOONEP_DIAGNOSTICS
   ga.stop = g_debug_stop;
@@ -1702,12 +2239,18 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
 #else
   constexpr bool full = true;
 #endif
-  const size_t gsmem_g = group_smem_bytes(R, E), gsmem_c = static_cast<size_t>(E) * 4;
+  const size_t gsmem_g = group_smem_bytes(R, E, ga.cost != 0);
+  const size_t gsmem_c = static_cast<size_t>(E) * 4;
   const size_t gsmem = gsmem_g > gsmem_c ? gsmem_g : gsmem_c;
   const int grid = assign && full ? 1 + ch.nchunks : 1;
   const int nj = (R + 31) / 32;
   int rc;
-  if (sorting_warps_fit(R, kSmallGroupThreads / 32))      // R <= 12
+  if (ga.cost) {                                         // R <= 64: check_sizes
+    if (sorting_warps_fit(R, kSmallGroupThreads / 32))
+      rc = launch_group<1, kSmallGroupThreads, true>(ga, grid, gsmem, stream);
+    else if (nj <= 1) rc = launch_group<1, kGroupThreads, true>(ga, grid, gsmem, stream);
+    else rc = launch_group<2, kGroupThreads, true>(ga, grid, gsmem, stream);
+  } else if (sorting_warps_fit(R, kSmallGroupThreads / 32))      // R <= 12
     rc = launch_group<1, kSmallGroupThreads>(ga, grid, gsmem, stream);
   else if (nj <= 1) rc = launch_group<1>(ga, grid, gsmem, stream);
   else if (nj <= 2) rc = launch_group<2>(ga, grid, gsmem, stream);
@@ -1740,20 +2283,24 @@ MOONEP_EXPORT size_t moonep_plan_workspace_bytes(int R, int E, int s, int K) {
 
 MOONEP_EXPORT int moonep_plan(const int32_t* hist_RX, const int32_t* topk_sK, int s, int K,
                               int rank, int R, int E, int S, int token_padding, int NvS,
-                              int32_t* dst_N, int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2,
-                              int32_t* stats_2, void* workspace, size_t workspace_bytes,
-                              int32_t* err, cudaStream_t stream) {
-  return run_plan(hist_RX, topk_sK, s, K, rank, R, E, S, token_padding, NvS, dst_N, cu_G, etc_RB,
-                  zf_G2, stats_2, workspace, workspace_bytes, err, stream, true);
+                              int slack_ppm, int64_t replica_cost, int32_t* dst_N,
+                              int32_t* cu_G, int32_t* etc_RB, int32_t* zf_G2, int32_t* stats_2,
+                              void* workspace, size_t workspace_bytes, int32_t* err,
+                              cudaStream_t stream) {
+  return run_plan(hist_RX, topk_sK, s, K, rank, R, E, S, token_padding, NvS, slack_ppm,
+                  replica_cost, dst_N, cu_G, etc_RB, zf_G2, stats_2, workspace, workspace_bytes,
+                  err, stream, true);
 }
 
 MOONEP_EXPORT int moonep_plan_group(const int32_t* hist_RX, int s, int K, int rank, int R, int E,
-                                    int S, int token_padding, int NvS, int32_t* cu_G,
+                                    int S, int token_padding, int NvS, int slack_ppm,
+                                    int64_t replica_cost, int32_t* cu_G,
                                     int32_t* etc_RB, int32_t* zf_G2, int32_t* stats_2,
                                     void* workspace, size_t workspace_bytes, int32_t* err,
                                     cudaStream_t stream) {
-  return run_plan(hist_RX, nullptr, s, K, rank, R, E, S, token_padding, NvS, nullptr, cu_G, etc_RB,
-                  zf_G2, stats_2, workspace, workspace_bytes, err, stream, false);
+  return run_plan(hist_RX, nullptr, s, K, rank, R, E, S, token_padding, NvS, slack_ppm,
+                  replica_cost, nullptr, cu_G, etc_RB, zf_G2, stats_2, workspace, workspace_bytes,
+                  err, stream, false);
 }
 
 #ifdef MOONEP_DIAGNOSTICS

@@ -47,7 +47,9 @@ def load_lib() -> ctypes.CDLL:
     lib.moonep_plan_workspace_bytes.restype = c_size_t
     lib.moonep_plan_workspace_bytes.argtypes = [c_int] * 4
     lib.moonep_plan_group.restype = c_int        # csrc/moonep_ep.h
-    lib.moonep_plan_group.argtypes = [p] + [c_int] * 8 + [p] * 5 + [c_size_t, p, p]
+    # s K rank R E S tp NvS, slack_ppm (0: policy moonep), replica_cost (EP ABI 4)
+    lib.moonep_plan_group.argtypes = ([p] + [c_int] * 8 + [c_int, ctypes.c_int64] + [p] * 5
+                                      + [c_size_t, p, p])
     for name in ("moonep_plan_debug_stamps", "moonep_plan_debug_warp_stamps"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = [p]
@@ -108,7 +110,7 @@ def main() -> int:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
         def launch():
-            rc = lib.moonep_plan_group(hist.data_ptr(), s, K, rank, R, E, s, tp, NvS,
+            rc = lib.moonep_plan_group(hist.data_ptr(), s, K, rank, R, E, s, tp, NvS, 0, 0,
                                        cu.data_ptr(), etc.data_ptr(), zf.data_ptr(),
                                        stats.data_ptr(), work.data_ptr(), nws, err.data_ptr(),
                                        stream)

@@ -668,9 +668,10 @@ def plan_all_ranks(topk_per_rank: Sequence[Tensor] | Tensor, num_experts: int,
 # ---------------------------------------------------------------------------------------------
 # The device planner: moonep_plan of libmoonep_ep.so (csrc/plan_kernels.cu)
 #
-# Bit-exact with moonep::plan(hist[:, :E], topk, rank, R, S, tp, total, "moonep") for every
-# histogram that passes validation, with no host synchronisation and no allocation inside the
-# library, so it can be captured in a CUDA graph.  Its input hist_RX is [R, E+3] int32 on the
+# Bit-exact with moonep::plan(hist[:, :E], topk, rank, R, S, tp, total, "moonep") -- or with
+# policy "cost" and its slack_ppm / replica_cost (R <= 64, E/R <= 256: cost_device_limit) -- for
+# every histogram that passes validation, with no host synchronisation and no allocation inside
+# the library, so it can be captured in a CUDA graph.  Its input hist_RX is [R, E+3] int32 on the
 # device; row r = [bincount of rank r's top-k ids (E), bad_ids_flag, s_r, total_num_tokens
 # (-1: uniform s)].  Validation runs on the device and ORs native.ERR_* bits into the int32
 # ``err`` word instead of raising: a row not summing to s_r*K, s_r outside [1, S], an s / total
@@ -680,7 +681,26 @@ def plan_all_ranks(topk_per_rank: Sequence[Tensor] | Tensor, num_experts: int,
 # (an invalid histogram plans as an empty one).
 # ---------------------------------------------------------------------------------------------
 
-DEVICE_POLICIES = ("moonep",)     # the policies csrc/plan_kernels.cu implements
+DEVICE_POLICIES = ("moonep", "cost")     # the policies csrc/plan_kernels.cu implements
+
+# Policy "cost" with a slack on the device: one warp per candidate keeps every per-rank value in
+# two registers a lane (R <= 64), and each warp one row of B token counts in shared memory
+# (csrc/plan_kernels.cu kCostMaxR, kCostMaxB).  Beyond them plan_on_device raises, and
+# plan_from_rows plans with the torch reference (cost_device_limit says why).
+COST_DEVICE_MAX_R = 64
+COST_DEVICE_MAX_B = 256
+
+
+def cost_device_limit(R: int, E: int, slack_ppm: int) -> Optional[str]:
+    """None when the device planner can plan policy "cost" with this slack for R ranks and E
+    experts, else why not (slack_ppm = 0 plans as MoonEP: always served)."""
+    if slack_ppm == 0:
+        return None
+    if R > COST_DEVICE_MAX_R:
+        return f"R={R} > {COST_DEVICE_MAX_R}"
+    if E // R > COST_DEVICE_MAX_B:
+        return f"E/R={E // R} > {COST_DEVICE_MAX_B}"
+    return None
 
 
 def device_planner_available() -> bool:
@@ -732,8 +752,15 @@ def _check_device_args(hist_RX: Tensor, topk_sK: Tensor, rank, R, S, token_paddi
     return hist_RX.shape[1] - 3, int(s), int(K)
 
 
-def _geometry(R, E, S, K, token_padding, NvS, rank, s) -> Geometry:
-    geo = Geometry(R=R, E=E, S=S, K=K, token_padding=token_padding)   # E % R, R*NvS, K <= 127
+def _geometry(R, E, S, K, token_padding, NvS, rank, s, slack_ppm=0, replica_cost=0) -> Geometry:
+    check_cost_args("cost", slack_ppm, replica_cost)
+    # E % R, R*NvS, K <= 127; NvS with the slack's larger receive bound
+    geo = Geometry(R=R, E=E, S=S, K=K, token_padding=token_padding, slack_ppm=slack_ppm)
+    why = cost_device_limit(R, E, slack_ppm)
+    if why is not None:
+        raise ValueError(f"the device planner cannot plan policy 'cost' with a slack for {why} "
+                         f"(limits R <= {COST_DEVICE_MAX_R}, E/R <= {COST_DEVICE_MAX_B}); plan "
+                         f"with the torch reference planner.plan(..., policy='cost')")
     if not 0 <= rank < R:
         raise ValueError(f"rank={rank} outside [0, R={R})")
     geo.check_s(s)
@@ -754,10 +781,13 @@ def allocate(hist_RX: Tensor, s: int, K: int, R: int) -> DevicePlanBuffers:
 
 
 def plan_into(hist_RX: Tensor, topk_sK: Tensor, rank: int, R: int, S: int, token_padding: int,
-              NvS: int, err: Tensor, bufs: DevicePlanBuffers, group_only: bool = False) -> None:
-    """Launch moonep_plan (or moonep_plan_group) into preallocated buffers on the current stream."""
+              NvS: int, err: Tensor, bufs: DevicePlanBuffers, group_only: bool = False, *,
+              slack_ppm: int = 0, replica_cost: int = 0) -> None:
+    """Launch moonep_plan (or moonep_plan_group) into preallocated buffers on the current stream.
+    ``slack_ppm`` > 0: policy "cost" with that slack and ``replica_cost`` (as ``plan``);
+    0: policy "moonep" (and "cost" without slack, the same plan)."""
     E, s, K = _check_device_args(hist_RX, topk_sK, rank, R, S, token_padding, NvS, err)
-    _geometry(R, E, S, K, token_padding, NvS, rank, s)
+    _geometry(R, E, S, K, token_padding, NvS, rank, s, slack_ppm, replica_cost)
     B = E // R
     want = {"dst": (s * K,), "cu": (2 * B,), "etc": (R, B), "zf": (2 * B, 2), "stats": (2,)}
     for name, shape in want.items():
@@ -774,38 +804,43 @@ def plan_into(hist_RX: Tensor, topk_sK: Tensor, rank: int, R: int, S: int, token
     lib = native.require_ep()
     with torch.cuda.device(hist_RX.device):     # the library launches on the current device
         _launch(lib, group_only, hist_RX, topk_sK, s, K, rank, R, E, S, token_padding, NvS, bufs,
-                ws, nbytes, err, stream)
+                ws, nbytes, err, stream, slack_ppm, replica_cost)
 
 
 def _launch(lib, group_only, hist_RX, topk_sK, s, K, rank, R, E, S, token_padding, NvS, bufs, ws,
-            nbytes, err, stream):
+            nbytes, err, stream, slack_ppm=0, replica_cost=0):
     if group_only:
         rc = lib.plan_group(hist_RX.data_ptr(), s, K, rank, R, E, S, token_padding, NvS,
-                      bufs.cu.data_ptr(), bufs.etc.data_ptr(), bufs.zf.data_ptr(),
-                      bufs.stats.data_ptr(), ws.data_ptr(), nbytes, err.data_ptr(), stream)
+                            slack_ppm, replica_cost, bufs.cu.data_ptr(), bufs.etc.data_ptr(),
+                            bufs.zf.data_ptr(), bufs.stats.data_ptr(), ws.data_ptr(), nbytes,
+                            err.data_ptr(), stream)
         native.ep_check(rc, "moonep_plan_group")
     else:
         rc = lib.plan(hist_RX.data_ptr(), topk_sK.data_ptr(), s, K, rank, R, E, S, token_padding,
-                     NvS, bufs.dst.data_ptr(), bufs.cu.data_ptr(), bufs.etc.data_ptr(),
-                     bufs.zf.data_ptr(), bufs.stats.data_ptr(), ws.data_ptr(), nbytes,
-                     err.data_ptr(), stream)
+                      NvS, slack_ppm, replica_cost, bufs.dst.data_ptr(), bufs.cu.data_ptr(),
+                      bufs.etc.data_ptr(), bufs.zf.data_ptr(), bufs.stats.data_ptr(),
+                      ws.data_ptr(), nbytes, err.data_ptr(), stream)
         native.ep_check(rc, "moonep_plan")
 
 
 def plan_on_device(hist_RX: Tensor, topk_sK: Tensor, rank: int, R: int, S: int,
-                   token_padding: int, NvS: int, err: Tensor
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   token_padding: int, NvS: int, err: Tensor, *, slack_ppm: int = 0,
+                   replica_cost: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Plan this rank's dispatch on the device: (dst [s*K], cu [2*epn], etc [R, epn],
     zf [2*epn, 2], stats [2]), all int32 on hist_RX's device, launched on the current stream.
 
     Same values as ``torch.ops.moonep.plan(hist_RX[:, :E], topk_sK, rank, R, S, token_padding,
     total, "moonep")`` with ``total = hist_RX[rank, E+2]``, when the histogram is valid;
     otherwise ``err`` gets MOONEP_ERR_* bits and the outputs are in range but meaningless.
+    With ``slack_ppm`` > 0: the same as policy "cost" with that slack and ``replica_cost``
+    (NvS must then be the slack's, ``Geometry(..., slack_ppm=slack_ppm).NvS``); a ValueError
+    when the kernel cannot take R or E/R with a slack (``cost_device_limit``).
     """
     E, s, K = _check_device_args(hist_RX, topk_sK, rank, R, S, token_padding, NvS, err)
-    _geometry(R, E, S, K, token_padding, NvS, rank, s)
+    _geometry(R, E, S, K, token_padding, NvS, rank, s, slack_ppm, replica_cost)
     bufs = allocate(hist_RX, s, K, R)
-    plan_into(hist_RX, topk_sK, rank, R, S, token_padding, NvS, err, bufs)
+    plan_into(hist_RX, topk_sK, rank, R, S, token_padding, NvS, err, bufs,
+              slack_ppm=slack_ppm, replica_cost=replica_cost)
     return bufs.dst, bufs.cu, bufs.etc, bufs.zf, bufs.stats
 
 
@@ -814,15 +849,20 @@ def plan_from_rows(rows_RX: Tensor, topk_sK: Tensor, rank: int, spec, total: int
     """The plan from the gathered [R, E+3] rows, as both data-plane backends make it.
 
     The device planner when it can serve (``device``, CUDA rows, ``spec.policy`` in
-    DEVICE_POLICIES, the library loaded; ``err`` gets its error bits, so it must be given for
+    DEVICE_POLICIES, the library loaded, and for policy "cost" with a slack R <= 64 and
+    E/R <= 256: ``cost_device_limit``; ``err`` gets its error bits, so it must be given for
     CUDA rows), else the torch planner on the rows' device (``total`` as moonep::plan takes it;
     ``clamp_ids``: ids that a histogram kernel flagged as bad are clamped so its indexing stays
     in bounds).  Same plan either way (tests).
     Returns (the five plan tensors, whether the device planner made them)."""
-    if device and rows_RX.is_cuda and spec.policy in DEVICE_POLICIES and device_planner_available():
+    slack_ppm = getattr(spec, "slack_ppm", 0) if spec.policy == "cost" else 0
+    replica_cost = getattr(spec, "replica_cost", 0) if spec.policy == "cost" else 0
+    if device and rows_RX.is_cuda and spec.policy in DEVICE_POLICIES and \
+            cost_device_limit(spec.R, spec.E, slack_ppm) is None and device_planner_available():
         hist_RX = rows_RX.to(torch.int32).contiguous()
         return plan_on_device(hist_RX, topk_sK, rank, spec.R, spec.S, spec.token_padding,
-                              spec.NvS, err), True
+                              spec.NvS, err, slack_ppm=slack_ppm,
+                              replica_cost=replica_cost), True
     ids = topk_sK.clamp(0, spec.E - 1) if clamp_ids else topk_sK
     tpe_RE = rows_RX[:, :spec.E].to(torch.int32).contiguous()
     return torch.ops.moonep.plan(tpe_RE, ids, rank, spec.R, spec.S, spec.token_padding, total,

@@ -15,6 +15,7 @@
 #   vranks     diagnostics/virtual_rank_timeouts.py (virtual ranks at R = 8, fresh processes)
 #   dataplane  device planner latency, dispatch/combine bandwidth, eager vs CUDA-graph steps
 #   moe        the MoE layer step (eager, compiled, CUDA graphs)
+#   costterms  policy "cost"'s GEMM and replica-bytes terms against measured times
 #   soak       2,000 compiled steps, new routing every step, NaN batches every 100 steps
 #   gemm       the grouped-GEMM model zoo (ours vs torch._grouped_mm vs dense; the calibration
 #              data the cost model is fitted on)
@@ -27,7 +28,7 @@ mkdir -p "$OUT"
 # NVLink multicast stays off (it can take a shared host's GPUs out of service).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
-STAGES=${STAGES:-build,tests,diag,vranks,dataplane,moe,soak,gemm}
+STAGES=${STAGES:-build,tests,diag,vranks,dataplane,moe,costterms,soak,gemm}
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/moonep_site .whl/*.whl 2>&1 | tail -1
@@ -74,6 +75,7 @@ stage vranks 200 $PY diagnostics/virtual_rank_timeouts.py ${VRANK_MODES:-default
 stage dataplane 300 bash -c "$PY benchmarks/bench_plan_device.py --skip-torch-graph && \
   $PY benchmarks/bench_data_plane_cuda.py"
 stage moe 200 $PY benchmarks/bench_moe_step.py
+stage costterms 200 $PY benchmarks/cost_terms_cuda.py
 stage soak 300 $PY benchmarks/soak_cuda.py --steps 2000 --nan-every 100
 stage gemm 420 $PY benchmarks/bench_gemm_zoo.py --out "$OUT" --time-limit-s 360
 if [ "$NG" -ge 2 ]; then

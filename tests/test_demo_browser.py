@@ -112,6 +112,27 @@ def test_api_errors_are_one_line(server):
         assert msg in body["error"] and "\n" not in body["error"]
 
 
+def test_api_cost_policy(server):
+    """Policy "cost" from the menu's inputs: the API's plan is plan_all_ranks' with that slack and
+    replica cost, a rank receives at most (1 + slack) x its even share, and bad inputs are one
+    line errors."""
+    import urllib.error
+    from moonep_ops.geometry import slack_cap, slack_to_ppm
+    q = dict(R=8, E=64, K=8, s=256, skew=20, policy="cost", slack=0.1, replica_cost=16, seed=3)
+    d = _api(server, **q)
+    ref = app.compute(app.parse_params({k: str(v) for k, v in q.items()}))
+    assert d["params"]["policy"] == "cost" and d["moonep"] == ref["moonep"]
+    even = -(-8 * 256 * 8 // 8)
+    assert max(d["moonep"]) <= slack_cap(even, slack_to_ppm(0.1))
+    exact = _api(server, **dict(q, policy="moonep"))
+    assert d["redundant"] <= exact["redundant"]
+    for bad, msg in (("slack=2", "slack"), ("slack=x", "slack"),
+                     ("replica_cost=-1", "replica_cost")):
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(f"{server}/api/plan?policy=cost&{bad}", timeout=30)
+        assert ei.value.code == 400 and msg in json.load(ei.value)["error"]
+
+
 def test_page_in_browser(server, driver):
     d = driver
     d.get(server + "/")
@@ -156,6 +177,17 @@ def test_page_in_browser(server, driver):
     slots = d.find_elements("css selector", "#slots-table tr")[1:]
     assert [r.text.split(" ", 1)[1].replace("–", "").strip() for r in slots] == \
         [", ".join(map(str, s)) for s in ref2["slots"]]
+    # ... and the cost policy with its slack and replica cost
+    _set(d, "slack", 0.1)
+    _wait_updates(d, 6)
+    _set(d, "replica_cost", 16)
+    _wait_updates(d, 7)
+    _set(d, "policy", "cost")
+    _wait_updates(d, 8)
+    ref3 = app.compute(dict(p, skew=20.0, R=4, policy="cost", slack=0.1, replica_cost=16))
+    shown = json.loads(d.find_element("id", "status").get_attribute("data-params"))
+    assert (shown["policy"], shown["slack"], shown["replica_cost"]) == ("cost", 0.1, 16)
+    assert _loads(d, "MoonEP") == ref3["moonep"]
     d.save_screenshot(os.path.join(tempfile.gettempdir(), "moonep_demo_after.png"))
 
     # a bad input shows the server's one-line error instead of stale plots

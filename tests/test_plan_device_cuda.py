@@ -440,6 +440,218 @@ def test_argument_checks():
         pdv.plan_on_device(hist, topk, 0, R, s - 1, tp, geo.NvS, err)        # s > S
 
 
+# ---------------------------------------------------------------------------------------------
+# policy "cost" (slack + replica cost): the level search on the device, bitwise vs the CPU op
+# ---------------------------------------------------------------------------------------------
+
+COST_EPS = (0.0, 0.02, 0.05, 0.1)
+COST_RC = (0, 16, 100_000)          # replica_cost: none, small, large (in token copies)
+# eps = 0 plans as MoonEP whatever the replica cost (a static branch on both sides): one combo
+COST_COMBOS = [(0.0, 0)] + [(e, rc) for e in COST_EPS if e for rc in COST_RC]
+
+
+def _cost_cases():
+    """(kind, R, E, s (int or per-rank list), K, tp, seed) over R = 2 .. 64 (the kernel's cost
+    limit), E a multiple of R with E/R <= 256."""
+    rng = random.Random(20261201)
+    cases = []
+    for R in (2, 4, 8, 16, 32, 64):
+        E = {2: 64, 4: 128, 8: 256, 16: 256, 32: 256, 64: 256}[R]
+        s = 97 if R <= 16 else 33
+        for kind in ("uniform", "zipf", "hot", "one_expert", "one_group"):
+            K = 8 if kind != "one_expert" else 4
+            cases.append((kind, R, E, s, K, 8, rng.randrange(1 << 30)))
+        per_rank = [rng.randint(1, 2 * s) for _ in range(R)]        # per-rank s
+        cases.append(("zipf", R, E, per_rank, 6, 128, rng.randrange(1 << 30)))
+    cases.append(("hot", 8, 2048, 129, 8, 1, 5))                    # E/R = 256: the largest B
+    cases.append(("hot", 12, 384, 257, 8, 128, 6))                  # 512-thread kernel's top R
+    cases.append(("one_group", 13, 416, 129, 8, 8, 7))              # 1024-thread kernel, NJ = 1
+    cases.append(("hot", 33, 66, 65, 4, 8, 8))                      # NJ = 2 with R odd
+    return cases
+
+
+COST_CASES = _cost_cases()
+
+
+def _check_cost(case, ranks, combos=COST_COMBOS, count_moved=False):
+    from moonep_ops.geometry import slack_to_ppm
+    kind, R, E, s, K, tp, seed = case
+    tk = make_routing(kind, R, E, s, K, seed=seed, alpha=1.2, hot_factor=11.0)
+    sizes = [int(t.shape[0]) for t in tk]
+    total = None if isinstance(s, int) else sum(sizes)
+    tot = -1 if total is None else total
+    S = max(sizes)
+    hist = _hist_rx(tk, E, total)
+    hist_c = hist.cuda()
+    fails, moved = [], 0
+    for eps, rc in combos:
+        ppm = slack_to_ppm(eps)
+        geo = Geometry(R=R, E=E, S=S, K=K, token_padding=tp, slack_ppm=ppm)
+        for rank in ranks:
+            err = torch.zeros(1, dtype=torch.int32, device="cuda")
+            gpu = pdv.plan_on_device(hist_c, tk[rank].cuda(), rank, R, S, tp, geo.NvS, err,
+                                     slack_ppm=ppm, replica_cost=rc)
+            cpu = torch.ops.moonep.plan(hist[:, :E].contiguous(), tk[rank], rank, R, S, tp,
+                                        tot, "cost", ppm, rc)
+            head = (f"[cost {kind} R={R} E={E} s={sizes[rank]} K={K} tp={tp} eps={eps} "
+                    f"rc={rc} rank={rank}]")
+            if int(err.item()):
+                fails.append(f"{head} err word {int(err.item())} on a valid histogram")
+            for name, a, b in zip(NAMES, cpu, gpu):
+                b = b.cpu()
+                if a.shape != b.shape or not torch.equal(a, b):
+                    i = int((a.reshape(-1) != b.reshape(-1)).nonzero()[0]) \
+                        if a.shape == b.shape else -1
+                    # the CPU plan's quotas: which candidate won (enough to debug offline)
+                    T = (R * sizes[0] if total is None else total) * K
+                    z = plan_group(hist[:, :E].contiguous(), T, tp, "cost", ppm, rc).z_RR
+                    zm = plan_group(hist[:, :E].contiguous(), T, tp, "moonep").z_RR
+                    nz = [(h, d, int(z[h, d])) for h, d in (z > 0).nonzero().tolist()][:12]
+                    fails.append(f"{head} {name} differs first at {i}: cpu "
+                                 f"{a.reshape(-1)[max(i, 0):max(i, 0) + 8].tolist()} gpu "
+                                 f"{b.reshape(-1)[max(i, 0):max(i, 0) + 8].tolist()}; cpu z "
+                                 f"(h, d, m) {nz}, MoonEP's plan: {torch.equal(z, zm)}")
+                    break
+        if ppm and count_moved:               # did a level plan win (CPU planner)?
+            T = (R * sizes[0] if total is None else total) * K
+            a_cost = plan_group(hist[:, :E].contiguous(), T, tp, "cost", ppm, rc).alloc_ER
+            a_moon = plan_group(hist[:, :E].contiguous(), T, tp, "moonep").alloc_ER
+            moved += int(not torch.equal(a_cost, a_moon))
+    return fails, moved
+
+
+@pytest.mark.parametrize("ci", range(len(COST_CASES)))
+def test_cost_policy_equals_cpu_planner(ci):
+    case = COST_CASES[ci]
+    R = case[1]
+    fails, _ = _check_cost(case, sorted({0, R - 1}))     # the CPU op takes ~0.3 s at R = 64
+    assert not fails, "\n".join(fails[:8])
+
+
+def test_cost_policy_cases_pick_level_plans():
+    """The sweep is only meaningful if level plans win somewhere: on hot routings with a slack
+    and a small replica cost the cost policy moves off MoonEP's plan (and stays bitwise)."""
+    total_moved = 0
+    for case in COST_CASES:
+        if case[0] == "hot":
+            fails, moved = _check_cost(case, [0], [(0.05, 16), (0.1, 16)], count_moved=True)
+            assert not fails, "\n".join(fails[:8])
+            total_moved += moved
+    assert total_moved > 0
+
+
+@pytest.mark.parametrize("ci", [2, 8, 14, 20, 26, 32])
+def test_cost_policy_without_packed_keys(ci):
+    """The two-reduction argmax / argmin path of the level search (large T) gives the same
+    plans; forced on through the debug knob (199, diagnostics build)."""
+    _debug_stop(199)
+    try:
+        fails, _ = _check_cost(COST_CASES[ci], [0], [(0.05, 16), (0.1, 100_000)])
+    finally:
+        _debug_stop(99)
+    assert not fails, "\n".join(fails[:8])
+
+
+def test_cost_policy_cuda_graph_capture_then_replay_new_routing():
+    from moonep_ops.geometry import slack_to_ppm
+    R, E, s, K, tp, rank = 8, 256, 129, 8, 8, 5
+    ppm, rc = slack_to_ppm(0.05), 16
+    geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp, slack_ppm=ppm)
+    tk0 = make_routing("zipf", R, E, s, K, seed=1)
+    hist = _hist_rx(tk0, E, None).cuda()
+    topk = tk0[rank].cuda()
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pdv.plan_on_device(hist, topk, rank, R, s, tp, geo.NvS, err, slack_ppm=ppm,
+                           replica_cost=rc)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = pdv.plan_on_device(hist, topk, rank, R, s, tp, geo.NvS, err, slack_ppm=ppm,
+                                  replica_cost=rc)
+    for kind, seed in (("hot", 2), ("one_group", 3), ("zipf", 4), ("one_expert", 5)):
+        tk = make_routing(kind, R, E, s, K, seed=seed, hot_factor=15.0)
+        h = _hist_rx(tk, E, None)
+        hist.copy_(h)
+        topk.copy_(tk[rank])
+        err.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        cpu = torch.ops.moonep.plan(h[:, :E].contiguous(), tk[rank], rank, R, s, tp, -1, "cost",
+                                    ppm, rc)
+        assert int(err.item()) == 0
+        for name, a, b in zip(NAMES, cpu, outs):
+            assert torch.equal(a, b.cpu()), (kind, name)
+
+
+def test_cost_policy_no_host_sync_and_group_only():
+    from moonep_ops.geometry import slack_to_ppm
+    R, E, s, K, tp, rank = 16, 256, 65, 8, 128, 3
+    ppm, rc = slack_to_ppm(0.1), 16
+    geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp, slack_ppm=ppm)
+    tk = make_routing("hot", R, E, s, K, seed=9, hot_factor=12.0)
+    hist = _hist_rx(tk, E, None).cuda()
+    topk = tk[rank].cuda()
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    kw = dict(slack_ppm=ppm, replica_cost=rc)
+    pdv.plan_on_device(hist, topk, rank, R, s, tp, geo.NvS, err, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        full = pdv.plan_on_device(hist, topk, rank, R, s, tp, geo.NvS, err, **kw)
+        bufs = pdv.allocate(hist, s, K, R)
+        pdv.plan_into(hist, topk, rank, R, s, tp, geo.NvS, err, bufs, group_only=True, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, a, b in zip(NAMES[1:], full[1:], (bufs.cu, bufs.etc, bufs.zf, bufs.stats)):
+        assert torch.equal(a, b), name
+    assert int(err.item()) == 0
+
+
+def test_cost_policy_argument_checks_and_plan_from_rows():
+    from types import SimpleNamespace
+    from moonep_ops.geometry import slack_to_ppm
+    ppm = slack_to_ppm(0.05)
+    # beyond the kernel's cost limits: a clear error before any launch ...
+    R, E, s, K, tp = 128, 256, 9, 2, 8
+    tk = make_routing("zipf", R, E, s, K, seed=1)
+    geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp, slack_ppm=ppm)
+    hist = _hist_rx(tk, E, None).cuda()
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="cannot plan policy 'cost'"):
+        pdv.plan_on_device(hist, tk[0].cuda(), 0, R, s, tp, geo.NvS, err, slack_ppm=ppm)
+    # ... and plan_from_rows plans those with the torch reference (documented), flagged False
+    spec = SimpleNamespace(R=R, E=E, S=s, K=K, token_padding=tp, NvS=geo.NvS, policy="cost",
+                           slack_ppm=ppm, replica_cost=16)
+    out, on_device = pdv.plan_from_rows(hist, tk[0].cuda(), 0, spec, -1, err)
+    assert not on_device
+    # within them the kernel serves, with the torch op's plan
+    R, E = 8, 64
+    tk = make_routing("hot", R, E, s, K, seed=1, hot_factor=9.0)
+    geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp, slack_ppm=ppm)
+    hist = _hist_rx(tk, E, None)
+    spec = SimpleNamespace(R=R, E=E, S=s, K=K, token_padding=tp, NvS=geo.NvS, policy="cost",
+                           slack_ppm=ppm, replica_cost=16)
+    out, on_device = pdv.plan_from_rows(hist.cuda(), tk[2].cuda(), 2, spec, -1, err)
+    assert on_device and int(err.item()) == 0
+    cpu = torch.ops.moonep.plan(hist[:, :E].contiguous(), tk[2], 2, R, s, tp, -1, "cost", ppm, 16)
+    for name, a, b in zip(NAMES, cpu, out):
+        assert torch.equal(a, b.cpu()), name
+    # NvS must be the slack's; the cost inputs in range
+    nvs0 = Geometry(R=R, E=E, S=s, K=K, token_padding=tp).NvS
+    hist_c = hist.cuda()
+    if nvs0 < geo.NvS:
+        with pytest.raises(ValueError, match="NvS"):
+            pdv.plan_on_device(hist_c, tk[0].cuda(), 0, R, s, tp, nvs0, err, slack_ppm=ppm)
+    with pytest.raises(ValueError, match="slack_ppm"):
+        pdv.plan_on_device(hist_c, tk[0].cuda(), 0, R, s, tp, geo.NvS, err, slack_ppm=-1)
+    with pytest.raises(ValueError, match="replica_cost"):
+        pdv.plan_on_device(hist_c, tk[0].cuda(), 0, R, s, tp, geo.NvS, err, slack_ppm=ppm,
+                           replica_cost=1 << 41)
+
+
 if __name__ == "__main__":
     # A few plans without pytest, for `compute-sanitizer --tool memcheck|racecheck python <this>`.
     import sys
@@ -450,5 +662,8 @@ if __name__ == "__main__":
     for which in ("garbage", "bad_ids", "own_row"):
         test_validation_sets_error_and_stays_in_range(which)
         print(which, "ok")
+    for ci in (14, 20, 32, 36):                   # policy cost, hot: R = 8, 16, 64; R = 8, B = 256
+        f, _ = _check_cost(COST_CASES[ci], [0], [(0.1, 16)])
+        print("cost", COST_CASES[ci][:4], "ok" if not f else f[0][:300])
     torch.cuda.synchronize()
     sys.exit(0)

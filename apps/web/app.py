@@ -5,12 +5,15 @@
 
 Choose R (EP ranks), E (experts), K (top-k), s (tokens per rank), the router skew (target
 maxvio: the hottest expert receives (maxvio+1)x the mean load) and the planner policy
-("moonep" or "lean").  The page shows the routing histogram (experts coloured by home rank),
+("moonep", "lean" or "cost"; "cost" also takes the cap slack eps and the replica cost in
+token copies, defaults 0.05 and 1500: about one replica's link time at s = 1024 on the model
+zoo, docs/planner.md).  The page shows the routing histogram (experts coloured by home rank),
 the planner's donor -> receiver moves, the redundant experts each rank runs, and the token
 copies each rank computes under plain expert parallelism and under MoonEP.  Everything is
 computed by ``moonep_ops.plan_all_ranks`` in this process: no ranks, no GPU.
 
-Endpoints: ``/`` (the page), ``/api/plan?R=&E=&K=&s=&skew=&policy=&seed=`` (JSON, with the SVG
+Endpoints: ``/`` (the page), ``/api/plan?R=&E=&K=&s=&skew=&policy=&slack=&replica_cost=&seed=``
+(JSON, with the SVG
 plots), ``/healthz``.
 """
 from __future__ import annotations
@@ -33,11 +36,15 @@ try:
 except ImportError:                     # run from a checkout without installing it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     import moonep_ops
+from moonep_ops.geometry import MAX_REPLICA_COST, slack_to_ppm
 from moonep_ops.planner import POLICIES, replication_cost
 from moonep_ops.testing import histogram, maxvio, routing_for_maxvio
 
-DEFAULTS = dict(R=8, E=64, K=8, s=1024, skew=10.0, policy="moonep", seed=0)
-LIMITS = dict(R=(1, 64), E=(1, 1024), K=(1, 64), s=(1, 8192), seed=(0, 2**31 - 1))
+# slack, replica_cost: policy "cost"'s inputs (ignored by the other policies)
+DEFAULTS = dict(R=8, E=64, K=8, s=1024, skew=10.0, policy="moonep", slack=0.05,
+                replica_cost=1500, seed=0)
+LIMITS = dict(R=(1, 64), E=(1, 1024), K=(1, 64), s=(1, 8192), seed=(0, 2**31 - 1),
+              replica_cost=(0, MAX_REPLICA_COST - 1))
 MAX_ENTRIES = 2_000_000          # R*s*K: keeps one request well under a second or two
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf"]
@@ -51,7 +58,7 @@ class BadRequest(ValueError):
 def parse_params(q: dict) -> dict:
     """Query (str -> str) -> validated parameters; raises BadRequest with a one-line message."""
     p = dict(DEFAULTS)
-    for k in ("R", "E", "K", "s", "seed"):
+    for k in ("R", "E", "K", "s", "seed", "replica_cost"):
         if k in q and q[k] != "":
             try:
                 p[k] = int(q[k])
@@ -65,6 +72,13 @@ def parse_params(q: dict) -> dict:
             p["skew"] = float(q["skew"])
         except ValueError:
             raise BadRequest(f"skew must be a number, got {q['skew']!r}")
+    if "slack" in q and q["slack"] != "":
+        try:
+            p["slack"] = float(q["slack"])
+        except ValueError:
+            raise BadRequest(f"slack must be a number, got {q['slack']!r}")
+    if not 0.0 <= p["slack"] <= 1.0:
+        raise BadRequest(f"slack must lie in [0, 1], got {p['slack']:g}")
     if "policy" in q and q["policy"] != "":
         p["policy"] = q["policy"]
     if p["policy"] not in POLICIES:
@@ -89,7 +103,9 @@ def compute(p: dict) -> dict:
     tk = routing_for_maxvio(p["skew"], R, E, s, K, seed=p["seed"])
     tpe = histogram(tk, E)
     t0 = time.perf_counter()
-    res = moonep_ops.plan_all_ranks(tk, E, 1, policy=p["policy"])
+    cost = dict(slack_ppm=slack_to_ppm(p["slack"]), replica_cost=p["replica_cost"]) \
+        if p["policy"] == "cost" else {}
+    res = moonep_ops.plan_all_ranks(tk, E, 1, policy=p["policy"], **cost)
     plan_ms = (time.perf_counter() - t0) * 1e3
     alloc = res.group.alloc_ER.long()
     cnt = tpe.long().sum(0)
@@ -201,7 +217,8 @@ PAGE = """<!doctype html>
 <h1>MoonEP: perfect load balance for expert parallelism</h1>
 <p>Pick a group and a router skew. The planner moves whole chunks of the overloaded ranks'
 tokens to underloaded ranks, which run those experts as redundant copies, so every rank computes
-exactly s·K token copies.</p>
+exactly s·K token copies (policy cost: at most (1 + slack)·s·K, trading load for fewer
+replicas at the given replica cost).</p>
 <form id="controls" onsubmit="return false">
 <fieldset>
  <label>R (ranks)<input id="R" name="R" type="number" min="1" max="64" value="__R__"></label>
@@ -211,7 +228,13 @@ exactly s·K token copies.</p>
  <label>skew (maxvio) <span id="skew-out">__skew__</span>
    <input id="skew" name="skew" type="range" min="0" max="40" step="0.5" value="__skew__"></label>
  <label>policy<select id="policy" name="policy">
-   <option value="moonep">moonep</option><option value="lean">lean</option></select></label>
+   <option value="moonep">moonep</option><option value="lean">lean</option>
+   <option value="cost">cost</option></select></label>
+ <label title="policy cost: a rank may receive up to (1 + slack) x its even share">slack (cost)
+   <input id="slack" name="slack" type="number" min="0" max="1" step="0.01" value="__slack__"></label>
+ <label title="policy cost: one replica's link time, in token copies of GEMM time">replica cost
+   (cost)<input id="replica_cost" name="replica_cost" type="number" min="0" step="100"
+   value="__replica_cost__"></label>
  <label>seed<input id="seed" name="seed" type="number" min="0" value="__seed__"></label>
 </fieldset></form>
 <p id="status">loading…</p>
@@ -228,7 +251,7 @@ exactly s·K token copies.</p>
 <h2>Planner moves (donor → receiver)</h2><div id="moves"></div>
 <h2>Redundant experts per rank</h2><div id="slots"></div>
 <script>
-const ids = ["R", "E", "K", "s", "skew", "policy", "seed"];
+const ids = ["R", "E", "K", "s", "skew", "policy", "slack", "replica_cost", "seed"];
 let seq = 0;
 function esc(t) { const d = document.createElement("div"); d.textContent = t; return d.innerHTML; }
 async function update() {
@@ -244,7 +267,8 @@ async function update() {
   if (d.error) { st.textContent = d.error; st.className = "err"; return; }
   st.className = "";
   const p = d.params;
-  st.textContent = `R=${p.R} E=${p.E} K=${p.K} s=${p.s} skew=${p.skew} policy=${p.policy}`;
+  st.textContent = `R=${p.R} E=${p.E} K=${p.K} s=${p.s} skew=${p.skew} policy=${p.policy}` +
+    (p.policy === "cost" ? ` slack=${p.slack} replica_cost=${p.replica_cost}` : "");
   st.dataset.params = JSON.stringify(p);
   const mean = a => a.reduce((x, y) => x + y, 0) / a.length;
   document.getElementById("n-maxvio").textContent = d.maxvio.toFixed(2);

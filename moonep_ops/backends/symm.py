@@ -231,7 +231,8 @@ class SymmBackend(Backend):
         # the torch process group (router grads, QB); virtual ranks have none
         self.group = heap.group if isinstance(heap, TorchSymmetricHeap) else None
         self.timeout_ns = int((DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s) * 1e9)
-        # "device": csrc/plan_kernels.cu (policy moonep); "torch": moonep::plan on device tensors
+        # "device": csrc/plan_kernels.cu (policies moonep, cost); "torch": moonep::plan on device
+        # tensors
         planner = planner or os.environ.get("MOONEP_PLANNER", "auto")
         if planner not in ("auto", "device", "torch"):
             raise ValueError(f"planner must be 'auto', 'device' or 'torch', got {planner!r}")
@@ -340,8 +341,13 @@ class SymmBackend(Backend):
         if reject:
             raise ValueError(f"moonep dispatch: {reject}")
         if self.planner == "device" and spec.policy not in _plan.DEVICE_POLICIES:
-            raise ValueError(f"planner='device' plans policy 'moonep' only "
-                             f"({_plan.DEVICE_POLICIES}), the Buffer's is {spec.policy!r}")
+            raise ValueError(f"planner='device' plans the policies {_plan.DEVICE_POLICIES} "
+                             f"only, the Buffer's is {spec.policy!r}")
+        if self.planner == "device" and spec.policy == "cost":
+            why = _plan.cost_device_limit(spec.R, spec.E, spec.slack_ppm)
+            if why is not None:      # "auto" plans these with the torch reference
+                raise ValueError(f"planner='device' cannot plan policy 'cost' with a slack for "
+                                 f"{why}; use planner='torch' or 'auto'")
         if self.planner == "device" and not _plan.device_planner_available():
             raise RuntimeError("the device planner is not available in libmoonep_ep.so")
         # Histogram exchange, planning and the input checks run on the device: bad input sets
