@@ -29,8 +29,11 @@ extern "C" {
 // Bumped whenever an exported signature, the config table or the meaning of an argument changes
 // (moonep_ops/native.py checks it at load).  8: two families of configs per kind (cluster 1 x 2
 // and torch._grouped_mm's 2 x 1), one per call; more configs, so a longer tuning table; the
-// MOONEP_GEMM_PDL flag.
-#define MOONEP_GEMM_ABI_VERSION 8
+// MOONEP_GEMM_PDL flag.  9: every ABI 8 export unchanged plus the FP8 grouped GEMM
+// (moonep_grouped_gemm_fp8, moonep_gemm_fp8_workspace_bytes); native.py loads either version
+// (GEMM_ABI_VERSION 8, GEMM_FP8_ABI_VERSION 9) and calls the FP8 exports only from a library
+// that reports 9.
+#define MOONEP_GEMM_ABI_VERSION 9
 #define MOONEP_API __attribute__((visibility("default")))
 
 // kind: 0 fwd (y = x W^T), 1 dgrad (dx = dy W), 2 wgrad (dW += dy^T x, fp32),
@@ -53,8 +56,8 @@ extern "C" {
 MOONEP_API int moonep_gemm_abi_version(void);
 
 /**
- * The message of the last failure of moonep_grouped_gemm on the calling host thread
- * (thread-local, owned by the library; each moonep_grouped_gemm call clears it first).
+ * The message of the last failure of moonep_grouped_gemm or moonep_grouped_gemm_fp8 on the
+ * calling host thread (thread-local, owned by the library; each such call clears it first).
  */
 MOONEP_API const char* moonep_gemm_last_error(void);
 
@@ -155,6 +158,62 @@ MOONEP_API int moonep_grouped_gemm(int kind, int config, int raster,
                                    const float* tuning, int cand_mask, int flags,
                                    void* workspace, size_t workspace_bytes, int sm_count,
                                    void* stream);
+
+// =============================================================================================
+// FP8 grouped GEMM with blockwise scaling (kernel_fp8_fwd.cu; the DeepSeek-V3 recipe).
+// One config: tile 128 x 128 x 128, cluster 1 x 2, CUTLASS's cooperative FP8 blockwise-scaled
+// mainloop: each 128-deep K block is accumulated by the tensor cores in fp32 and then promoted
+// (times its two scales) into an fp32 accumulator; no FP8 fast accumulation.  Output bf16.
+// =============================================================================================
+
+/**
+ * Bytes of device workspace one moonep_grouped_gemm_fp8 call of (G, sm_count) needs (the
+ * per-group problem arrays + CUTLASS's workspace); 0 for G outside [1, 1024] or sm_count outside
+ * [1, 1024].  Depends on nothing else, so callers may cache it.
+ */
+MOONEP_API size_t moonep_gemm_fp8_workspace_bytes(int G, int sm_count);
+
+/**
+ * D = A . B_g^T per group, on `stream`, with e4m3 operands and fp32 scales: a prep kernel (reads
+ * cu_seqlens on the device, writes the problem arrays into the workspace, zeroes the padding rows
+ * of D), then one CUTLASS grouped launch.  Never synchronises the host; capturable.  With C =
+ * ceil(k/128) and P = ceil(n/128), the real values are A[m, j] * a_scale[m, j/128] and
+ * B_g[o, j] * b_scale_g[o/128, j/128]; a last tile cut short by n or k is scaled like a full one.
+ * Group g owns rows [cu_seqlens[g-1], cu_seqlens[g]) (cu_seqlens[-1] := 0), clamped to [0, M] on
+ * the device; an empty group is skipped; rows at or past cu_seqlens[G-1] are set to zero.  Group
+ * g uses weight g of b_local when g < epn, else g - epn of b_slot.  k need not be a multiple of
+ * 128 (the last K tile is partial).
+ *
+ * @param a              device e4m3 [M, k] row-major (the rows of every group).
+ * @param a_scale        device fp32 [M, C] row-major: a_scale[m, c] scales a[m, 128c : 128c+128].
+ * @param b_local        device e4m3 [epn, n, k] (nn.Linear [O, I] per expert, k contiguous).
+ * @param b_local_scale  device fp32 [epn, P, C] row-major: one scale per 128 x 128 block.
+ * @param b_slot         device e4m3 [epn, n, k]: the slot weights (groups epn .. G-1).
+ * @param b_slot_scale   device fp32 [epn, P, C].
+ * @param d              device bf16 [M, n] row-major, output (every row written).
+ * @param cu_seqlens     device int32 [G]: inclusive END row offsets of the groups (the planner's
+ *                       cu_G), read by the prep kernel only.
+ * @param G              groups: must be 2*epn and <= 1024.
+ * @param epn            home experts (= slots) per rank, >= 1.
+ * @param M              rows of a and d (M == 0: nothing is launched, returns 0).
+ * @param n              output features O (multiple of 16).
+ * @param k              input features I, the reduction (multiple of 16).
+ * @param workspace      device scratch of at least moonep_gemm_fp8_workspace_bytes(G, sm_count)
+ *                       bytes, 256-byte aligned (any torch allocation is), no initialisation
+ *                       needed; one per concurrent
+ *                       call (keep it alive until the call's work has completed).
+ * @param workspace_bytes  its size in bytes.
+ * @param sm_count       SMs of the device, in [1, 1024]: the persistent grid.
+ * @param stream         cudaStream_t to launch on.
+ * @return 0, or -1 with a message in moonep_gemm_last_error() (argument check, CUTLASS
+ *         initialisation or a launch error).  a, b_local, b_slot and d must be 16-byte aligned.
+ */
+MOONEP_API int moonep_grouped_gemm_fp8(const void* a, const float* a_scale, const void* b_local,
+                                       const float* b_local_scale, const void* b_slot,
+                                       const float* b_slot_scale, void* d,
+                                       const int* cu_seqlens, int G, int epn, int M, int n, int k,
+                                       void* workspace, size_t workspace_bytes, int sm_count,
+                                       void* stream);
 
 // =============================================================================================
 // Diagnostics (MOONEP_DIAGNOSTICS builds only: `python -m moonep_ops.build --diagnostics`,

@@ -696,6 +696,12 @@ void launch_prep(bool rows, int ncand, int blocks, cudaStream_t s, const PrepPar
 }
 
 }  // namespace
+
+// The message slot of moonep_gemm_last_error(), for the library's other host units (the FP8
+// grouped GEMM, kernel_fp8_fwd.cu): one thread-local buffer for every export.
+void gemm_clear_error() { g_err[0] = 0; }
+int gemm_fail(const char* msg) { return fail(msg); }
+
 }  // namespace moonep
 
 using namespace moonep;

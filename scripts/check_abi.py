@@ -35,9 +35,10 @@ LIBS = {  # library file -> its public header
     "libmoonep_ep.so": ROOT / "csrc" / "moonep_ep.h",
     "libmoonep_gemm.so": ROOT / "cutlass_kernels" / "moonep_gemm.h",
 }
-VERSIONS = {  # header macro -> moonep_ops/native.py constant
-    "MOONEP_EP_ABI_VERSION": "EP_ABI_VERSION",
-    "MOONEP_GEMM_ABI_VERSION": "GEMM_ABI_VERSION",
+VERSIONS = {  # header macro -> the moonep_ops/native.py constants it may equal (native.py
+    # accepts a libmoonep_gemm.so of ABI 8, the bf16 GEMMs, or 9, those plus the FP8 GEMM)
+    "MOONEP_EP_ABI_VERSION": ("EP_ABI_VERSION",),
+    "MOONEP_GEMM_ABI_VERSION": ("GEMM_ABI_VERSION", "GEMM_FP8_ABI_VERSION"),
 }
 NATIVE_PY = ROOT / "moonep_ops" / "native.py"
 DIAG_MACRO = "MOONEP_DIAGNOSTICS"
@@ -166,16 +167,19 @@ def check_versions() -> list[str]:
     native = NATIVE_PY.read_text()
     problems = []
     for header in LIBS.values():
-        for macro, const in VERSIONS.items():
+        for macro, consts in VERSIONS.items():
             m = re.search(rf"#define\s+{macro}\s+(\d+)", header.read_text())
             if not m:
                 continue
-            n = re.search(rf"^{const}\s*=\s*(\d+)", native, re.M)
-            if not n:
-                problems.append(f"{NATIVE_PY.name}: no {const} (the header has {macro} {m.group(1)})")
-            elif n.group(1) != m.group(1):
+            found = {c: n.group(1) for c in consts
+                     if (n := re.search(rf"^{c}\s*=\s*(\d+)", native, re.M))}
+            if not found:
+                problems.append(f"{NATIVE_PY.name}: no {' / '.join(consts)} (the header has "
+                                f"{macro} {m.group(1)})")
+            elif m.group(1) not in found.values():
+                want = ", ".join(f"{c} = {v}" for c, v in found.items())
                 problems.append(f"{header.name}: {macro} {m.group(1)}, but {NATIVE_PY.name} "
-                                f"expects {const} = {n.group(1)}")
+                                f"expects one of {want}")
     return problems
 
 
