@@ -1,6 +1,7 @@
 """MoE layer training step on one GPU: eager vs torch.compile (default and reduce-overhead).
 
     python benchmarks/bench_moe_step.py [--tokens 4096] [--dim 2048] [--hidden 1024] [--experts 64]
+                                        [--precision bf16|fp8] [--modes default reduce-overhead]
 
 R = 1 Buffer (single-rank backend), bf16, router skewed so the plan is non-trivial.  Reports the
 median step time (forward, backward, SGD update) over --iters steps with fresh routing each step,
@@ -27,6 +28,10 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                    help="the routed experts' precision (docs/fp8.md)")
+    ap.add_argument("--modes", nargs="+", default=["default", "reduce-overhead"],
+                    help="torch.compile modes to time after eager")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device")
@@ -36,7 +41,7 @@ def main(argv=None) -> int:
     buf = Buffer(a.tokens, a.dim, a.topk, a.experts, token_padding=128, dtype=torch.bfloat16,
                  device=dev)
     torch.manual_seed(0)
-    layer = MoonEPMoE.for_buffer(buf, a.hidden)
+    layer = MoonEPMoE.for_buffer(buf, a.hidden, precision=a.precision)
     params = list(layer.parameters())
 
     step = sgd_step(layer, params, 1e-6)
@@ -62,12 +67,12 @@ def main(argv=None) -> int:
         return med
 
     print(f"tokens={a.tokens} H={a.dim} F={a.hidden} E={a.experts} K={a.topk} bf16, "
-          f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+          f"experts {a.precision}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print("| mode | median ms/step | min ms |")
     print("|---|---|---|")
     t_eager = timed(step, "eager")
     res = {}
-    for mode in ("default", "reduce-overhead"):
+    for mode in a.modes:
         torch._dynamo.reset()
         counters.clear()
         cs = torch.compile(step, fullgraph=True, mode=mode)
@@ -75,8 +80,7 @@ def main(argv=None) -> int:
         skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
         print(f"  {mode}: graph breaks {sum(counters['graph_break'].values())}, unique graphs "
               f"{counters['stats']['unique_graphs']}, cudagraph skips {skips}")
-    print(f"compiled(default) vs eager: {t_eager / res['default']:.2f}x; "
-          f"reduce-overhead vs eager: {t_eager / res['reduce-overhead']:.2f}x")
+    print("; ".join(f"compiled({m}) vs eager: {t_eager / v:.2f}x" for m, v in res.items()))
     return 0
 
 

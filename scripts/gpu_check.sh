@@ -16,6 +16,8 @@
 #   dataplane  device planner latency, dispatch/combine bandwidth, eager vs CUDA-graph steps
 #   moe        the MoE layer step (eager, compiled, CUDA graphs)
 #   costterms  policy "cost"'s GEMM and replica-bytes terms against measured times
+#   fp8        the FP8 GEMM's GPU test and benchmark, a 200-step FP8 vs bf16 training run, the
+#              FP8 and bf16 MoE layer steps at DeepSeek-V3 expert shapes (CUDA graphs)
 #   soak       2,000 compiled steps, new routing every step, NaN batches every 100 steps
 #   gemm       the grouped-GEMM model zoo (ours vs torch._grouped_mm vs dense; the calibration
 #              data the cost model is fitted on)
@@ -28,7 +30,7 @@ mkdir -p "$OUT"
 # NVLink multicast stays off (it can take a shared host's GPUs out of service).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
-STAGES=${STAGES:-build,tests,diag,vranks,dataplane,moe,costterms,soak,gemm}
+STAGES=${STAGES:-build,tests,diag,vranks,dataplane,moe,costterms,fp8,soak,gemm}
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/moonep_site .whl/*.whl 2>&1 | tail -1
@@ -76,6 +78,10 @@ stage dataplane 300 bash -c "$PY benchmarks/bench_plan_device.py --skip-torch-gr
   $PY benchmarks/bench_data_plane_cuda.py"
 stage moe 200 $PY benchmarks/bench_moe_step.py
 stage costterms 200 $PY benchmarks/cost_terms_cuda.py
+stage fp8 420 bash -c "$PY -m pytest -q -rs tests/test_grouped_mm_fp8_cuda.py -p no:cacheprovider && \
+  $PY benchmarks/bench_fp8_gemm.py && $PY benchmarks/fp8_training.py --steps 200 && \
+  for p in bf16 fp8; do $PY benchmarks/bench_moe_step.py --dim 7168 --hidden 2048 --experts 32 \
+    --precision \$p --modes reduce-overhead --iters 10 || exit 1; done"
 stage soak 300 $PY benchmarks/soak_cuda.py --steps 2000 --nan-every 100
 stage gemm 420 $PY benchmarks/bench_gemm_zoo.py --out "$OUT" --time-limit-s 360
 if [ "$NG" -ge 2 ]; then
