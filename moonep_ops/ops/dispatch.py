@@ -42,7 +42,7 @@ from torch import Tensor
 from .. import registry, runtime
 from ..backends.base import Backend
 from .checks import on_device
-from .quantize_fp8 import FP8_DTYPE, FP8ArgumentError, fp8_checks, quantize_rows, scale_cols
+from .quantize_fp8 import FP8_DTYPE, FP8ArgumentError, fp8_checks, rows_fp8, scale_cols
 
 
 def _backend(name: str) -> Backend:
@@ -333,7 +333,7 @@ def _dispatch_fp8(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], 
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= E:
             reject = f"expert ids must lie in [0, E={E}); got values in [{lo}, {hi}]"
-    xq, xs = quantize_rows(x, pow2_scales)
+    xq, xs = rows_fp8(x, pow2_scales)
     return tuple(be.dispatch_fp8(xq, xs, topk_ids, route_weights, total_num_tokens, reject))
 
 

@@ -239,15 +239,15 @@ _LINEAR_SCHEMA = ("(Tensor x, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, 
 
 
 def _quantised_weights(w_local, w_slot, pow2):
-    wl, wls = qf.quantize_blocks(w_local.detach(), pow2)
-    ws, wss = qf.quantize_blocks(w_slot.detach(), pow2)
+    wl, wls = qf.blocks_fp8(w_local.detach(), pow2)
+    ws, wss = qf.blocks_fp8(w_slot.detach(), pow2)
     return wl, wls, ws, wss
 
 
 @torch.library.custom_op("moonep::grouped_linear_fp8", mutates_args=(), schema=_LINEAR_SCHEMA)
 def _grouped_linear_fp8_op(x, w_local, w_slot, cu_seqlens, pow2_scales=False):
     _check_linear(x, w_local, w_slot, cu_seqlens, pow2_scales)
-    xq, xs = qf.quantize_rows(x.contiguous(), pow2_scales)
+    xq, xs = qf.rows_fp8(x.contiguous(), pow2_scales)
     return _grouped_mm_fp8_op(xq, xs, *_quantised_weights(w_local, w_slot, pow2_scales),
                               cu_seqlens)
 

@@ -69,7 +69,7 @@ def quantised_weights(w1: Tensor, w3: Tensor, w2: Tensor, pow2: bool) -> list[Te
     """[w1q, s1, w3q, s3, w2q, s2]: the home experts per 128 x 128 block (prefetch's order)."""
     out = []
     for w in (w1, w3, w2):
-        out += list(qf.quantize_blocks(w.detach(), pow2))
+        out += list(qf.blocks_fp8(w.detach(), pow2))
     return out
 
 

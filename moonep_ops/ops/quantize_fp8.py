@@ -22,7 +22,8 @@ Error (an e4m3 element has 3 mantissa bits): |x - q*scale| <= 2^-4 |x| for |x / 
 (normal e4m3), <= 2^-10 * scale below (subnormal e4m3, spacing 2^-9); tests/test_fp8_ops.py
 checks both, and the looser 2^-3 relative bound per element.
 
-Ops (schemas, fakes and references are pure Python; on CUDA tensors the same torch code runs):
+Ops (schemas, fakes and references are pure Python; on CUDA the rows and blocks quantisers run
+one Triton kernel each, bit-identical with the reference: quantize_fp8_triton.py):
   quantize_fp8_rows(x [M, I] floating, pow2_scales=False) -> (q [M, I] e4m3, scale [M, C] fp32)
   quantize_fp8_blocks(w [..., O, I] floating, pow2_scales=False)
                                                      -> (q [..., O, I] e4m3, scale [..., P, C])
@@ -37,6 +38,7 @@ None of the ops is differentiable: quantisation sits inside the FP8 ops' own bac
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
@@ -232,6 +234,35 @@ def _check_swiglu(g, u, pow2) -> None:
         raise ValueError(f"{op}: g {tuple(g.shape)} and u {tuple(u.shape)} must match")
 
 
+def _kernels(t: Tensor):
+    """quantize_fp8_triton for a CUDA tensor when Triton imports, else None (the reference).
+    Env MOONEP_FP8_QUANT=reference forces the reference on CUDA."""
+    if t.device.type != "cuda" or os.environ.get("MOONEP_FP8_QUANT", "auto").lower() == "reference":
+        return None
+    try:
+        from . import quantize_fp8_triton
+    except ImportError:          # triton is the "gpu" extra of setup.py
+        return None
+    return quantize_fp8_triton
+
+
+def rows_fp8(x_MI: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+    """moonep::quantize_fp8_rows's implementation: one Triton kernel on CUDA (bit-identical with
+    the reference, tests/test_fp8_quant_cuda.py), the reference elsewhere."""
+    _check_float("quantize_fp8_rows", "x", x_MI, 2, 2)
+    _check_bool("quantize_fp8_rows", pow2_scales)
+    k = _kernels(x_MI)
+    return quantize_rows(x_MI, pow2_scales) if k is None else k.quantize_rows(x_MI, pow2_scales)
+
+
+def blocks_fp8(w: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+    """moonep::quantize_fp8_blocks's implementation (as ``rows_fp8``)."""
+    _check_float("quantize_fp8_blocks", "w", w, 2)
+    _check_bool("quantize_fp8_blocks", pow2_scales)
+    k = _kernels(w)
+    return quantize_blocks(w, pow2_scales) if k is None else k.quantize_blocks(w, pow2_scales)
+
+
 def dequantize_rows(q_MI: Tensor, scale_MC: Tensor) -> Tensor:
     """fp32 [M, I]: every element times its 1 x 128 tile's scale."""
     M, I = check_rows_fp8("dequantize_rows", "q", q_MI, scale_MC)
@@ -254,7 +285,7 @@ def dequantize_blocks(q: Tensor, scale: Tensor) -> Tensor:
 @torch.library.custom_op("moonep::quantize_fp8_rows", mutates_args=(),
                          schema="(Tensor x, bool pow2_scales=False) -> (Tensor, Tensor)")
 def _quantize_rows_op(x: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
-    return quantize_rows(x, pow2_scales)
+    return rows_fp8(x, pow2_scales)
 
 
 @_quantize_rows_op.register_fake
@@ -269,7 +300,7 @@ def _(x, pow2_scales=False):
 @torch.library.custom_op("moonep::quantize_fp8_blocks", mutates_args=(),
                          schema="(Tensor w, bool pow2_scales=False) -> (Tensor, Tensor)")
 def _quantize_blocks_op(w: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
-    return quantize_blocks(w, pow2_scales)
+    return blocks_fp8(w, pow2_scales)
 
 
 @_quantize_blocks_op.register_fake
