@@ -164,7 +164,10 @@ def check_blocks_fp8(op: str, name: str, q, scale) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------
 
 def _scale_of(amax: Tensor, pow2: bool) -> Tensor:
-    s = torch.clamp_min(amax / FP8_MAX, SCALE_FLOOR)
+    # amax / 448 as an IEEE division on every device: torch on CUDA turns a division by a
+    # Python scalar into a product with its rounded reciprocal (a different fp32 result for
+    # some amax), so the divisor is a tensor of the same shape.
+    s = torch.clamp_min(amax / torch.full_like(amax, FP8_MAX), SCALE_FLOOR)
     if pow2:
         m, e = torch.frexp(s)                         # s = m * 2^e, m in [0.5, 1)
         e = torch.where(m == 0.5, e - 1, e)           # already a power of two
