@@ -389,8 +389,9 @@ def test_bad_ids_flag_on_device(monkeypatch):
 
 
 def test_device_planner_refuses_other_policies_before_any_kernel():
-    """planner='device' plans policy 'moonep' only: another policy is a ValueError raised before
-    the histogram kernel runs (the error word and the peers' histogram rows stay untouched)."""
+    """planner='device' plans the device planner's policies only ('moonep', 'cost'): another
+    policy is a ValueError raised before the histogram kernel runs (the error word and the
+    peers' histogram rows stay untouched)."""
     from moonep_ops.backends import VirtualGroup
     vg = VirtualGroup(1)
     be = vg.backend(0, planner="device")
@@ -398,7 +399,7 @@ def test_device_planner_refuses_other_policies_before_any_kernel():
     x = torch.randn(4, 8, device=vg.device)
     t = torch.tensor([[0, 1], [2, 3], [1, 1], [3, 0]], dtype=torch.int32, device=vg.device)
     be.hist.fill_(-7)
-    with pytest.raises(ValueError, match="policy 'moonep' only"):
+    with pytest.raises(ValueError, match=r"planner='device' plans the policies \('moonep', 'cost'\)"):
         buf.dispatch(x, t)
     torch.cuda.synchronize()
     assert (be.hist == -7).all() and not be.err.any()
