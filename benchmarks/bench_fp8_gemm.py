@@ -26,7 +26,6 @@ fp8 TFLOP/s, time ratios t_fp8 / t_other: below 1 means fp8 is faster) and the g
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ import gemm_bench_common as common  # noqa: E402
 import gemm_zoo_cases as zoo  # noqa: E402
 
 from moonep_ops import native  # noqa: E402
+from moonep_ops.ops import quantize_fp8 as qf  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -71,22 +71,13 @@ def histogram(kind: str, rows: int, G: int) -> list[int]:
 
 
 def quant_rows(x):
-    M, K = x.shape
-    C = math.ceil(K / TILE)
-    xp = torch.nn.functional.pad(x.float(), (0, C * TILE - K)).view(M, C, TILE)
-    s = (xp.abs().amax(-1) / FP8_MAX).clamp_min(2.0 ** -126)
-    q = (xp / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(M, C * TILE)[:, :K]
-    return q.contiguous(), s.contiguous()
+    """1 x 128 tiles (the library's reference quantiser, on x's device)."""
+    return qf.quantize_rows(x.float())
 
 
 def quant_blocks(w):
-    E, N, K = w.shape
-    P, C = math.ceil(N / TILE), math.ceil(K / TILE)
-    wp = torch.nn.functional.pad(w.float(), (0, C * TILE - K, 0, P * TILE - N))
-    wp = wp.view(E, P, TILE, C, TILE)
-    s = (wp.abs().amax(dim=(2, 4)) / FP8_MAX).clamp_min(2.0 ** -126)
-    q = (wp / s[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(E, P * TILE, C * TILE)[:, :N, :K].contiguous(), s.contiguous()
+    """128 x 128 blocks (the library's reference quantiser)."""
+    return qf.quantize_blocks(w.float())
 
 
 def quant_rowwise(t):

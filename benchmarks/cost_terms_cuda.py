@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_cost_table import MODELS, imbalance, routing_counts  # noqa: E402
 
-from moonep_ops.geometry import align_up, slack_to_ppm  # noqa: E402
+from moonep_ops.geometry import slack_to_ppm  # noqa: E402
 from moonep_ops.gemm import links  # noqa: E402
 from moonep_ops.gemm import plan_cost as pc  # noqa: E402
 from moonep_ops.ops import grouped_mm as gm  # noqa: E402
@@ -36,28 +36,11 @@ from moonep_ops.planner import plan_group  # noqa: E402
 ROUTINGS = [("lognormal", 0.02), ("lognormal", 0.05), ("hot", 10.0)]
 
 
-def rank_segments(alloc_ER: torch.Tensor, d: int, tp: int, plain: bool) -> tuple[list, list]:
-    """(home segment rows [B], slot segment rows [<= B]) of rank d, padded to tp (plan_time's
-    construction)."""
-    a = alloc_ER.long().cpu()
-    E, R = a.shape
-    B = E // R
-    home = torch.arange(E) // B
-    if plain:
-        a = torch.zeros_like(a)
-        a[torch.arange(E), home] = alloc_ER.long().cpu().sum(1)
-    away = (a > 0) & (home[:, None] != torch.arange(R)[None, :])
-    rows = a[:, d]
-    pad = [align_up(int(c), tp) if c else 0 for c in rows[d * B:(d + 1) * B].tolist()]
-    slots = [align_up(int(c), tp) if c else 0 for c in rows[away[:, d]].tolist()]
-    return pad, slots
-
-
 def predicted_slowest(alloc_ER, D, F, tp, plain):
     R = alloc_ER.shape[1]
     best = (-1.0, 0)
     for d in range(R):
-        h, s = rank_segments(alloc_ER, d, tp, plain)
+        h, s = pc.rank_segments(alloc_ER, d, token_padding=tp, plain=plain)
         us = pc.expert_gemm_us(h + s, D, F)
         best = max(best, (us, d))
     return best[1], best[0]
@@ -154,7 +137,7 @@ def main(argv=None) -> int:
             for plan, alloc, plain in (("plain", exact, True), ("exact", exact, False),
                                        ("cost", cost, False)):
                 d, pred = predicted_slowest(alloc, D, F, tp, plain)
-                home, slots = rank_segments(alloc, d, tp, plain)
+                home, slots = pc.rank_segments(alloc, d, token_padding=tp, plain=plain)
                 meas = time_rank(home, slots, D, F, B)
                 got[plan] = (pred, meas)
                 ratios.append(meas / pred)

@@ -154,30 +154,49 @@ class PlanTime:
         return self.gemm_us + self.link_us
 
 
+def _home_alloc(alloc_ER: torch.Tensor, plain: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(alloc [E, R] int64 on the CPU, home rank of each expert [E], away mask [E, R]: copies of
+    e computed on a rank other than its home).  ``plain``: every expert at home."""
+    a = alloc_ER.long().cpu()
+    E, R = a.shape
+    home = torch.arange(E) // (E // R)
+    if plain:
+        a = torch.zeros_like(a)
+        a[torch.arange(E), home] = alloc_ER.long().cpu().sum(1)
+    away = (a > 0) & (home[:, None] != torch.arange(R)[None, :])
+    return a, home, away
+
+
+def rank_segments(alloc_ER: torch.Tensor, d: int, *, token_padding: int = 1,
+                  plain: bool = False) -> tuple[list[int], list[int]]:
+    """Rank d's GEMM segments under a plan: (its B home experts' rows, its slots' rows in
+    ascending expert id), each padded to ``token_padding`` (0 stays 0)."""
+    a, _, away = _home_alloc(alloc_ER, plain)
+    B = a.shape[0] // a.shape[1]
+    rows = a[:, d]
+    pad = [align_up(int(c), token_padding) if c else 0 for c in rows[d * B:(d + 1) * B].tolist()]
+    return pad, [align_up(int(c), token_padding) if c else 0 for c in rows[away[:, d]].tolist()]
+
+
 def plan_time(alloc_ER: torch.Tensor, D: int, F: int, *, token_padding: int = 1,
               dtype: torch.dtype = torch.bfloat16, link_gbps: Optional[float] = None,
               training: bool = True, sm_count: Optional[int] = None,
               plain: bool = False) -> PlanTime:
     """Predicted time of a plan's allocation ``alloc[e, d]`` (token copies of e computed on d).
     Each rank's segments: its home experts, then its slots (the experts of other ranks it runs),
-    padded to ``token_padding``.  ``plain``: plain EP, every expert at home, no replicas."""
-    a = alloc_ER.long().cpu()
+    padded to ``token_padding`` (``rank_segments``).  ``plain``: plain EP, every expert at home,
+    no replicas."""
+    a, _, away = _home_alloc(alloc_ER, plain)
     E, R = a.shape
     B = E // R
-    home = torch.arange(E) // B
-    if plain:
-        a = torch.zeros_like(a)
-        a[torch.arange(E), home] = alloc_ER.long().cpu().sum(1)
-    away = (a > 0) & (home[:, None] != torch.arange(R)[None, :])
     out_R = away.view(R, B, R).sum((1, 2))
     in_R = away.sum(0)
     busiest = int(torch.maximum(out_R, in_R).max())
     worst = 0.0
     for d in range(R):
-        rows = a[:, d]
-        segs = rows[d * B:(d + 1) * B].tolist() + rows[away[:, d]].tolist()
-        segs = [align_up(c, token_padding) if c else 0 for c in segs]
-        worst = max(worst, expert_gemm_us(segs, D, F, training=training, sm_count=sm_count))
+        home_rows, slot_rows = rank_segments(a, d, token_padding=token_padding)
+        worst = max(worst, expert_gemm_us(home_rows + slot_rows, D, F, training=training,
+                                          sm_count=sm_count))
     n = int(away.sum())
     return PlanTime(worst, link_us(busiest, D, F, dtype, link_gbps=link_gbps, training=training),
                     n, busiest, int((a * away).sum()),
