@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gemm_bench_common as common  # noqa: E402
 from planner_cost_table import MODELS, imbalance, routing_counts  # noqa: E402
 
 from moonep_ops.geometry import slack_to_ppm  # noqa: E402
@@ -73,33 +74,14 @@ def time_rank(home, slots, D, F, B, iters=10):
         gm.grouped_mm_wgrad_into(dyF, x, cu, g13[2], g13[3])
         gm.grouped_mm_wgrad_into(dyD, h, cu, g2[0], g2[1])
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        step()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(ts)
+    return common.time_us(step, iters=iters, warmup=3)
 
 
 def copy_gbps(nbytes: int, iters: int = 20) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    e.record()
-    torch.cuda.synchronize()
-    return 2 * nbytes * iters / (s.elapsed_time(e) * 1e-3) / 1e9   # read + write
+    us = common.time_us(lambda: dst.copy_(src), iters=iters, warmup=3)
+    return 2 * nbytes / (us * 1e-6) / 1e9   # read + write
 
 
 def main(argv=None) -> int:

@@ -206,6 +206,11 @@ def quantize_blocks(w: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tenso
     """Reference of moonep::quantize_fp8_blocks (see the module docstring)."""
     _check_float("quantize_fp8_blocks", "w", w, 2)
     _check_bool("quantize_fp8_blocks", pow2_scales)
+    return quantize_blocks_from_float(w, pow2_scales)
+
+
+def quantize_blocks_from_float(w: Tensor, pow2_scales: bool) -> tuple[Tensor, Tensor]:
+    """128 x 128 blocks of a checked floating [..., O, I] tensor -> (q e4m3, scale fp32)."""
     *lead, O, I = w.shape
     P, C = scale_cols(O), scale_cols(I)
     wf = w.to(torch.float32).reshape(-1, O, I)
@@ -255,7 +260,9 @@ def rows_fp8(x_MI: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
     _check_float("quantize_fp8_rows", "x", x_MI, 2, 2)
     _check_bool("quantize_fp8_rows", pow2_scales)
     k = _kernels(x_MI)
-    return quantize_rows(x_MI, pow2_scales) if k is None else k.quantize_rows(x_MI, pow2_scales)
+    if k is None:
+        return quantize_rows_from_fp32(x_MI, pow2_scales)
+    return k.quantize_rows(x_MI, pow2_scales)
 
 
 def blocks_fp8(w: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
@@ -263,7 +270,9 @@ def blocks_fp8(w: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
     _check_float("quantize_fp8_blocks", "w", w, 2)
     _check_bool("quantize_fp8_blocks", pow2_scales)
     k = _kernels(w)
-    return quantize_blocks(w, pow2_scales) if k is None else k.quantize_blocks(w, pow2_scales)
+    if k is None:
+        return quantize_blocks_from_float(w, pow2_scales)
+    return k.quantize_blocks(w, pow2_scales)
 
 
 def dequantize_rows(q_MI: Tensor, scale_MC: Tensor) -> Tensor:

@@ -21,9 +21,8 @@ import triton.language as tl
 
 from torch import Tensor
 
-FP8_MAX = 448.0
-SCALE_FLOOR = 2.0 ** -126
-TILE = 128
+TILE = 128          # quantize_fp8.TILE; the kernels' literals 448.0 and 2^-126 are its FP8_MAX
+                    # and SCALE_FLOOR (a jit function cannot read module globals)
 
 
 @triton.jit
