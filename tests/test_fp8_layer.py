@@ -188,6 +188,79 @@ def case_layer_fp8_compile(ctx):
     layer.zero_grad()
 
 
+def _backward_with_transposes(dz, h, hs, wM, y, g, u, cu, etc, w1, w3, w2, pool, dst, total,
+                              pow2):
+    """The FP8 backward as it was written before the transposed quantiser: weights quantised
+    in their own layout, pushed into the slots as they are, grouped_mm_fp8_dgrad (which reads
+    W_g, not W_g^T)."""
+    from moonep_ops.ops import moe_experts_fp8 as m8
+    from moonep_ops.ops.swiglu import swiglu_backward
+    p = m8._pool(pool)
+    q1, s1, q3, s3, q2, s2 = m8.quantised_weights(w1, w3, w2, pow2)
+    m8._prefetch(p, etc, [q1, s1, q3, s3, q2, s2])
+    dzf = dz.float()
+    dy = (dzf * wM[:, None]).to(BF16)
+    d_rows = (dzf * y.float()).sum(-1)
+    quant, dgrad = torch.ops.moonep.quantize_fp8_rows, torch.ops.moonep.grouped_mm_fp8_dgrad
+    da = dgrad(*quant(dy, pow2), q2, s2, p.w2, p.s2, cu)
+    dg, du, a = swiglu_backward(g, u, da)
+    dh = dgrad(*quant(dg, pow2), q1, s1, p.w1, p.s1, cu) \
+        + dgrad(*quant(du, pow2), q3, s3, p.w3, p.s3, cu)
+    h_bf = qf.dequantize_rows(h, hs).to(BF16)
+    d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
+    torch.ops.moonep.grouped_mm_wgrad_into(dg, h_bf, cu, d1, p.g1)
+    torch.ops.moonep.grouped_mm_wgrad_into(du, h_bf, cu, d3, p.g3)
+    torch.ops.moonep.grouped_mm_wgrad_into(dy, a, cu, d2, p.g2)
+    torch.ops.moonep.reduce_grad(etc, [d1, d3, d2], [p.g1, p.g3, p.g2], p.backend_name)
+    dx, drw = torch.ops.moonep.combine(dh, d_rows, dst, p.backend_name, total)
+    return dx, drw, d1, d3, d2
+
+
+def _backward_equivalence(ctx, pow2):
+    """moe_experts_fp8_backward (transposed quantisation, slots viewed transposed, forward GEMM
+    on W^T) gives bitwise the gradients of the dgrad formulation on the reference path, and
+    leaves the slots holding bitwise the transposes of what that formulation pushes."""
+    buf = Buffer(S, D, K, E, group=ctx.group, token_padding=TP, dtype=BF16)
+    try:
+        layer = make_layer(buf, "fp8", fp8_pow2_scales=pow2)
+        x, _ = tokens(ctx.rank, S)
+        _, w = _route(x)
+        # every token to experts 0, 1, 2 (rank 0's at R = 2, 4): the plan must spill rank 0's
+        # load into redundant slots, so the slot half of every GEMM runs
+        ids = torch.tensor([[0, 1, 2]] * S, dtype=torch.int32)
+        h, hs, wM, cu, plan = buf.dispatch_fp8(x, ids, w, pow2_scales=pow2)
+        ws = (layer.w1.detach(), layer.w3.detach(), layer.w2.detach())
+        z, y, g, u = torch.ops.moonep.moe_experts_fp8(
+            h, hs, wM, cu, plan.experts_to_copy, *ws, layer.pool_name, x, w, plan.dst,
+            plan.total_num_tokens, pow2)
+        dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(5 + ctx.rank)).to(BF16)
+        args = (dz, h, hs, wM, y, g, u, cu, plan.experts_to_copy, *ws, layer.pool_name,
+                plan.dst, plan.total_num_tokens, pow2)
+        old = _backward_with_transposes(*args)
+        from moonep_ops.ops import moe_experts_fp8 as m8
+        p = m8._pool(layer.pool_name)
+        slots_old = [t.clone() for t in p.slot_weights()]
+        new = torch.ops.moonep.moe_experts_fp8_backward(*args)
+        for a, b in zip(new, old):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        for t_new, t_old in zip(p.slot_weights(transposed=True), slots_old):
+            if t_old.dtype == qf.FP8_DTYPE:
+                t_new, t_old = t_new.view(torch.uint8), t_old.view(torch.uint8)
+            assert torch.equal(t_new, t_old.mT)
+        if ctx.R > 1:
+            assert (plan.experts_to_copy >= 0).any(), "no redundant slot: the slot path idle"
+    finally:
+        buf.destroy()
+
+
+def case_backward_transposed_equals_dgrad(ctx):
+    _backward_equivalence(ctx, False)
+
+
+def case_backward_transposed_equals_dgrad_pow2(ctx):
+    _backward_equivalence(ctx, True)
+
+
 MULTI_RANK = multi_rank_cases(globals(), only_at={"case_layer_fp8_compile": (2,)},
                               ranks=(1, 2, 4))
 _results = cached_runner(__name__, MULTI_RANK, timeout_s=600, pg_timeout_s=60)

@@ -189,6 +189,51 @@ def test_block_quantisation_commutes_with_transpose():
 
 
 @pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(144, 272), (3, 144, 272), (2, 3, 130, 260), (256, 128),
+                                   (1, 16, 16), (5, 200)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_transposed_block_quantisation_is_the_transpose(shape, pow2, dtype):
+    """transpose=True (op, public API, reference and blocks_fp8) == quantize(w)^T bitwise, scale
+    grid [..., C, P]; cut-short tiles at both ends, all-zero blocks, per-block magnitudes."""
+    gen = torch.Generator().manual_seed(sum(shape) + pow2)
+    w = torch.randn(*shape, generator=gen)
+    w = w * torch.exp2(torch.randint(-12, 8, shape[:-2] + (1, 1), generator=gen).float())
+    w[..., :128, :128] *= 2.0 ** -9                 # a block of another magnitude
+    if shape[-1] > 128 and shape[-2] > 128:
+        w[..., 128:, 128:] = 0.0                    # all-zero blocks: the floor scale
+    w = w.to(dtype)
+    O, I = shape[-2:]
+    q, s = qf.quantize_blocks(w, pow2)
+    want_q, want_s = q.mT.contiguous(), s.mT.contiguous()
+    for got_q, got_s in (torch.ops.moonep.quantize_fp8_blocks(w, pow2, True),
+                         qf.quantize_fp8_blocks(w, pow2_scales=pow2, transpose=True),
+                         qf.quantize_blocks(w, pow2, transpose=True),
+                         qf.blocks_fp8(w, pow2, transpose=True)):
+        assert got_q.shape == shape[:-2] + (I, O) and got_q.is_contiguous()
+        assert got_s.shape == shape[:-2] + ((I + 127) // 128, (O + 127) // 128)
+        assert got_s.is_contiguous()
+        assert same(got_q, want_q) and torch.equal(got_s, want_s)
+    # and == quantize(w^T): the layout the FP8 backward feeds to the forward GEMM
+    q2, s2 = qf.quantize_blocks(w.mT.contiguous(), pow2)
+    assert same(q2, want_q) and torch.equal(s2, want_s)
+
+
+def test_dgrad_is_the_forward_gemm_on_transposed_weights():
+    """dy @ W_g == grouped_mm_fp8(dy, W^T) bitwise on the reference path, W^T quantised
+    transposed (the FP8 layer's backward, moe_experts_fp8.py)."""
+    for pow2 in (False, True):
+        _, wl, ws, (_, _, wlq, wls, wsq, wss, cu) = operands(COUNTS["skewed"], pow2=pow2)
+        M = int(cu[-1]) + 3
+        dy = (torch.randn(M, 144, generator=torch.Generator().manual_seed(1))).bfloat16()
+        dq, ds = qf.quantize_rows(dy, pow2)
+        old = g8.grouped_mm_fp8_dgrad(dq, ds, wlq, wls, wsq, wss, cu)
+        tl_, tls = qf.quantize_fp8_blocks(wl, pow2_scales=pow2, transpose=True)
+        ts, tss = qf.quantize_fp8_blocks(ws, pow2_scales=pow2, transpose=True)
+        new = g8.grouped_mm_fp8(dq, ds, tl_, tls, ts, tss, cu)
+        assert torch.equal(new, old)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
 def test_swiglu_quantize_quantises_the_fp32_swiglu(pow2):
     gen = torch.Generator().manual_seed(3)
     g = torch.randn(9, 272, generator=gen).bfloat16()
@@ -208,6 +253,9 @@ def test_quantize_opcheck():
     for pow2 in (False, True):
         opcheck(torch.ops.moonep.quantize_fp8_rows.default, (x, pow2))
         opcheck(torch.ops.moonep.quantize_fp8_blocks.default, (w, pow2))
+        opcheck(torch.ops.moonep.quantize_fp8_blocks.default, (w, pow2, True))
+        opcheck(torch.ops.moonep.quantize_fp8_blocks.default, (w[0, :, :144].bfloat16(), pow2,
+                                                               True))
         opcheck(torch.ops.moonep.swiglu_quantize_fp8.default, (x, x.flip(0), pow2))
 
 
@@ -223,6 +271,8 @@ def test_quantize_bad_input():
         qf.quantize_fp8_blocks(x[0])
     with pytest.raises(TypeError, match="pow2_scales"):
         qf.quantize_rows(x, 1)
+    with pytest.raises(TypeError, match="transpose"):
+        qf.quantize_blocks(x, False, 1)
     with pytest.raises(ValueError, match="must match"):
         qf.swiglu_quantize_fp8(x, x[:, :16])
     with pytest.raises(TypeError, match="share one dtype"):
@@ -395,6 +445,8 @@ def test_fake_shapes(device):
         assert yq.dtype == E4M3 and ys.shape == (100, 1)
         dx = g8.grouped_mm_fp8_dgrad(yq, ys, w, s, w, s, cu)
         assert dx.shape == (100, 256)
+        wt, st = qf.quantize_fp8_blocks(torch.empty(4, 384, 256), transpose=True)
+        assert wt.shape == (4, 256, 384) and wt.dtype == E4M3 and st.shape == (4, 2, 3)
         with pytest.raises(ValueError, match="multiple of 16"):
             w200 = w[:, :, :200].contiguous()
             g8.grouped_mm_fp8(xq[:, :200].contiguous(), xs, w200, s, w200, s, cu)

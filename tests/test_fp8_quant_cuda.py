@@ -1,5 +1,7 @@
 """The FP8 quantisers on CUDA (moonep_ops/ops/quantize_fp8_triton.py) against the torch reference
-(moonep_ops/ops/quantize_fp8.py), bitwise: e4m3 bytes and fp32 scales.
+(moonep_ops/ops/quantize_fp8.py), bitwise: e4m3 bytes and fp32 scales, the plain and the
+transposed (transpose=True) block quantiser; and the FP8 layer's backward on CUDA (which runs
+on those transposed weights) against the CPU reference.
 
 Skips without CUDA or without Triton.  Inputs are fresh random values whose magnitude varies
 per tile and block (2^-20 .. 2^12), with all-zero tiles, exact powers of two and dims that cut
@@ -68,12 +70,96 @@ def test_blocks_bitwise(shape, pow2):
     _same(s, sr)
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(16, 16), (144, 272), (200, 336), (2, 256, 512),
+                                   (4, 2048, 7168 // 4), (3, 2, 130, 260), (2, 7168, 256)])
+def test_blocks_transposed_bitwise(shape, dtype, pow2):
+    """The kernel's transpose=True (tiles stored transposed from the one read) == the
+    reference's quantize(w^T) == the kernel's plain result transposed, bitwise."""
+    k = _kernels()
+    w = _data(shape, dtype, seed=len(shape) * 11 + int(pow2) + 3)
+    q, s = k.quantize_blocks(w, pow2, True)
+    qr, sr = qf.quantize_blocks(w, pow2, transpose=True)
+    _same(q, qr)
+    _same(s, sr)
+    qp, sp = k.quantize_blocks(w, pow2)
+    _same(q, qp.mT.contiguous())
+    _same(s, sp.mT.contiguous())
+    qo, so = torch.ops.moonep.quantize_fp8_blocks(w, pow2, True)    # the op routes to it
+    _same(qo, q)
+    _same(so, s)
+
+
+def _fp8_layer_grads(device, backend, pow2):
+    """Forward + moe_experts_fp8_backward of one rank's FP8 experts on ``device`` (same inputs
+    on every device): the five grads and the pool's slots viewed transposed."""
+    from moonep_ops.buffer import Buffer
+    from moonep_ops.nn.moe import MoonEPMoE
+    S, D, K, E, F = 64, 272, 3, 4, 144
+    gen = torch.Generator().manual_seed(21)
+    w1 = (torch.randn(E, F, D, generator=gen) * 0.1).bfloat16()
+    w3 = (torch.randn(E, F, D, generator=gen) * 0.1).bfloat16()
+    w2 = (torch.randn(E, D, F, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(S, D, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(S)]).int()
+    rw = torch.softmax(torch.randn(S, K, generator=gen), -1)
+    dz_seed = torch.randn(S * K * 2, D, generator=gen)
+    buf = Buffer(S, D, K, E, token_padding=16, dtype=torch.bfloat16, device=device,
+                 backend=backend)
+    try:
+        layer = MoonEPMoE.for_buffer(buf, F, precision="fp8", fp8_pow2_scales=pow2).to(device)
+        with torch.no_grad():
+            layer.w1.copy_(w1)
+            layer.w3.copy_(w3)
+            layer.w2.copy_(w2)
+        x, ids, rw = x.to(device), ids.to(device), rw.to(device)
+        h, hs, wM, cu, plan = buf.dispatch_fp8(x, ids, rw, pow2_scales=pow2)
+        ws = (layer.w1.detach(), layer.w3.detach(), layer.w2.detach())
+        z, y, g, u = torch.ops.moonep.moe_experts_fp8(
+            h, hs, wM, cu, plan.experts_to_copy, *ws, layer.pool_name, x, rw, plan.dst,
+            plan.total_num_tokens, pow2)
+        dz = dz_seed[:z.shape[0]].to(device).bfloat16()
+        grads = torch.ops.moonep.moe_experts_fp8_backward(
+            dz, h, hs, wM, y, g, u, cu, plan.experts_to_copy, *ws, layer.pool_name, plan.dst,
+            plan.total_num_tokens, pow2)
+        from moonep_ops.ops import moe_experts_fp8 as m8
+        slots = [t.clone().cpu() for t in m8._pool(layer.pool_name).slot_weights(True)]
+        return [t.cpu() for t in grads], slots
+    finally:
+        buf.destroy()
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("backend", ["single", "symm"])
+def test_fp8_layer_backward_cuda_matches_cpu_reference(backend, pow2):
+    """The backward on CUDA (Triton transposed quantisers, forward GEMM on W^T, slots viewed
+    transposed; the symm backend finds the viewed slots' symmetric peers by pointer) against
+    the CPU reference: the quantised slots bitwise, the grads to rel 2e-2 (the GEMMs sum in
+    another order and a bf16 ulp can move an e4m3 rounding)."""
+    _kernels()
+    if backend == "symm":
+        from moonep_ops import native
+        if native.ep() is None:
+            pytest.skip("libmoonep_ep.so not built")
+    got, got_slots = _fp8_layer_grads("cuda", backend, pow2)
+    want, want_slots = _fp8_layer_grads("cpu", "single", pow2)
+    for name, a, b in zip(("dx", "d_route_weights", "dw1", "dw3", "dw2"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        a, b = a.double(), b.double()
+        rel = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        assert rel < 2e-2, (name, rel)
+    for a, b in zip(got_slots, want_slots):
+        _same(a, b)
+
+
 def test_ops_use_the_kernels_on_cuda(monkeypatch):
     """The custom ops route CUDA tensors to the kernels (and MOONEP_FP8_QUANT=reference back)."""
     k = _kernels()
     calls = []
     real = k.quantize_blocks
-    monkeypatch.setattr(k, "quantize_blocks", lambda w, p: calls.append(1) or real(w, p))
+    monkeypatch.setattr(k, "quantize_blocks",
+                        lambda w, p, t=False: calls.append(1) or real(w, p, t))
     w = _data((2, 256, 256), torch.bfloat16, 3)
     torch.ops.moonep.quantize_fp8_blocks(w)
     assert calls == [1]

@@ -75,10 +75,20 @@ class ExpertPool:
         self.g2 = z((B, D, F), dtype)
         self.name = registry.register(self, "pool")
 
-    def slot_weights(self) -> list[Tensor]:
-        """What prefetch_weight fills: [w1, w3, w2], or fp8 [w1, s1, w3, s3, w2, s2]."""
+    def slot_weights(self, transposed: bool = False) -> list[Tensor]:
+        """What prefetch_weight fills: [w1, w3, w2], or fp8 [w1, s1, w3, s3, w2, s2].
+
+        transposed (fp8 only): the same buffers viewed with their last two dims swapped,
+        w1, w3 as [B, D, F], w2 as [B, F, D] and the scales as [B, ceil(D/128), ceil(F/128)] /
+        [B, ceil(F/128), ceil(D/128)]: contiguous views of the same bytes (an expert's row is
+        as long either way), for the FP8 backward's pool of transposed weights."""
         if self.precision == "fp8":
-            return [self.w1, self.s1, self.w3, self.s3, self.w2, self.s2]
+            ws = [self.w1, self.s1, self.w3, self.s3, self.w2, self.s2]
+            if transposed:
+                ws = [t.view(*t.shape[:-2], t.shape[-1], t.shape[-2]) for t in ws]
+            return ws
+        if transposed:
+            raise ValueError("slot_weights(transposed=True) is for the fp8 pool only")
         return [self.w1, self.w3, self.w2]
 
     def tensors(self) -> tuple[Tensor, ...]:

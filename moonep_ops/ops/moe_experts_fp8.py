@@ -65,11 +65,14 @@ def _pool(name: str) -> ExpertPool:
     return registry.lookup(name, ExpertPool)
 
 
-def quantised_weights(w1: Tensor, w3: Tensor, w2: Tensor, pow2: bool) -> list[Tensor]:
-    """[w1q, s1, w3q, s3, w2q, s2]: the home experts per 128 x 128 block (prefetch's order)."""
+def quantised_weights(w1: Tensor, w3: Tensor, w2: Tensor, pow2: bool,
+                      transpose: bool = False) -> list[Tensor]:
+    """[w1q, s1, w3q, s3, w2q, s2]: the home experts per 128 x 128 block (prefetch's order);
+    transpose: those of w1^T, w3^T [B, D, F] and w2^T [B, F, D], scale grids transposed (one
+    pass over each bf16 weight, quantize_fp8.py)."""
     out = []
     for w in (w1, w3, w2):
-        out += list(qf.blocks_fp8(w.detach(), pow2))
+        out += list(qf.blocks_fp8(w.detach(), pow2, transpose))
     return out
 
 
@@ -154,8 +157,12 @@ def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, valu
     return B, F, D, M
 
 
-def _prefetch(pool: ExpertPool, etc: Tensor, local: list[Tensor]) -> None:
-    torch.ops.moonep.prefetch_weight(etc, local, pool.slot_weights(), pool.backend_name)
+def _prefetch(pool: ExpertPool, etc: Tensor, local: list[Tensor], transposed: bool = False
+              ) -> None:
+    """Push the quantised home experts into the pool's slots; transposed: ``local`` holds the
+    transposed layout and lands in the slots viewed the same way (pool.slot_weights)."""
+    torch.ops.moonep.prefetch_weight(etc, local, pool.slot_weights(transposed),
+                                     pool.backend_name)
 
 
 _TAGS = ()   # capturable when the Buffer's backend is (as moe_experts)
@@ -206,18 +213,23 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     p = _pool(pool)
     _check("moe_experts_fp8_backward", p, h, h_scale, row_weights, cu_seqlens, experts_to_copy,
            w1, w3, w2, pow2_scales, dst=dst, total=total_num_tokens, dz=dz, y=y, g=g, u=u)
-    q1, s1, q3, s3, q2, s2 = quantised_weights(w1, w3, w2, pow2_scales)
-    _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2])   # slots may hold another layer
+    # The dgrads dy @ W_g are forward GEMMs on W^T (K-major, as the sm90 FP8 MMA wants): the
+    # home weights are quantised straight into the transposed layout (bitwise quantise(W)^T)
+    # and pushed into the slots viewed transposed, so no e4m3 tensor is ever transposed.
+    # The slots may hold another layer's (or the forward's) experts: re-prefetch.
+    q1, s1, q3, s3, q2, s2 = quantised_weights(w1, w3, w2, pow2_scales, transpose=True)
+    _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2], transposed=True)
+    t1, ts1, t3, ts3, t2, ts2 = p.slot_weights(transposed=True)
     cu = cu_seqlens
     dzf = dz.float()
     dy = (dzf * row_weights[:, None]).to(DTYPE)
     d_rows = (dzf * y.float()).sum(-1)                          # grad of row_weights, fp32
     quant = torch.ops.moonep.quantize_fp8_rows
-    dgrad = torch.ops.moonep.grouped_mm_fp8_dgrad
-    da = dgrad(*quant(dy, pow2_scales), q2, s2, p.w2, p.s2, cu)
+    mm = torch.ops.moonep.grouped_mm_fp8
+    da = mm(*quant(dy, pow2_scales), q2, s2, t2, ts2, cu)       # dy @ w2_g  [M, F]
     dg, du, a = swiglu_backward(g, u, da)
-    dh = dgrad(*quant(dg, pow2_scales), q1, s1, p.w1, p.s1, cu) \
-        + dgrad(*quant(du, pow2_scales), q3, s3, p.w3, p.s3, cu)
+    dh = mm(*quant(dg, pow2_scales), q1, s1, t1, ts1, cu) \
+        + mm(*quant(du, pow2_scales), q3, s3, t3, ts3, cu)      # [M, D]
     h_bf = qf.dequantize_rows(h, h_scale).to(DTYPE)              # the rows the forward used
     d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
     torch.ops.moonep.grouped_mm_wgrad_into(dg, h_bf, cu, d1, p.g1)

@@ -25,8 +25,13 @@ checks both, and the looser 2^-3 relative bound per element.
 Ops (schemas, fakes and references are pure Python; on CUDA the rows and blocks quantisers run
 one Triton kernel each, bit-identical with the reference: quantize_fp8_triton.py):
   quantize_fp8_rows(x [M, I] floating, pow2_scales=False) -> (q [M, I] e4m3, scale [M, C] fp32)
-  quantize_fp8_blocks(w [..., O, I] floating, pow2_scales=False)
+  quantize_fp8_blocks(w [..., O, I] floating, pow2_scales=False, transpose=False)
                                                      -> (q [..., O, I] e4m3, scale [..., P, C])
+      transpose=True -> (q [..., I, O], scale [..., C, P]): the blocks of w^T.  A block's amax
+      and its elements' quotients do not depend on orientation, so this is bitwise
+      quantize(w)^T with the scale grid transposed; the Triton kernel writes each tile
+      transposed from the same single read (the FP8 layer's backward uses it: the dgrad is the
+      forward GEMM on W^T, moe_experts_fp8.py).
   swiglu_quantize_fp8(g [M, F], u [M, F], pow2_scales=False) -> (q [M, F] e4m3, scale [M, C])
       a = silu(g) * u in fp32 (moonep::swiglu's formula), quantised per 1 x 128 tile straight
       from fp32: the SwiGLU output that feeds the down projection is never rounded to bf16.
@@ -101,9 +106,9 @@ def _check_float(op: str, name: str, t, min_dim: int, max_dim: int | None = None
         raise ValueError(f"{op}: {name} must be {want}, got shape {tuple(t.shape)}")
 
 
-def _check_bool(op: str, pow2) -> None:
-    if not isinstance(pow2, bool):
-        raise FP8ArgumentError(f"{op}: pow2_scales must be a bool, got {type(pow2).__name__}")
+def _check_bool(op: str, flag, name: str = "pow2_scales") -> None:
+    if not isinstance(flag, bool):
+        raise FP8ArgumentError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
 
 
 def check_rows_fp8(op: str, name: str, q, scale, cols: int | None = None) -> tuple[int, int]:
@@ -202,15 +207,21 @@ def quantize_rows(x_MI: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tens
     return quantize_rows_from_fp32(x_MI, pow2_scales)
 
 
-def quantize_blocks(w: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
+def quantize_blocks(w: Tensor, pow2_scales: bool = False, transpose: bool = False
+                    ) -> tuple[Tensor, Tensor]:
     """Reference of moonep::quantize_fp8_blocks (see the module docstring)."""
     _check_float("quantize_fp8_blocks", "w", w, 2)
-    _check_bool("quantize_fp8_blocks", pow2_scales)
-    return quantize_blocks_from_float(w, pow2_scales)
+    _check_bool("quantize_fp8_blocks", pow2_scales, "pow2_scales")
+    _check_bool("quantize_fp8_blocks", transpose, "transpose")
+    return quantize_blocks_from_float(w, pow2_scales, transpose)
 
 
-def quantize_blocks_from_float(w: Tensor, pow2_scales: bool) -> tuple[Tensor, Tensor]:
-    """128 x 128 blocks of a checked floating [..., O, I] tensor -> (q e4m3, scale fp32)."""
+def quantize_blocks_from_float(w: Tensor, pow2_scales: bool, transpose: bool = False
+                               ) -> tuple[Tensor, Tensor]:
+    """128 x 128 blocks of a checked floating [..., O, I] tensor -> (q e4m3, scale fp32);
+    transpose: those of w^T ([..., I, O], scale [..., C, P]), the same bytes transposed."""
+    if transpose:
+        w = w.mT
     *lead, O, I = w.shape
     P, C = scale_cols(O), scale_cols(I)
     wf = w.to(torch.float32).reshape(-1, O, I)
@@ -265,14 +276,17 @@ def rows_fp8(x_MI: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
     return k.quantize_rows(x_MI, pow2_scales)
 
 
-def blocks_fp8(w: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
-    """moonep::quantize_fp8_blocks's implementation (as ``rows_fp8``)."""
+def blocks_fp8(w: Tensor, pow2_scales: bool = False, transpose: bool = False
+               ) -> tuple[Tensor, Tensor]:
+    """moonep::quantize_fp8_blocks's implementation (as ``rows_fp8``); transpose=True writes
+    the blocks of w^T in the same single pass over w."""
     _check_float("quantize_fp8_blocks", "w", w, 2)
-    _check_bool("quantize_fp8_blocks", pow2_scales)
+    _check_bool("quantize_fp8_blocks", pow2_scales, "pow2_scales")
+    _check_bool("quantize_fp8_blocks", transpose, "transpose")
     k = _kernels(w)
     if k is None:
-        return quantize_blocks_from_float(w, pow2_scales)
-    return k.quantize_blocks(w, pow2_scales)
+        return quantize_blocks_from_float(w, pow2_scales, transpose)
+    return k.quantize_blocks(w, pow2_scales, transpose)
 
 
 def dequantize_rows(q_MI: Tensor, scale_MC: Tensor) -> Tensor:
@@ -310,17 +324,22 @@ def _(x, pow2_scales=False):
 
 
 @torch.library.custom_op("moonep::quantize_fp8_blocks", mutates_args=(),
-                         schema="(Tensor w, bool pow2_scales=False) -> (Tensor, Tensor)")
-def _quantize_blocks_op(w: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
-    return blocks_fp8(w, pow2_scales)
+                         schema="(Tensor w, bool pow2_scales=False, bool transpose=False)"
+                                " -> (Tensor, Tensor)")
+def _quantize_blocks_op(w: Tensor, pow2_scales: bool = False, transpose: bool = False
+                        ) -> tuple[Tensor, Tensor]:
+    return blocks_fp8(w, pow2_scales, transpose)
 
 
 @_quantize_blocks_op.register_fake
-def _(w, pow2_scales=False):
+def _(w, pow2_scales=False, transpose=False):
     _check_float("quantize_fp8_blocks", "w", w, 2)
-    _check_bool("quantize_fp8_blocks", pow2_scales)
+    _check_bool("quantize_fp8_blocks", pow2_scales, "pow2_scales")
+    _check_bool("quantize_fp8_blocks", transpose, "transpose")
     *lead, O, I = w.shape
-    return (w.new_empty(tuple(w.shape), dtype=FP8_DTYPE),
+    if transpose:
+        O, I = I, O
+    return (w.new_empty((*lead, O, I), dtype=FP8_DTYPE),
             w.new_empty((*lead, scale_cols(O), scale_cols(I)), dtype=torch.float32))
 
 
@@ -345,9 +364,12 @@ def quantize_fp8_rows(x_MI: Tensor, *, pow2_scales: bool = False) -> tuple[Tenso
     return torch.ops.moonep.quantize_fp8_rows(x_MI, pow2_scales)
 
 
-def quantize_fp8_blocks(w: Tensor, *, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
-    """(q [..., O, I] e4m3, scale [..., ceil(O/128), ceil(I/128)] fp32), one per 128 x 128."""
-    return torch.ops.moonep.quantize_fp8_blocks(w, pow2_scales)
+def quantize_fp8_blocks(w: Tensor, *, pow2_scales: bool = False, transpose: bool = False
+                        ) -> tuple[Tensor, Tensor]:
+    """(q [..., O, I] e4m3, scale [..., ceil(O/128), ceil(I/128)] fp32), one per 128 x 128;
+    transpose=True: (q [..., I, O], scale [..., ceil(I/128), ceil(O/128)]), the quantisation of
+    w^T (bitwise the transpose of the plain result), from one pass over w."""
+    return torch.ops.moonep.quantize_fp8_blocks(w, pow2_scales, transpose)
 
 
 def swiglu_quantize_fp8(g_MF: Tensor, u_MF: Tensor, *, pow2_scales: bool = False

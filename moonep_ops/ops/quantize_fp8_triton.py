@@ -59,19 +59,29 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, M, I, C, BM: tl.constexpr, POW2: tl.conste
 
 
 @triton.jit
-def _blocks_kernel(w_ptr, q_ptr, s_ptr, O, I, P, C, POW2: tl.constexpr):
-    # one program: one 128 x 128 block of one [O, I] matrix
+def _blocks_kernel(w_ptr, q_ptr, s_ptr, O, I, P, C, POW2: tl.constexpr, TRANS: tl.constexpr):
+    # one program: one 128 x 128 block of one [O, I] matrix; TRANS: q is [I, O], scale [C, P]
+    # and the tile is stored transposed (tl.trans: a register / shared-memory shuffle, no
+    # second pass over memory)
     n = tl.program_id(0)
     pp = tl.program_id(1)
     pc = tl.program_id(2)
     r = pp * 128 + tl.arange(0, 128)
     c = pc * 128 + tl.arange(0, 128)
     mask = (r[:, None] < O) & (c[None, :] < I)
-    offs = n.to(tl.int64) * O * I + r[:, None].to(tl.int64) * I + c[None, :]
+    base = n.to(tl.int64) * O * I
+    offs = base + r[:, None].to(tl.int64) * I + c[None, :]
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = _scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    tl.store(q_ptr + offs, _quant(w, s), mask=mask)
-    tl.store(s_ptr + (n.to(tl.int64) * P + pp) * C + pc, s)
+    q = _quant(w, s)
+    if TRANS:
+        offs_t = base + c[:, None].to(tl.int64) * O + r[None, :]
+        mask_t = (c[:, None] < I) & (r[None, :] < O)
+        tl.store(q_ptr + offs_t, tl.trans(q), mask=mask_t)
+        tl.store(s_ptr + (n.to(tl.int64) * C + pc) * P + pp, s)
+    else:
+        tl.store(q_ptr + offs, q, mask=mask)
+        tl.store(s_ptr + (n.to(tl.int64) * P + pp) * C + pc, s)
 
 
 def quantize_rows(x_MI: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
@@ -86,15 +96,17 @@ def quantize_rows(x_MI: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     return q, s
 
 
-def quantize_blocks(w: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+def quantize_blocks(w: Tensor, pow2: bool, transpose: bool = False) -> tuple[Tensor, Tensor]:
+    """(q, scale) of w [..., O, I]; transpose: of w^T, q [..., I, O] and scale [..., C, P]."""
     w = w.contiguous()
     *lead, O, I = w.shape
     n = 1
     for d in lead:
         n *= d
     P, C = triton.cdiv(O, TILE), triton.cdiv(I, TILE)
-    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-    s = torch.empty(*lead, P, C, dtype=torch.float32, device=w.device)
+    qshape, sshape = ((*lead, I, O), (*lead, C, P)) if transpose else ((*lead, O, I), (*lead, P, C))
+    q = torch.empty(qshape, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(sshape, dtype=torch.float32, device=w.device)
     if n and O and I:
-        _blocks_kernel[(n, P, C)](w, q, s, O, I, P, C, POW2=pow2, num_warps=8)
+        _blocks_kernel[(n, P, C)](w, q, s, O, I, P, C, POW2=pow2, TRANS=transpose, num_warps=8)
     return q, s
