@@ -34,7 +34,8 @@ Backends (from device only, never from data):
       scaling, called exactly as in ``_launch`` (the kernel is written separately and is not in
       this tree yet; until a library of ABI 9 is built every device runs the reference); dgrad
       runs the same kernel on transposed copies of the weights and scales (B*O*I + 4*B*P*C
-      bytes per call: the sm90 FP8 MMA takes K-major operands only);
+      bytes per call: the sm90 FP8 MMA takes K-major operands only; the FP8 layer avoids it
+      by running grouped_mm_fp8 on weights quantised transposed, moe_experts_fp8.py);
   anything else -> the reference below: dequantise to fp32, fp32 matmul per group (reads
       cu_seqlens on the host: a sync on CUDA).
 Env MOONEP_GEMM_BACKEND=reference forces the reference on CUDA.

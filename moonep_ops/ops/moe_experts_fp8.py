@@ -13,11 +13,14 @@ experts of one rank in FP8 (the DeepSeek-V3 recipe), fed by ``moonep::dispatch_f
         z = bf16(fp32(y) * w_M)              the route weight of each row (the bf16 layer's
                                              multiply, moved inside the op)
     backward (moe_experts_fp8_backward, one op like the bf16 one):
+        the home weights quantised straight into the transposed layout (quantize_fp8_blocks
+        transpose=True: w1^T, w3^T [B, D, F], w2^T [B, F, D], bitwise q(W)^T) and prefetched
+        into the pool's slots viewed transposed (ExpertPool.slot_weights(transposed=True));
+        each dgrad dy @ W_g is then the forward GEMM on W^T (K-major, no e4m3 transpose):
         dy = bf16(dz * w_M), dw_M = sum_D fp32(dz) * fp32(y)
-        da = grouped_mm_fp8_dgrad(q(dy), w2)   dy per 1 x 128 tile along D; the weights' own
-                                               block scales serve the transposed blocks
+        da = grouped_mm_fp8(q(dy), w2^T)       dy per 1 x 128 tile along D
         dg, du, a = swiglu_backward(g, u, da)  (a recomputed in bf16, as in the bf16 path)
-        dh = grouped_mm_fp8_dgrad(q(dg), w1) + grouped_mm_fp8_dgrad(q(du), w3)
+        dh = grouped_mm_fp8(q(dg), w1^T) + grouped_mm_fp8(q(du), w3^T)
         wgrad in the weights' dtype, fp32 accumulation (grouped_mm_wgrad_into):
           dw1 = dg^T h_bf16, dw3 = du^T h_bf16   h_bf16 = bf16(h * h_scale): the dispatched rows
                                                  themselves (the bf16 rows never leave their
