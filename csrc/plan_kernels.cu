@@ -801,8 +801,9 @@ __device__ __forceinline__ int rank_quotas_order(const unsigned* kb, unsigned TT
 // picks the winner.  Six block barriers in all, and the critical path beyond step 1 is two
 // single-donor splits (up to R-1+B rounds of 2 warp reductions each, the same greedy rounds as
 // MoonEP's step 2 without its batching shortcuts) plus one level's quotas (up to R-1 rounds of
-// 3 reductions).  A pair's split only counts (pieces, tokens) per rank; the winner's alloc
-// comes from step 2.
+// 3 reductions, two levels deep; level_quotas_warp shortens them: a single donor's rounds that
+// find no fit go 32 at a time, and with several donors such a round costs one reduction level).
+// A pair's split only counts (pieces, tokens) per rank; the winner's alloc comes from step 2.
 //
 // Every value is a count bounded by T < 2^31 (host: R*S*K < 2^31), so int32 is exact where the
 // torch code uses int64; scores are int64 (replica_cost < 2^40, links < 2^15).  Argmax / argmin
@@ -856,7 +857,7 @@ __device__ __forceinline__ int warp_first_min(int v, int i, bool pk, int ib, int
 // only at a fixed point (no excess left, or no free receiver: every later round moves 0).
 template <int NJ>
 __device__ __forceinline__ bool level_quotas_warp(const int* g, int L, int R, bool pk, int ibR,
-                                                  int* dn, int* zz) {
+                                                  int* dn, int* zz, unsigned* sq) {
   const int lane = threadIdx.x & 31;
   int ex[NJ], sp[NJ];
   bool fr[NJ];
@@ -869,48 +870,158 @@ __device__ __forceinline__ bool level_quotas_warp(const int* g, int L, int R, bo
     dn[j] = -1;
     zz[j] = 0;
   }
+  // Steps (packed keys, R >= 16): while a single donor is left, its rounds that find no fit
+  // take the free receivers in one fixed order, largest spare first (ties: lowest rank), each
+  // filled whole; round i of a step (lane i, sorted position p + i) is the greedy's while its
+  // spare is below the donor's excess less the spares before it (no free spare covers it).  A
+  // receiver retired by a round-by-round round leaves a hole (key 0) in the order, which the
+  // steps skip.  Why: one donor refilling ~60 receivers (one_group, hot at R = 64) ran ~60
+  // dependent rounds of 3 reductions; a step covers 32 of them with one scan and one ballot.
+  // Python model (diagnostics/models/level_steps.py): equal to level_quotas.
+  const bool steps = pk && R >= 16;
+  const unsigned MR = (1u << ibR) - 1u;
+  int pos[NJ];                                       // this slot's sorted position (-1: none)
+  int nq = 0, ndon = 0, p = 0;                       // positions < p: all retired
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    pos[j] = -1;
+    ndon += __popc(__ballot_sync(kFull, ex[j] > 0));
+  }
+  if (steps) {
+    unsigned ky[NJ];
+    int rk[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const unsigned d = static_cast<unsigned>(lane + 32 * j);
+      ky[j] = fr[j] ? (static_cast<unsigned>(sp[j]) << ibR) | (MR - d) : 0u;   // sp < 2^(31-ibR)
+      rk[j] = 0;
+    }
+#pragma unroll
+    for (int jj = 0; jj < NJ; ++jj) {                // rank = free receivers with a larger key
+#pragma unroll
+      for (int l = 0; l < 32; ++l) {
+        const unsigned v = __shfl_sync(kFull, ky[jj], l);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) rk[j] += v > ky[j] ? 1 : 0;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      if (fr[j]) { pos[j] = rk[j]; sq[rk[j]] = ky[j]; }
+      nq += __popc(__ballot_sync(kFull, fr[j]));
+    }
+  }
   for (int it = 0; it < R - 1; ++it) {
+    // The window of the sorted order at p (keys; 0: retired or past the end), read before the
+    // excess reduction so that both are in flight.
+    unsigned kk = 0u;
+    if (steps) {
+      __syncwarp();                                  // the holes written by earlier rounds
+      kk = p + lane < nq ? sq[p + lane] : 0u;
+    }
     int hv = 0, hi = 0;                              // most excess, ties: lowest rank
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
       if (ex[j] > hv) { hv = ex[j]; hi = lane + 32 * j; }
     int H;
-    const int EH = warp_first_max(hv, hi, pk, ibR, H);
+    int EH = warp_first_max(hv, hi, pk, ibR, H);
     if (EH <= 0) break;
-    // smallest free spare covering EH (ties: lowest), else the largest free spare (ties: lowest)
-    int fv = INT_MAX, fi = 0, lv = 0, li = 0;
+    bool fast = false;                               // a round that finds no fit, from kk
+    int u = 0, m = 0;
+    if (steps && ndon == 1 && p < nq) {
+      const unsigned v = kk >> ibR;                  // 0: a hole (or past the end)
+      unsigned P = v;                                // spares of the positions before this one
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      if (fr[j]) {
-        if (sp[j] >= EH && sp[j] < fv) { fv = sp[j]; fi = lane + 32 * j; }
-        if (sp[j] > lv) { lv = sp[j]; li = lane + 32 * j; }
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned n = __shfl_up_sync(kFull, P, o);
+        if (lane >= o) P += n;
+      }
+      P -= v;
+      const unsigned eh = static_cast<unsigned>(EH);
+      const bool ok = p + lane < nq && (kk == 0u || (P < eh && v < eh - P));
+      const unsigned bad = ~__ballot_sync(kFull, ok);
+      const int f = bad != 0u ? __ffs(bad) - 1 : 32;
+      if (f > 0) {
+        const int used = static_cast<int>(__shfl_sync(kFull, P + v, f - 1));
+        const unsigned taken = __ballot_sync(kFull, ok && kk != 0u) &
+                               (f == 32 ? kFull : (1u << f) - 1u);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          const int d = lane + 32 * j;
+          if (d == H) ex[j] -= used;
+          if (fr[j] && pos[j] >= p && pos[j] < p + f) { fr[j] = false; dn[j] = H; zz[j] = sp[j]; }
+        }
+        it += __popc(taken);
+        p += f;
+        EH -= used;
+        if (it >= R - 1) break;
+        if (f == 32) { --it; continue; }             // the loop's ++it: not a round
+      }
+    } else if (steps) {
+      // Several donors: the largest free spare is the window's first key (every position
+      // before p is retired).  When it is below EH no spare fits, and the round needs no
+      // further reduction: u is that receiver, m its spare.  Else (a fit, or a window of
+      // holes only) the round below.  Why: ~35 of zipf's ~49 rounds a level at R = 64 find no
+      // fit, and this takes their second level of warp reductions off the chain.
+      const unsigned nz = __ballot_sync(kFull, kk != 0u);
+      if (nz != 0u) {
+        const int f0 = __ffs(nz) - 1;
+        const unsigned kf = __shfl_sync(kFull, kk, f0);
+        p += f0;                                     // the holes before it
+        if (static_cast<int>(kf >> ibR) < EH) {
+          fast = true;
+          u = static_cast<int>(MR - (kf & MR));
+          m = static_cast<int>(kf >> ibR);
+          p += 1;                                    // u retires now
+        }
+      } else {
+        p = min(p + 32, nq);                         // holes only
       }
     }
-    int FI, LI;
-    const int FV = warp_first_min(fv, fi, pk, ibR, FI);
-    const int LV = warp_first_max(lv, li, pk, ibR, LI);
-    if (LV <= 0) break;                              // no free receiver: stuck (m = 0 from now)
-    const bool fit = FV != INT_MAX;
-    const int u = fit ? FI : LI, m = min(EH, fit ? FV : LV);
+    bool fit = false;
+    if (!fast) {
+      // smallest free spare covering EH (ties: lowest), else the largest free spare (ties:
+      // lowest)
+      int fv = INT_MAX, fi = 0, lv = 0, li = 0;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        if (fr[j]) {
+          if (sp[j] >= EH && sp[j] < fv) { fv = sp[j]; fi = lane + 32 * j; }
+          if (sp[j] > lv) { lv = sp[j]; li = lane + 32 * j; }
+        }
+      }
+      int FI, LI;
+      const int FV = warp_first_min(fv, fi, pk, ibR, FI);
+      const int LV = warp_first_max(lv, li, pk, ibR, LI);
+      if (LV <= 0) break;                            // no free receiver: stuck (m = 0 from now)
+      fit = FV != INT_MAX;
+      u = fit ? FI : LI;
+      m = min(EH, fit ? FV : LV);
+    }
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       const int d = lane + 32 * j;
       if (d == H) ex[j] -= m;
-      if (d == u) { fr[j] = false; dn[j] = H; zz[j] = m; }   // u retires (m > 0)
+      if (d == u) {                                  // u retires (m > 0)
+        fr[j] = false; dn[j] = H; zz[j] = m;
+        if (steps) sq[pos[j]] = 0u;                  // a hole in the sorted order
+      }
     }
+    ndon -= fit ? 1 : 0;                             // a fit places all of H's excess
   }
   int left = 0;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) left |= ex[j];
+  __syncwarp();                                      // sq's last reads before the caller's stores
   return __reduce_or_sync(kFull, static_cast<unsigned>(left)) == 0u;
 }
 
 // Policy "cost"'s shared area (24 int64, then cost_smem_ints ints): the int64 scores, then per
 // candidate row (0..7 stage 1, 8..15 stage 2, kCostMoonRow MoonEP) its (donor, quota) per
 // receiver (rows 0..15 only: MoonEP's are step 1's donor_of / z_of), its per-rank split counts
-// [4][R]
-// (pieces and tokens received, pieces and tokens given), its feasibility, the group loads [R],
-// and one row of B ints per warp (the split's tokens left).
+// [4][R] (pieces and tokens received, pieces and tokens given; until its level quotas are done,
+// the candidate warp's scratch for their sorted receivers), its feasibility, the group loads
+// [R], and one row of B ints per warp (the split's tokens left).
 constexpr int kCostRows = 2 * kCostLevels + 1;
 constexpr int kCostMoonRow = 2 * kCostLevels;
 struct CostSmem {
@@ -1111,9 +1222,11 @@ __device__ __forceinline__ CostLevels cost_stage1(CostSmem cs, const int* remE, 
   // packed keys when the values (<= T) leave room for the index bits; diagnostics stop 199
   // forces the two-reduction path (packing false), as in the other greedy loops
   const bool pk = packing && T1 >= 0 && static_cast<long long>(T1) < (1ll << (31 - cib));
-  const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ceil_log2(R), dn, zz);
   int* row = cs.qrow + cwarp * 2 * R;
   int* st = cs.stat + cwarp * 4 * R;
+  // st is this warp's alone until its split counts are zeroed below: the quotas' scratch
+  const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ceil_log2(R), dn, zz,
+                                        reinterpret_cast<unsigned*>(st));
   int* stm = cs.stat + kCostMoonRow * 4 * R;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
@@ -1170,10 +1283,13 @@ __device__ __forceinline__ void cost_search(CostSmem cs, const int* remE, int* d
     int g[NJ], dn[NJ], zz[NJ];
 #pragma unroll
     for (int j = 0; j < NJ; ++j) g[j] = lane + 32 * j < R ? cs.g[lane + 32 * j] : 0;
-    const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ibR, dn, zz);
     const int c = kCostLevels + cwarp;
     int* row = cs.qrow + c * 2 * R;
     int* st = cs.stat + c * 4 * R;
+    // st: this warp's scratch until zeroed below (no other warp touches row c before the
+    // barrier)
+    const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ibR, dn, zz,
+                                          reinterpret_cast<unsigned*>(st));
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       const int d = lane + 32 * j;
