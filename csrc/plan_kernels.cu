@@ -150,10 +150,10 @@ __host__ __device__ inline size_t group_smem_base(int R, int E) {
 
 // Policy "cost" (docs/planner.md, planner.cost_plan): MoonEP's plan + 2 stages of kCostLevels
 // level plans.  Its shared area (CostSmem, after the group kernel's own): kCostScores int64
-// scores, per candidate its quotas and per-rank split counts, one row of B ints per warp.
+// scores, per candidate its quotas and per-rank split counts, one row of max(B, R) ints per warp.
 // Limits (host-checked, planner.py mirrors them): R <= kCostMaxR (two register slots a lane:
 // the candidate warps keep every per-rank value in registers) and B <= kCostMaxB (the per-warp
-// rows stay <= 32 KiB).
+// rows stay <= 32 KiB; R <= 64 < B's 256).
 constexpr int kCostLevels = 8;                       // planner.COST_LEVELS
 constexpr int kCostScores = 1 + 2 * kCostLevels;
 constexpr int kCostMaxR = 64;
@@ -799,8 +799,8 @@ __device__ __forceinline__ int rank_quotas_order(const unsigned* kb, unsigned TT
 // one warp per candidate scores it from the per-rank counts.  Stage 2 (its levels need stage
 // 1's first minimum): quotas on the 8 candidate warps, pairs on all warps, scores.  Warp 0
 // picks the winner.  Six block barriers in all, and the critical path beyond step 1 is two
-// single-donor splits (up to R-1+B rounds of 2 warp reductions each, the same greedy rounds as
-// MoonEP's step 2 without its batching shortcuts) plus one level's quotas (up to R-1 rounds of
+// single-donor splits (up to R-1+B rounds of 2 warp reductions each, MoonEP's step 2's greedy
+// rounds with only its one-expert steps: cost_split_steps) plus one level's quotas (up to R-1 rounds of
 // 3 reductions, two levels deep; level_quotas_warp shortens them: a single donor's rounds that
 // find no fit go 32 at a time, and with several donors such a round costs one reduction level).
 // A pair's split only counts (pieces, tokens) per rank; the winner's alloc comes from step 2.
@@ -1021,7 +1021,8 @@ __device__ __forceinline__ bool level_quotas_warp(const int* g, int L, int R, bo
 // receiver (rows 0..15 only: MoonEP's are step 1's donor_of / z_of), its per-rank split counts
 // [4][R] (pieces and tokens received, pieces and tokens given; until its level quotas are done,
 // the candidate warp's scratch for their sorted receivers), its feasibility, the group loads
-// [R], and one row of B ints per warp (the split's tokens left).
+// [R], and one row of max(B, R) ints per warp (the split's tokens left, or its sorted quota
+// keys).
 constexpr int kCostRows = 2 * kCostLevels + 1;
 constexpr int kCostMoonRow = 2 * kCostLevels;
 struct CostSmem {
@@ -1030,12 +1031,12 @@ struct CostSmem {
   int* stat;           // [kCostRows][4][R]
   int* feas;           // [kCostRows]
   int* g;              // [R]
-  int* wrem;           // [kCostWarps][B]
+  int* wrem;           // [kCostWarps][max(B, R)]
 };
 
 __host__ __device__ inline size_t cost_smem_ints(int R, int E) {
   return static_cast<size_t>(2 * kCostLevels * 2 + kCostRows * 4 + 1) * R + kCostRows + 3 +
-         static_cast<size_t>(kCostWarps) * (E / R);
+         static_cast<size_t>(kCostWarps) * (E / R > R ? E / R : R);
 }
 
 __device__ __forceinline__ CostSmem cost_smem(unsigned char* base, int R) {
@@ -1051,6 +1052,108 @@ __device__ __forceinline__ CostSmem cost_smem(unsigned char* base, int R) {
 
 inline size_t group_smem_bytes(int R, int E, bool cost) {
   return group_smem_base(R, E) + (cost ? 8 * 24 + 4 * cost_smem_ints(R, E) : 0);
+}
+
+// The first rounds of a cost split pair in steps for one expert serving many quotas (packed
+// keys, tokens left in registers: B <= 64), split_one_expert_steps's rule on the pair's counts.
+// Why: at R = 64 a hot expert's single donor refills ~60 receivers, and every greedy round pairs
+// the largest quota left with that expert (two warp reductions a round, on the critical path
+// twice: stage 1 and stage 2).  The quotas are taken largest key first (sorted once into sq), and
+// round i of a step (lane i) is the greedy's while the expert's leftover before it is positive
+// and its key still beats every other expert's (KR2); a step ends after a partial fill (the
+// expert is then empty) or short of 32 rounds.  Gate: >= 8 receivers and the largest expert
+// still beats the second after filling the largest quota (one_group, whose expert changes every
+// round, never steps).  Returns the rounds taken; the caller's round loop goes on from the same
+// state.  Python model (diagnostics/models/cost_split_steps.py): equal to the greedy on 20k
+// (candidate, donor) pairs of one_group / hot / zipf / uniform level plans and random quotas.
+template <int NJ>
+__device__ __forceinline__ int cost_split_steps(int* q, int* nin, int* tin, int& r0, int& r1,
+                                                int& no, int& to, int B, int ibR, int ibB,
+                                                unsigned* sq) {
+  const int lane = threadIdx.x & 31;
+  const unsigned MR = (1u << ibR) - 1u, MB = (1u << ibB) - 1u;
+  unsigned kq[NJ];
+  int nq = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    kq[j] = q[j] > 0 ? (static_cast<unsigned>(q[j]) << ibR) |
+                           (MR - static_cast<unsigned>(lane + 32 * j))
+                     : 0u;
+    nq += __popc(__ballot_sync(kFull, kq[j] != 0u));
+  }
+  if (nq < 8) return 0;                              // a few receivers: the sort would not pay
+  auto ekeys = [&](unsigned& k0, unsigned& k1) {
+    k0 = lane < B ? expert_key(r0, lane, ibB, MB) : 0u;
+    k1 = lane + 32 < B ? expert_key(r1, lane + 32, ibB, MB) : 0u;
+  };
+  unsigned kr0, kr1;
+  ekeys(kr0, kr1);
+  {
+    unsigned aq = kq[0];
+#pragma unroll
+    for (int j = 1; j < NJ; ++j) aq = max(aq, kq[j]);
+    const unsigned KQ = __reduce_max_sync(kFull, aq);
+    const unsigned KR = __reduce_max_sync(kFull, max(kr0, kr1));
+    const unsigned KR2 =
+        __reduce_max_sync(kFull, max(kr0 == KR ? 0u : kr0, kr1 == KR ? 0u : kr1));
+    const unsigned QM = KQ >> ibR, RM = KR >> ibB;
+    if (QM == 0u || RM <= QM || ((((RM - QM) << ibB) | (KR & MB)) <= KR2)) return 0;
+  }
+  int rk[NJ];                                        // rank of this slot's quota key (0: largest)
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) rk[j] = 0;
+#pragma unroll
+  for (int jj = 0; jj < NJ; ++jj) {
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+      const unsigned v = __shfl_sync(kFull, kq[jj], l);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) rk[j] += v > kq[j] ? 1 : 0;
+    }
+  }
+  __syncwarp();                                      // the last pair's reads of sq are done
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+    if (kq[j] != 0u) sq[rk[j]] = kq[j];
+  __syncwarp();
+  int rounds = 0;
+  for (int p = 0; p < nq;) {
+    const unsigned KR = __reduce_max_sync(kFull, max(kr0, kr1));
+    const unsigned KR2 =
+        __reduce_max_sync(kFull, max(kr0 == KR ? 0u : kr0, kr1 == KR ? 0u : kr1));
+    const unsigned c = KR >> ibB;
+    if (c == 0u) break;
+    const unsigned qk = p + lane < nq ? sq[p + lane] : 0u, qv = qk >> ibR;
+    const unsigned P = static_cast<unsigned>(warp_incl_scan(static_cast<int>(qv), lane)) - qv;
+    const bool ok = qv > 0u && P < c && ((((c - P) << ibB) | (KR & MB)) > KR2);
+    const unsigned bad = ~__ballot_sync(kFull, ok);
+    const int k = bad != 0u ? __ffs(bad) - 1 : 32;
+    if (k == 0) break;
+    const unsigned Pl = __shfl_sync(kFull, P, k - 1), ql = __shfl_sync(kFull, qv, k - 1);
+    const bool partial = ql > c - Pl;                // the last round empties the expert
+    const unsigned used = partial ? c : Pl + ql;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {                   // the quotas' owners take their rounds
+      const unsigned Pj = __shfl_sync(kFull, P, (rk[j] - p) & 31);
+      if (kq[j] != 0u && rk[j] >= p && rk[j] < p + k) {
+        const int t = static_cast<int>(min(kq[j] >> ibR, c - Pj));
+        kq[j] -= static_cast<unsigned>(t) << ibR;
+        q[j] -= t;
+        ++nin[j];
+        tin[j] += t;
+      }
+    }
+    if (kr0 == KR) r0 -= static_cast<int>(used);
+    if (kr1 == KR) r1 -= static_cast<int>(used);
+    ekeys(kr0, kr1);
+    no += k;
+    to += static_cast<int>(used);
+    rounds += k;
+    p += k;
+    if (k < 32 || partial) break;
+  }
+  __syncwarp();                                      // sq's reads before the next pair's stores
+  return rounds;
 }
 
 // One (candidate, donor h) pair of planner.split_quotas_batched ("max") on one warp: the donor's
@@ -1097,7 +1200,12 @@ __device__ __forceinline__ void cost_split_pair(const int* dnr, const int* zzr, 
   if (B <= 64) {
     // Tokens left in registers, experts lane and lane + 32 (no shared round trip per round).
     int r0 = lane < B ? remE[h * B + lane] : 0, r1 = lane + 32 < B ? remE[h * B + lane + 32] : 0;
-    for (int it = 0; it < R - 1 + B; ++it) {
+    // wrem (max(B, R) ints a warp, unused by this path): the steps' sorted quota keys
+    const int it0 =
+        pk ? cost_split_steps<NJ>(q, nin, tin, r0, r1, no, to, B, ibR, ibB,
+                                  reinterpret_cast<unsigned*>(wrem))
+           : 0;
+    for (int it = it0; it < R - 1 + B; ++it) {
       const int rv = r1 > r0 ? r1 : r0, ri = r1 > r0 ? lane + 32 : lane;   // ties: lower le
       int D, LE;
       const int QM = quota_max(D);
@@ -1146,7 +1254,7 @@ __device__ __forceinline__ void cost_split_all(const CostSmem& cs, int row0, int
                                                int B, const int* remE, bool pk, int ibR,
                                                int ibB) {
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  int* wrem = cs.wrem + warp * B;
+  int* wrem = cs.wrem + warp * max(B, R);           // B tokens left, or R sorted quota keys
   for (int p = warp; p < nrows * R; p += nwarps) {
     const int h = p / nrows, r = p - h * nrows;
     const int row = moon && r == nrows - 1 ? kCostMoonRow : row0 + r;
@@ -1891,11 +1999,11 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   if (spare && warp == nwarps - 1) {
     const int per = (E + 31) / 32, i0 = min(E, lane * per), i1 = min(E, i0 + per);
     int sum = 0;
-#pragma unroll 4
+#pragma unroll
     for (int i = i0; i < i1; ++i) sum += pcnt[i] + (remE[i] > 0 ? 1 : 0);
     const int incl = warp_incl_scan(sum, lane);
     int run = incl - sum;
-#pragma unroll 4
+#pragma unroll
     for (int i = i0; i < i1; ++i) {
       const int n = pcnt[i] + (remE[i] > 0 ? 1 : 0);
       pcnt[i] = run;
