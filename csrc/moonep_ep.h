@@ -38,7 +38,7 @@
 #include <cuda_runtime_api.h>  // cudaStream_t
 
 // Bumped whenever an exported signature changes (moonep_ops/native.py checks it at load).
-#define MOONEP_EP_ABI_VERSION 4
+#define MOONEP_EP_ABI_VERSION 5
 
 #ifdef __cplusplus
 #define MOONEP_EXPORT extern "C" __attribute__((visibility("default")))
@@ -402,6 +402,15 @@ MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void*
 // slack_cap(S*K) = ceil(S*K * (10^6 + slack_ppm) / 10^6) with a slack, R*NvS < 2^31,
 // workspace_bytes large enough, no NULL pointer argument.
 // =============================================================================================
+
+/**
+ * Raise the dynamic shared-memory limit of every planner kernel on the current device (no stream
+ * work, idempotent).  Call it before the first barrier of a process can be queued: a kernel's
+ * first attribute change orders the device work issued after it behind the work in flight,
+ * which stalls ranks of one process queued behind a spinning barrier (virtual ranks).
+ * @return 0, or -1 with moonep_ep_last_error() set
+ */
+MOONEP_EXPORT int moonep_plan_prepare(void);
 
 /**
  * Bytes of device workspace moonep_plan / moonep_plan_group need; 0 for invalid sizes (R < 1,

@@ -2500,6 +2500,32 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
 
 }  // namespace
 
+// Every planner kernel's shared-memory limit raised now, on the current device.  The first
+// cudaFuncSetAttribute of a kernel orders the device work issued after it behind the work in
+// flight: issued while a peer's barrier spins in the same process (virtual ranks), it stalls the
+// ranks queued after it until the barrier times out (diagnostics/virtual_rank_timeouts.py).
+// SymmBackend calls this when a Buffer is built, before any barrier can be queued.
+MOONEP_EXPORT int moonep_plan_prepare() {
+  constexpr size_t kAbove = 48 * 1024 + 1;   // any size above the default: sets the opt-in max
+  cudaError_t e = cudaSuccess;
+  auto set = [&](auto kern, int slot) {
+    if (e == cudaSuccess) e = ensure_smem(kern, slot, kAbove);
+  };
+  // slots as launch_group / moonep_plan number them
+  set(&plan_group_kernel<1, kGroupThreads, false>, 0);
+  set(&plan_group_kernel<2, kGroupThreads, false>, 1);
+  set(&plan_group_kernel<4, kGroupThreads, false>, 2);
+  set(&plan_group_kernel<8, kGroupThreads, false>, 3);
+  set(&plan_group_kernel<16, kGroupThreads, false>, 4);
+  set(&plan_group_kernel<32, kGroupThreads, false>, 5);
+  set(&plan_assign_kernel, 6);
+  set(&plan_group_kernel<1, kSmallGroupThreads, false>, 7);
+  set(&plan_group_kernel<1, kGroupThreads, true>, 8);
+  set(&plan_group_kernel<2, kGroupThreads, true>, 9);
+  set(&plan_group_kernel<1, kSmallGroupThreads, true>, 15);
+  return moonep_ep::fail(e, "moonep_plan_prepare");
+}
+
 MOONEP_EXPORT size_t moonep_plan_workspace_bytes(int R, int E, int s, int K) {
   if (R < 1 || E < R || E % R || s < 1 || K < 1 || K > kMaxK) return 0;
   return ws_layout(R, E, s, K).total;

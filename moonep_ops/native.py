@@ -31,7 +31,7 @@ from typing import Optional
 # Bumped with every exported signature change; the library reports its own value, and a mismatch
 # makes the library "not loadable" rather than risking a call with the wrong arguments.
 GEMM_ABI_VERSION = 8       # cutlass_kernels/moonep_gemm.h
-EP_ABI_VERSION = 4         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
+EP_ABI_VERSION = 5         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 
 # The FP8 grouped GEMM (moonep_ops/ops/grouped_mm_fp8.py) is a later ABI of libmoonep_gemm.so:
 # ABI 9 = every ABI 8 export unchanged plus GEMM_FP8_PROTOTYPES.  So a library of either version
@@ -110,6 +110,7 @@ EP_PROTOTYPES: dict[str, tuple] = {
     "moonep_ep_swiglu_bwd": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
                                      c_int64, c_int, c_void_p]),
     # device planner (csrc/plan_kernels.cu)
+    "moonep_plan_prepare": (c_int, []),
     "moonep_plan_workspace_bytes": (c_size_t, [c_int, c_int, c_int, c_int]),
     "moonep_plan": (c_int, [
         c_void_p, c_void_p,                                  # hist_RX, topk_sK

@@ -12,7 +12,8 @@
 #              missing or do not load (python -m moonep_ops.build -j 16 [--diagnostics])
 #   tests      every CUDA test: tests/*_cuda.py
 #   diag       the planner tests that need the diagnostics build (its debug knobs)
-#   vranks     diagnostics/virtual_rank_timeouts.py (virtual ranks at R = 8, fresh processes)
+#   vranks     diagnostics/stream_queues.py (do streams of one process wait behind each other) and
+#              diagnostics/virtual_rank_timeouts.py (virtual ranks at R = 8, fresh processes)
 #   dataplane  device planner latency, dispatch/combine bandwidth, eager vs CUDA-graph steps
 #   moe        the MoE layer step (eager, compiled, CUDA graphs)
 #   costterms  policy "cost"'s GEMM and replica-bytes terms against measured times
@@ -73,7 +74,7 @@ stage build 600 build
 stage tests ${T_TESTS:-420} $PY -m pytest -q -rs tests/ -k cuda -p no:cacheprovider
 stage diag 120 env MOONEP_LIB_DIR=moonep_ops/lib/diagnostics $PY -m pytest -q -rs \
   tests/test_plan_device_cuda.py -k "packed or batched or batches or pdl" -p no:cacheprovider
-stage vranks 200 $PY diagnostics/virtual_rank_timeouts.py ${VRANK_MODES:-default premove}
+stage vranks 200 bash -c "$PY diagnostics/stream_queues.py && $PY diagnostics/virtual_rank_timeouts.py"
 stage dataplane 300 bash -c "$PY benchmarks/bench_plan_device.py --skip-torch-graph && \
   $PY benchmarks/bench_data_plane_cuda.py"
 stage moe 200 $PY benchmarks/bench_moe_step.py

@@ -70,7 +70,7 @@ def test_symm_layer_equals_host_backend_bitwise():
     sy.check_errors()
 
 
-@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("R", [2, 4, 8])
 def test_virtual_ranks_match_dense_reference(R):
     from moonep_ops.backends import VirtualGroup
     vg = VirtualGroup(R)
