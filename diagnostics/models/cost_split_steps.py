@@ -23,13 +23,10 @@ def ceil_log2(x):
     return 0 if x <= 1 else (x - 1).bit_length()
 
 
-def greedy(q, rem, R):
-    """cost_split_pair round by round: q {receiver: quota}, rem [tokens per local expert]."""
-    q, rem = dict(q), list(rem)
-    nin, tin = {d: 0 for d in q}, {d: 0 for d in q}
-    no = to = 0
+def _rounds(q, rem, nin, tin, no, to, first, R):
+    """The greedy's rounds first .. R - 2 + B, in place on q, rem, nin, tin; -> (no, to)."""
     B = len(rem)
-    for _ in range(R - 1 + B):
+    for _ in range(first, R - 1 + B):
         if not q:
             break
         d = max(q, key=lambda d: (q[d], -d))
@@ -43,6 +40,14 @@ def greedy(q, rem, R):
         tin[d] += t
         no += 1
         to += t
+    return no, to
+
+
+def greedy(q, rem, R):
+    """cost_split_pair round by round: q {receiver: quota}, rem [tokens per local expert]."""
+    q, rem = dict(q), list(rem)
+    nin, tin = {d: 0 for d in q}, {d: 0 for d in q}
+    no, to = _rounds(q, rem, nin, tin, 0, 0, 0, R)
     return q, rem, nin, tin, no, to
 
 
@@ -99,20 +104,7 @@ def kernel(q, rem, R, pk=True, W=32, b_gate=True, stats=None):
                     break
     if stats is not None:
         stats.append(rounds)
-    for _ in range(rounds, R - 1 + B):
-        if not q:
-            break
-        d = max(q, key=lambda d: (q[d], -d))
-        le = max(range(B), key=lambda l: (rem[l], -l))
-        if q[d] <= 0 or rem[le] <= 0:
-            break
-        t = min(q[d], rem[le])
-        q[d] -= t
-        rem[le] -= t
-        nin[d] += 1
-        tin[d] += t
-        no += 1
-        to += t
+    no, to = _rounds(q, rem, nin, tin, no, to, rounds, R)
     return q, rem, nin, tin, no, to
 
 
