@@ -283,28 +283,25 @@ def test_quantize_bad_input():
 # the FP8 grouped GEMMs against dequantise-then-matmul
 # ------------------------------------------------------------------------------------------
 
-def naive_fwd(xq, xs, wlq, wls, wsq, wss, cu):
-    x = naive_dequant_rows(xq, xs)
+def _naive(aq, as_, wlq, wls, wsq, wss, cu, dgrad):
+    """Row by row in fp64: W_g x (forward) or dy W_g (dgrad), W_g dequantised."""
+    a = naive_dequant_rows(aq, as_)
     epn = wlq.shape[0]
     W = [naive_dequant_block(wlq[b], wls[b]) for b in range(epn)] + \
         [naive_dequant_block(wsq[b], wss[b]) for b in range(epn)]
-    y = torch.zeros(xq.shape[0], wlq.shape[1], dtype=torch.float64)
-    for r, g in enumerate(group_of_rows(cu, xq.shape[0])):
+    out = torch.zeros(aq.shape[0], wlq.shape[2 if dgrad else 1], dtype=torch.float64)
+    for r, g in enumerate(group_of_rows(cu, aq.shape[0])):
         if g < len(cu):
-            y[r] = W[g] @ x[r]
-    return y
+            out[r] = a[r] @ W[g] if dgrad else W[g] @ a[r]
+    return out
+
+
+def naive_fwd(xq, xs, wlq, wls, wsq, wss, cu):
+    return _naive(xq, xs, wlq, wls, wsq, wss, cu, dgrad=False)
 
 
 def naive_dgrad(dq, ds, wlq, wls, wsq, wss, cu):
-    dy = naive_dequant_rows(dq, ds)
-    epn = wlq.shape[0]
-    W = [naive_dequant_block(wlq[b], wls[b]) for b in range(epn)] + \
-        [naive_dequant_block(wsq[b], wss[b]) for b in range(epn)]
-    dx = torch.zeros(dq.shape[0], wlq.shape[2], dtype=torch.float64)
-    for r, g in enumerate(group_of_rows(cu, dq.shape[0])):
-        if g < len(cu):
-            dx[r] = dy[r] @ W[g]
-    return dx
+    return _naive(dq, ds, wlq, wls, wsq, wss, cu, dgrad=True)
 
 
 def close_to_bf16_rounding(y, ref):

@@ -111,9 +111,8 @@ def _check_bool(op: str, flag, name: str = "pow2_scales") -> None:
         raise FP8ArgumentError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
 
 
-def check_rows_fp8(op: str, name: str, q, scale, cols: int | None = None) -> tuple[int, int]:
-    """A 1 x 128-tile quantised operand: q [M, I] e4m3 and scale [M, ceil(I/128)] fp32, one
-    device, contiguous.  Returns (M, I)."""
+def _check_fp8_pair(op: str, name: str, q, scale) -> None:
+    """q an e4m3 Tensor and scale an fp32 Tensor (types only; shapes are the caller's)."""
     for n, t in ((name, q), (f"{name}_scale", scale)):
         if not isinstance(t, Tensor):
             raise FP8ArgumentError(f"{op}: {n} must be a Tensor, got {type(t).__name__}")
@@ -121,6 +120,12 @@ def check_rows_fp8(op: str, name: str, q, scale, cols: int | None = None) -> tup
         raise FP8ArgumentError(f"{op}: {name} must be {FP8_DTYPE} (e4m3), got {q.dtype}")
     if scale.dtype != torch.float32:
         raise FP8ArgumentError(f"{op}: {name}_scale must be float32, got {scale.dtype}")
+
+
+def check_rows_fp8(op: str, name: str, q, scale, cols: int | None = None) -> tuple[int, int]:
+    """A 1 x 128-tile quantised operand: q [M, I] e4m3 and scale [M, ceil(I/128)] fp32, one
+    device, contiguous.  Returns (M, I)."""
+    _check_fp8_pair(op, name, q, scale)
     if q.dim() != 2:
         raise ValueError(f"{op}: {name} must be 2-D [M, I], got shape {tuple(q.shape)}")
     M, I = q.shape
@@ -141,13 +146,7 @@ def check_rows_fp8(op: str, name: str, q, scale, cols: int | None = None) -> tup
 def check_blocks_fp8(op: str, name: str, q, scale) -> tuple[int, ...]:
     """A 128 x 128-block quantised weight: q [..., O, I] e4m3, scale [..., ceil(O/128),
     ceil(I/128)] fp32, one device, contiguous.  Returns q's shape."""
-    for n, t in ((name, q), (f"{name}_scale", scale)):
-        if not isinstance(t, Tensor):
-            raise FP8ArgumentError(f"{op}: {n} must be a Tensor, got {type(t).__name__}")
-    if q.dtype != FP8_DTYPE:
-        raise FP8ArgumentError(f"{op}: {name} must be {FP8_DTYPE} (e4m3), got {q.dtype}")
-    if scale.dtype != torch.float32:
-        raise FP8ArgumentError(f"{op}: {name}_scale must be float32, got {scale.dtype}")
+    _check_fp8_pair(op, name, q, scale)
     if q.dim() < 2:
         raise ValueError(f"{op}: {name} must be at least 2-D [..., O, I], got {tuple(q.shape)}")
     O, I = q.shape[-2:]
