@@ -22,7 +22,7 @@ from moonep_ops.nn.moe import MoonEPMoE
 S, D, K, E, F, TP = 16, 64, 2, 4, 256, 4      # R = 1: B = E = 4 home experts, 4 slots
 DTYPE = torch.float32
 NOISE_BYTES = 8 << 20                        # allowed RSS growth over the measured cycles
-WARMUP, CYCLES = 20, 300
+WARMUP, CYCLES, TRIALS = 20, 300, 3
 
 
 def _rss() -> int:
@@ -79,7 +79,10 @@ def _growth(cycles: int, keep=None) -> tuple[int, int]:
 
 def _rss_checks() -> None:
     torch.manual_seed(0)
-    growth, pool_bytes = _growth(CYCLES)
+    # the least of TRIALS windows: a leak grows RSS in every window, the allocator's occasional
+    # untrimmed heap top in one (measured: 9-11 MiB in single windows of 2 of 4 whole-suite
+    # runs, 0.3-0.6 MiB in standalone ones)
+    growth, pool_bytes = min(_growth(CYCLES) for _ in range(TRIALS))
     # a leaked pool per cycle would be 10x the band at least: the test is not vacuous
     assert pool_bytes * CYCLES > 10 * NOISE_BYTES, (pool_bytes, CYCLES)
     assert growth < NOISE_BYTES, (f"RSS grew {growth / 2**20:.1f} MiB over {CYCLES} cycles "
