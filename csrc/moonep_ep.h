@@ -405,9 +405,9 @@ MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void*
 
 /**
  * Raise the dynamic shared-memory limit of every planner kernel on the current device (no stream
- * work, idempotent).  Call it before the first barrier of a process can be queued: a kernel's
- * first attribute change orders the device work issued after it behind the work in flight,
- * which stalls ranks of one process queued behind a spinning barrier (virtual ranks).
+ * work, idempotent).  Call it before the first barrier of a process can be queued, so that no
+ * kernel's first attribute change happens while ranks of one process (virtual ranks) wait in a
+ * spinning barrier (suspected to stall them: docs/multi_gpu.md).
  * @return 0, or -1 with moonep_ep_last_error() set
  */
 MOONEP_EXPORT int moonep_plan_prepare(void);

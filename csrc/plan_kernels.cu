@@ -2391,12 +2391,23 @@ int check_sizes(int s, int K, int rank, int R, int E, int S, int tp, int NvS, in
   return 0;
 }
 
+// ensure_smem's slot of each group kernel instance (the assign kernel has kAssignSlot)
+constexpr int kAssignSlot = 6;
+template <int NJ, int NT, bool kCost>
+constexpr int group_slot() {
+  return (kCost ? 8 : 0) + (NT != kGroupThreads ? 7
+         : NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5);
+}
+
+template <int NJ, int NT, bool kCost>
+cudaError_t ensure_group_smem(size_t bytes) {
+  return ensure_smem(plan_group_kernel<NJ, NT, kCost>, group_slot<NJ, NT, kCost>(), bytes);
+}
+
 template <int NJ, int NT = kGroupThreads, bool kCost = false>
 int launch_group(GroupArgs ga, int grid, size_t smem, cudaStream_t stream) {
   load_tiling(ga.R, ga.E, NT / 32, ga);
-  const int slot = (kCost ? 8 : 0) + (NT != kGroupThreads ? 7
-                   : NJ == 1 ? 0 : NJ == 2 ? 1 : NJ == 4 ? 2 : NJ == 8 ? 3 : NJ == 16 ? 4 : 5);
-  cudaError_t e = ensure_smem(plan_group_kernel<NJ, NT, kCost>, slot, smem);
+  cudaError_t e = ensure_group_smem<NJ, NT, kCost>(smem);
   if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: shared memory for the group kernel");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(grid);
@@ -2492,7 +2503,7 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
   aa.scalars = ga.scalars; aa.chunkcnt = ga.chunkcnt;
   aa.dst = dst; aa.err = err;
   const size_t asmem = assign_smem_bytes(E, ch.W);
-  cudaError_t e = ensure_smem(plan_assign_kernel, 6, asmem);
+  cudaError_t e = ensure_smem(plan_assign_kernel, kAssignSlot, asmem);
   if (e != cudaSuccess) return moonep_ep::fail(e, "moonep_plan: shared memory for the assign kernel");
   plan_assign_kernel<<<ch.nchunks, ch.W * 32, asmem, stream>>>(aa);
   return moonep_ep::fail(cudaGetLastError(), "moonep_plan: assign kernel launch");
@@ -2500,29 +2511,27 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
 
 }  // namespace
 
-// Every planner kernel's shared-memory limit raised now, on the current device.  The first
-// cudaFuncSetAttribute of a kernel orders the device work issued after it behind the work in
-// flight: issued while a peer's barrier spins in the same process (virtual ranks), it stalls the
-// ranks queued after it until the barrier times out (diagnostics/virtual_rank_timeouts.py).
+// Every planner kernel's shared-memory limit raised now, on the current device, so no first
+// cudaFuncSetAttribute happens while a peer's barrier spins in the same process (virtual
+// ranks): the suspected cause of fresh-process barrier timeouts, the one first-time call left
+// on that path once the others were ruled out (docs/multi_gpu.md; not yet confirmed on a GPU).
 // SymmBackend calls this when a Buffer is built, before any barrier can be queued.
 MOONEP_EXPORT int moonep_plan_prepare() {
   constexpr size_t kAbove = 48 * 1024 + 1;   // any size above the default: sets the opt-in max
   cudaError_t e = cudaSuccess;
-  auto set = [&](auto kern, int slot) {
-    if (e == cudaSuccess) e = ensure_smem(kern, slot, kAbove);
-  };
-  // slots as launch_group / moonep_plan number them
-  set(&plan_group_kernel<1, kGroupThreads, false>, 0);
-  set(&plan_group_kernel<2, kGroupThreads, false>, 1);
-  set(&plan_group_kernel<4, kGroupThreads, false>, 2);
-  set(&plan_group_kernel<8, kGroupThreads, false>, 3);
-  set(&plan_group_kernel<16, kGroupThreads, false>, 4);
-  set(&plan_group_kernel<32, kGroupThreads, false>, 5);
-  set(&plan_assign_kernel, 6);
-  set(&plan_group_kernel<1, kSmallGroupThreads, false>, 7);
-  set(&plan_group_kernel<1, kGroupThreads, true>, 8);
-  set(&plan_group_kernel<2, kGroupThreads, true>, 9);
-  set(&plan_group_kernel<1, kSmallGroupThreads, true>, 15);
+  // every instance launch_group / run_plan can launch
+  for (cudaError_t r : {ensure_group_smem<1, kGroupThreads, false>(kAbove),
+                        ensure_group_smem<2, kGroupThreads, false>(kAbove),
+                        ensure_group_smem<4, kGroupThreads, false>(kAbove),
+                        ensure_group_smem<8, kGroupThreads, false>(kAbove),
+                        ensure_group_smem<16, kGroupThreads, false>(kAbove),
+                        ensure_group_smem<32, kGroupThreads, false>(kAbove),
+                        ensure_group_smem<1, kSmallGroupThreads, false>(kAbove),
+                        ensure_group_smem<1, kGroupThreads, true>(kAbove),
+                        ensure_group_smem<2, kGroupThreads, true>(kAbove),
+                        ensure_group_smem<1, kSmallGroupThreads, true>(kAbove),
+                        ensure_smem(plan_assign_kernel, kAssignSlot, kAbove)})
+    if (e == cudaSuccess) e = r;
   return moonep_ep::fail(e, "moonep_plan_prepare");
 }
 
