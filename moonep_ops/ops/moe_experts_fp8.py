@@ -161,11 +161,13 @@ def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, valu
 
 
 def _prefetch(pool: ExpertPool, etc: Tensor, local: list[Tensor], transposed: bool = False
-              ) -> None:
-    """Push the quantised home experts into the pool's slots; transposed: ``local`` holds the
-    transposed layout and lands in the slots viewed the same way (pool.slot_weights)."""
-    torch.ops.moonep.prefetch_weight(etc, local, pool.slot_weights(transposed),
-                                     pool.backend_name)
+              ) -> list[Tensor]:
+    """Push the quantised home experts into the pool's slots and return the slots as filled;
+    transposed: ``local`` holds the transposed layout and lands in the slots viewed the same
+    way (pool.slot_weights)."""
+    slots = pool.slot_weights(transposed)
+    torch.ops.moonep.prefetch_weight(etc, local, slots, pool.backend_name)
+    return slots
 
 
 _TAGS = ()   # capturable when the Buffer's backend is (as moe_experts)
@@ -221,8 +223,8 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     # and pushed into the slots viewed transposed, so no e4m3 tensor is ever transposed.
     # The slots may hold another layer's (or the forward's) experts: re-prefetch.
     q1, s1, q3, s3, q2, s2 = quantised_weights(w1, w3, w2, pow2_scales, transpose=True)
-    _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2], transposed=True)
-    t1, ts1, t3, ts3, t2, ts2 = p.slot_weights(transposed=True)
+    t1, ts1, t3, ts3, t2, ts2 = _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2],
+                                          transposed=True)
     cu = cu_seqlens
     dzf = dz.float()
     dy = (dzf * row_weights[:, None]).to(DTYPE)

@@ -122,6 +122,13 @@ def _check_fp8_pair(op: str, name: str, q, scale) -> None:
         raise FP8ArgumentError(f"{op}: {name}_scale must be float32, got {scale.dtype}")
 
 
+def _check_blocks_args(w, pow2_scales, transpose) -> None:
+    """moonep::quantize_fp8_blocks's arguments (reference, implementation and fake alike)."""
+    _check_float("quantize_fp8_blocks", "w", w, 2)
+    _check_bool("quantize_fp8_blocks", pow2_scales, "pow2_scales")
+    _check_bool("quantize_fp8_blocks", transpose, "transpose")
+
+
 def check_rows_fp8(op: str, name: str, q, scale, cols: int | None = None) -> tuple[int, int]:
     """A 1 x 128-tile quantised operand: q [M, I] e4m3 and scale [M, ceil(I/128)] fp32, one
     device, contiguous.  Returns (M, I)."""
@@ -209,9 +216,7 @@ def quantize_rows(x_MI: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tens
 def quantize_blocks(w: Tensor, pow2_scales: bool = False, transpose: bool = False
                     ) -> tuple[Tensor, Tensor]:
     """Reference of moonep::quantize_fp8_blocks (see the module docstring)."""
-    _check_float("quantize_fp8_blocks", "w", w, 2)
-    _check_bool("quantize_fp8_blocks", pow2_scales, "pow2_scales")
-    _check_bool("quantize_fp8_blocks", transpose, "transpose")
+    _check_blocks_args(w, pow2_scales, transpose)
     return quantize_blocks_from_float(w, pow2_scales, transpose)
 
 
@@ -279,9 +284,7 @@ def blocks_fp8(w: Tensor, pow2_scales: bool = False, transpose: bool = False
                ) -> tuple[Tensor, Tensor]:
     """moonep::quantize_fp8_blocks's implementation (as ``rows_fp8``); transpose=True writes
     the blocks of w^T in the same single pass over w."""
-    _check_float("quantize_fp8_blocks", "w", w, 2)
-    _check_bool("quantize_fp8_blocks", pow2_scales, "pow2_scales")
-    _check_bool("quantize_fp8_blocks", transpose, "transpose")
+    _check_blocks_args(w, pow2_scales, transpose)
     k = _kernels(w)
     if k is None:
         return quantize_blocks_from_float(w, pow2_scales, transpose)
@@ -332,9 +335,7 @@ def _quantize_blocks_op(w: Tensor, pow2_scales: bool = False, transpose: bool = 
 
 @_quantize_blocks_op.register_fake
 def _(w, pow2_scales=False, transpose=False):
-    _check_float("quantize_fp8_blocks", "w", w, 2)
-    _check_bool("quantize_fp8_blocks", pow2_scales, "pow2_scales")
-    _check_bool("quantize_fp8_blocks", transpose, "transpose")
+    _check_blocks_args(w, pow2_scales, transpose)
     *lead, O, I = w.shape
     if transpose:
         O, I = I, O
