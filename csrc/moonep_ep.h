@@ -405,9 +405,8 @@ MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void*
 
 /**
  * Raise the dynamic shared-memory limit of every planner kernel on the current device (no stream
- * work, idempotent).  Call it before the first barrier of a process can be queued, so that no
- * kernel's first attribute change happens while ranks of one process (virtual ranks) wait in a
- * spinning barrier (suspected to stall them: docs/multi_gpu.md).
+ * work, idempotent), so the first dispatch makes no attribute call.  SymmBackend calls it when a
+ * Buffer is built.
  * @return 0, or -1 with moonep_ep_last_error() set
  */
 MOONEP_EXPORT int moonep_plan_prepare(void);

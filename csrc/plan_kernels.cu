@@ -2511,11 +2511,10 @@ int run_plan(const int32_t* hist, const int32_t* topk, int s, int K, int rank, i
 
 }  // namespace
 
-// Every planner kernel's shared-memory limit raised now, on the current device, so no first
-// cudaFuncSetAttribute happens while a peer's barrier spins in the same process (virtual
-// ranks): the suspected cause of fresh-process barrier timeouts, the one first-time call left
-// on that path once the others were ruled out (docs/multi_gpu.md; not yet confirmed on a GPU).
-// SymmBackend calls this when a Buffer is built, before any barrier can be queued.
+// Every planner kernel's shared-memory limit raised now, on the current device, so a Buffer's
+// first dispatch makes no cudaFuncSetAttribute call.  SymmBackend calls this when a Buffer is
+// built.  (It was written against the fresh-process virtual-rank timeouts of docs/multi_gpu.md;
+// measured on the H200, it does not remove them.)
 MOONEP_EXPORT int moonep_plan_prepare() {
   constexpr size_t kAbove = 48 * 1024 + 1;   // any size above the default: sets the opt-in max
   cudaError_t e = cudaSuccess;

@@ -2,16 +2,25 @@
 (diagnostic, one H200).
 
 Virtual ranks (moonep_ops.backends.VirtualGroup) queue every rank's ops from the host before any
-rank's barrier can complete on the device, so no host call made while a barrier spins may order
-later device work behind the work in flight.  The first cudaFuncSetAttribute of a planner
-kernel does (csrc/plan_kernels.cu moonep_plan_prepare): made at rank 0's first dispatch, it held
-rank 1's first host-to-device copy (and, with inputs already on the GPU, rank 1's kernels) until
-rank 0's histogram barrier timed out; a process that had run a one-rank case first was fine.
-SymmBackend now sets those attributes when a Buffer is built.  Runs the all_remote data-plane
-round trip and the MoE layer against its dense reference, each in a fresh process, as
+rank's barrier can complete on the device.  In a fresh process, R >= 4, the other ranks' first
+kernels do not start until rank 0's histogram barrier has timed out, although the host calls of
+every rank are the same as in a process that ran the case at R = 1 first (which passes):
+docs/multi_gpu.md keeps what each mode below showed.  Runs the all_remote data-plane round trip
+and the MoE layer against its dense reference, each in a fresh process, as
   fresh     R = 8 straight away;
   premove   fresh, with every rank's inputs on the GPU before any rank's first op;
   after_r1  the same case at R = 1 first, then R = 8 (the test suite's order);
+  premove_reserve      premove, the caching allocator first given freed blocks of every size;
+  mallocasync_premove  premove on the stream-ordered allocator (backend:cudaMallocAsync);
+  premove_matmul       premove after one bf16 cuBLAS GEMM (a large shared-memory kernel);
+  premove_stream1      premove with the ranks on torch's pool streams 1..8 (after_r1's);
+  premove_stack[N]     premove after setting the stack-size limit to N bytes (default: the
+                       current limit, set again);
+  premove_nopdl        premove with the planner's programmatic dependent launches off (needs
+                       MOONEP_LIB_DIR=moonep_ops/lib/diagnostics);
+  premove_trace, after_r1_trace  premove / after_r1 (inputs on the GPU) under torch.profiler:
+            the chrome trace goes to $OUT, and vrank_trace_summary.py prints the host's CUDA
+            calls in each rank's queueing window and when each rank's first kernels ran;
 with a 6 s barrier timeout; prints pass / timeout and the wall time of each.
     [CASES=all_remote,moe_reference] python diagnostics/virtual_rank_timeouts.py [MODE ...]
 """
@@ -41,8 +50,9 @@ def run(R, premove=False):
     try:
         if {case!r} == "all_remote":
             c = t._setup(R, **t.CONFIGS["all_remote"])
+            host = {{key: c[key] for key in ("xs", "ws", "ts")}}   # verify_rank's reference
             if premove:
-                for key in ("xs", "ws", "ts"):
+                for key in host:
                     c[key] = [v.cuda() for v in c[key]]
                 torch.cuda.synchronize()
             bufs = [Buffer(c["S"], c["H"], c["K"], c["E"], token_padding=c["tp"],
@@ -53,11 +63,12 @@ def run(R, premove=False):
             for r in range(R):
                 th = time.time()
                 faulthandler.dump_traceback_later(3, exit=False)   # where the host blocks
-                with torch.cuda.stream(streams[r]):
+                with torch.cuda.stream(streams[r]), torch.profiler.record_function(f"rank{{r}}"):
                     outs.append(t.rank_ops(c, bufs[r], r))
                 faulthandler.cancel_dump_traceback_later()
                 print("rank", r, "queued in %.3f s" % (time.time() - th), flush=True)
             torch.cuda.synchronize()
+            c.update(host)
             for r in range(R):
                 t.verify_rank(c, bufs[r], r, outs[r])
         else:
@@ -76,28 +87,64 @@ def run(R, premove=False):
         raise
 
 
+MODE = {mode!r}
+if "matmul" in MODE:              # a cuBLAS GEMM (large shared-memory footprint) first
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    (a @ a).sum().item()
+if "stack" in MODE:               # the stack-size limit set (driver API) before the case
+    import ctypes
+    torch.zeros(1, device="cuda")
+    cu = ctypes.CDLL("libcuda.so.1")
+    cur = ctypes.c_size_t()
+    cu.cuCtxGetLimit(ctypes.byref(cur), 0)          # CU_LIMIT_STACK_SIZE
+    new = int(MODE.rsplit("stack", 1)[1] or cur.value)
+    print("stack limit", cur.value, "->", new, "rc", cu.cuCtxSetLimit(0, ctypes.c_size_t(new)))
+if "nopdl" in MODE:               # planner kernels launched without PDL (diagnostics build)
+    from moonep_ops import native
+    native.require_ep().plan_debug_pdl(0)
+if "stream1" in MODE:             # the ranks' streams start at torch's pool stream 1, not 0
+    _skip = torch.cuda.Stream()
+if MODE.endswith("reserve"):      # the caching allocator holds freed blocks of every size class
+    keep = [torch.empty(n, dtype=torch.uint8, device="cuda")
+            for n in [512 << 10] * 256 + [8 << 20] * 64 + [256 << 20] * 16 + [4 << 30] * 2]
+    del keep
 t0 = time.time()
+prof = None
 try:
-    if {mode!r} == "after_r1":
+    if MODE.startswith("after_r1"):
         run(1)
-    run(8, premove={mode!r} == "premove")
+    if MODE.endswith("trace"):
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA])
+        prof.__enter__()
+    run(8, premove="premove" in MODE or MODE.endswith("trace"))
     print("PASS %.1f s" % (time.time() - t0))
 except BaseException as e:
     print("FAIL", type(e).__name__, str(e)[:600], flush=True)
     raise SystemExit(1)
+finally:
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        path = os.path.join(os.environ.get("OUT", "/tmp"), f"vrank_{{MODE}}_{{os.getpid()}}.json")
+        prof.export_chrome_trace(path)
+        sys.path.insert(0, {here!r})
+        import vrank_trace_summary
+        vrank_trace_summary.summarize(path)
 """
 
 
 def main():
     for case in os.environ.get("CASES", "all_remote,moe_reference").split(","):
         for mode in sys.argv[1:] or ("fresh", "premove", "after_r1"):
-            if mode == "premove" and case != "all_remote":
+            if mode != "fresh" and mode != "after_r1" and case != "all_remote":
                 continue
             env = dict(os.environ, MOONEP_BARRIER_TIMEOUT_S="6", CUDA_DEVICE_MAX_CONNECTIONS="32",
                        CUDA_MODULE_LOADING="EAGER", PYTHONPATH=ROOT)
+            if mode.startswith("mallocasync"):   # stream-ordered allocator: no cudaMalloc
+                env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
             t0 = time.time()
             try:
-                r = subprocess.run([sys.executable, "-c", CHILD.format(root=ROOT, case=case,
+                r = subprocess.run([sys.executable, "-c", CHILD.format(root=ROOT, here=HERE, case=case,
                                                                        mode=mode)],
                                    env=env, capture_output=True, text=True, timeout=120)
                 out = (r.stdout + r.stderr).strip()

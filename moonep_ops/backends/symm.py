@@ -277,9 +277,8 @@ class SymmBackend(Backend):
             self.y_stage, self.y_peers = self._region(NvS * rb, torch.uint8)
             self.w_stage, self.w_peers = self._region(NvS, torch.float32)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # The planner kernels' shared-memory limits, set now rather than at a first dispatch,
-        # where the call would come while a virtual rank's barrier spins (suspected to stall
-        # the peers queued behind it: docs/multi_gpu.md).
+        # The planner kernels' shared-memory limits, set now rather than at the first dispatch
+        # (a host call on the op path less; not the cause of docs/multi_gpu.md's timeouts).
         with torch.cuda.device(self.device):
             native.ep_check(native.require_ep().plan_prepare(), "moonep_plan_prepare")
         # [word, op of the first timeout, missing peer + 1, epoch]: csrc/moonep_ep.h
