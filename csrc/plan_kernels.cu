@@ -800,7 +800,8 @@ __device__ __forceinline__ int rank_quotas_order(const unsigned* kb, unsigned TT
 // 1's first minimum): quotas on the 8 candidate warps, pairs on all warps, scores.  Warp 0
 // picks the winner.  Six block barriers in all, and the critical path beyond step 1 is two
 // single-donor splits (up to R-1+B rounds of 2 warp reductions each, MoonEP's step 2's greedy
-// rounds with only its one-expert steps: cost_split_steps) plus one level's quotas (up to R-1 rounds of
+// rounds with only its one-expert steps, cost_split_steps, and whole fills of a run of equal
+// largest quotas, cost_equal_steps) plus one level's quotas (up to R-1 rounds of
 // 3 reductions, two levels deep; level_quotas_warp shortens them: a single donor's rounds that
 // find no fit go 32 at a time, and with several donors such a round costs one reduction level).
 // A pair's split only counts (pieces, tokens) per rank; the winner's alloc comes from step 2.
@@ -1156,6 +1157,99 @@ __device__ __forceinline__ int cost_split_steps(int* q, int* nin, int* tin, int&
   return rounds;
 }
 
+// Equal-quota steps of a cost split pair (tokens left in registers: B <= 64), after its
+// one-expert steps.  Why: one_group's level plans at R = 64 give 62 of 63 receivers the same
+// quota L, and the single donor's 4 similar experts take turns (the one-expert steps never
+// start), so the pair was ~62 dependent greedy rounds, twice on the critical path.  While the m
+// largest quotas all equal Q and the expert picked holds >= Q, a greedy round fills one of them
+// whole (lowest rank first), and the experts picked are the merge, by value (ties -> lowest
+// expert), of the sequences r_e - k Q.  With r_e = a_e Q + b_e (0 <= b_e < Q), element r_e - k Q
+// has level a_e - k, and the order is level first, then b descending, then expert ascending.
+// n = min(m, sum_e a_e, rounds left) whole fills take from expert e
+//   k_e = max(0, a_e - J) + [e among the first n - S(J + 1) experts of level J, by (b desc, e)]
+// with S(j) = sum_e max(0, a_e - j + 1) and J the largest j with S(j) >= n: a binary search over
+// [max(1, A - n + 1), A] (A = max a_e, which alone supplies n elements from A - n + 1 on, so
+// every term is <= n: no overflow), one warp sum a probe.  The step repeats while the next
+// largest quotas form a run of >= kCostEqualMin and the last one used the whole run; the
+// caller's round loop finishes (partial fills, unequal quotas) from the same state.  Only the
+// counts change (pieces and tokens per receiver and given), as the pair keeps no alloc.
+// Returns the rounds taken.  Python model (diagnostics/models/equal_quota_steps.py): equal to
+// the greedy on 24k (candidate, donor) pairs of one_group / hot / zipf / uniform level plans and
+// random quotas with runs of equal values.
+constexpr int kCostEqualMin = 4;
+template <int NJ>
+__device__ __forceinline__ int cost_equal_steps(int* q, int* nin, int* tin, int& r0, int& r1,
+                                                int& no, int& to, int B, int R, int it0) {
+  const int lane = threadIdx.x & 31;
+  const int cap = R - 1 + B;
+  int it = it0;
+#pragma unroll 1
+  while (it < cap) {
+    int qm = 0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) qm = max(qm, q[j]);
+    const int QM = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(qm)));
+    if (QM <= 0) break;
+    int m = 0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) m += __popc(__ballot_sync(kFull, q[j] == QM));
+    if (m < kCostEqualMin) break;
+    // r0 / r1 are 0 on lanes past B: a = 0, never in a level >= 1.
+    const int a0 = r0 / QM, a1 = r1 / QM;
+    const int nsat = static_cast<int>(
+        __reduce_add_sync(kFull, static_cast<unsigned>(min(a0, m) + min(a1, m))));
+    const int n = min(min(m, nsat), cap - it);
+    if (n <= 0) break;
+    const int A = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(max(a0, a1))));
+    auto S = [&](int j) {                            // elements of level >= j (j >= A - n + 1)
+      return static_cast<int>(__reduce_add_sync(
+          kFull, static_cast<unsigned>(max(0, a0 - j + 1) + max(0, a1 - j + 1))));
+    };
+    int lo = max(1, A - n + 1), hi = A;              // S(lo) >= n
+#pragma unroll 1
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (S(mid) >= n) lo = mid; else hi = mid - 1;
+    }
+    const int J = lo, need = n - S(J + 1);           // 1 <= need <= experts of level J
+    // Rank of this lane's experts in level J by (b desc, expert asc); -1: not in the level.
+    const int key0 = a0 >= J ? r0 - a0 * QM : -1, key1 = a1 >= J ? r1 - a1 * QM : -1;
+    int rk0 = 0, rk1 = 0;
+    const int B0 = min(B, 32);
+#pragma unroll 1
+    for (int l = 0; l < B0; ++l) {                   // experts 0..31
+      const int v = __shfl_sync(kFull, key0, l);
+      rk0 += (v > key0 || (v == key0 && l < lane)) ? 1 : 0;
+      rk1 += v >= key1 ? 1 : 0;
+    }
+#pragma unroll 1
+    for (int l = 0; l < B - 32; ++l) {               // experts 32..63
+      const int v = __shfl_sync(kFull, key1, l);
+      rk0 += v > key0 ? 1 : 0;
+      rk1 += (v > key1 || (v == key1 && l < lane)) ? 1 : 0;
+    }
+    r0 -= (max(0, a0 - J) + (key0 >= 0 && rk0 < need ? 1 : 0)) * QM;
+    r1 -= (max(0, a1 - J) + (key1 >= 0 && rk1 < need ? 1 : 0)) * QM;
+    const unsigned below = (1u << lane) - 1u;
+    int before = 0;                                  // run members of lower rank (d = lane + 32 j)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const unsigned run = __ballot_sync(kFull, q[j] == QM);
+      if (q[j] == QM && before + __popc(run & below) < n) {
+        q[j] = 0;
+        ++nin[j];
+        tin[j] += QM;
+      }
+      before += __popc(run);
+    }
+    no += n;
+    to += n * QM;
+    it += n;
+    if (n < m) break;                                // an expert fell below QM: partial fills
+  }
+  return it - it0;
+}
+
 // One (candidate, donor h) pair of planner.split_quotas_batched ("max") on one warp: the donor's
 // greedy (rounds of first argmax quota, first argmax tokens left, t = min of both), counting
 // per rank the pieces (alloc entries > 0 off home) and tokens instead of storing the alloc.
@@ -1201,10 +1295,12 @@ __device__ __forceinline__ void cost_split_pair(const int* dnr, const int* zzr, 
     // Tokens left in registers, experts lane and lane + 32 (no shared round trip per round).
     int r0 = lane < B ? remE[h * B + lane] : 0, r1 = lane + 32 < B ? remE[h * B + lane + 32] : 0;
     // wrem (max(B, R) ints a warp, unused by this path): the steps' sorted quota keys
-    const int it0 =
+    int it0 =
         pk ? cost_split_steps<NJ>(q, nin, tin, r0, r1, no, to, B, ibR, ibB,
                                   reinterpret_cast<unsigned*>(wrem))
            : 0;
+    // then whole fills of a run of equal largest quotas (one_group)
+    if (pk) it0 += cost_equal_steps<NJ>(q, nin, tin, r0, r1, no, to, B, R, it0);
     for (int it = it0; it < R - 1 + B; ++it) {
       const int rv = r1 > r0 ? r1 : r0, ri = r1 > r0 ? lane + 32 : lane;   // ties: lower le
       int D, LE;
