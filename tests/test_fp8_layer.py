@@ -218,8 +218,10 @@ def _backward_with_transposes(dz, h, hs, wM, y, g, u, cu, etc, w1, w3, w2, pool,
 
 def _backward_equivalence(ctx, pow2):
     """moe_experts_fp8_backward (transposed quantisation, slots viewed transposed, forward GEMM
-    on W^T) gives bitwise the gradients of the dgrad formulation on the reference path, and
-    leaves the slots holding bitwise the transposes of what that formulation pushes."""
+    on W^T, the fused elementwise ops) gives bitwise the gradients of the dgrad formulation
+    with the torch elementwise passes (dz.float(), dequantize_rows(...).to(bf16)) on the
+    reference path, and leaves the slots holding bitwise the transposes of what that
+    formulation pushes."""
     buf = Buffer(S, D, K, E, group=ctx.group, token_padding=TP, dtype=BF16)
     try:
         layer = make_layer(buf, "fp8", fp8_pow2_scales=pow2)
@@ -233,6 +235,8 @@ def _backward_equivalence(ctx, pow2):
         z, y, g, u = torch.ops.moonep.moe_experts_fp8(
             h, hs, wM, cu, plan.experts_to_copy, *ws, layer.pool_name, x, w, plan.dst,
             plan.total_num_tokens, pow2)
+        # z of the fused moonep::scale_rows: bitwise the torch formulation it replaced
+        assert torch.equal(z, (y.float() * wM[:, None]).to(BF16))
         dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(5 + ctx.rank)).to(BF16)
         args = (dz, h, hs, wM, y, g, u, cu, plan.experts_to_copy, *ws, layer.pool_name,
                 plan.dst, plan.total_num_tokens, pow2)

@@ -280,6 +280,100 @@ def test_quantize_bad_input():
 
 
 # ------------------------------------------------------------------------------------------
+# the FP8 layer's fused elementwise ops: the torch formulation they replaced, bitwise
+# ------------------------------------------------------------------------------------------
+
+def _layer_rows(M, I, seed):
+    """dz, y bf16 [M, I] (magnitudes 2^-20 .. 2^12 per row, zero rows) and route weights."""
+    gen = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.randint(-20, 13, (M, 1), generator=gen).float())
+    y = (torch.randn(M, I, generator=gen) * mag).bfloat16()
+    dz = (torch.randn(M, I, generator=gen) * mag.flip(0)).bfloat16()
+    w = torch.rand(M, generator=gen)
+    if M > 3:
+        w[1] = 0.0                                  # a padding row's weight
+        dz[2] = 0.0                                 # an all-zero row -> the floor scale
+    return dz, y, w
+
+
+FUSED_SHAPES = [(0, 16), (1, 16), (5, 300), (37, 200), (20, 272)]
+
+
+@pytest.mark.parametrize("M,I", FUSED_SHAPES)
+def test_scale_rows_is_the_torch_formulation(M, I):
+    _, y, w = _layer_rows(M, I, seed=M + I)
+    want = (y.float() * w[:, None]).to(torch.bfloat16)          # moe_experts_fp8's old z
+    for got in (qf.scale_rows(y, w), torch.ops.moonep.scale_rows(y, w)):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("M,I", FUSED_SHAPES)
+def test_scale_rows_backward_is_the_torch_formulation(M, I, pow2):
+    dz, y, w = _layer_rows(M, I, seed=3 * M + I + int(pow2))
+    dzf = dz.float()                                             # the backward's old lines
+    dy = (dzf * w[:, None]).to(torch.bfloat16)
+    d_rows = (dzf * y.float()).sum(-1)
+    q, s = torch.ops.moonep.quantize_fp8_rows(dy, pow2)
+    for got in (qf.scale_rows_backward(dz, w, y, pow2),
+                torch.ops.moonep.scale_rows_backward_fp8(dz, w, y, pow2)):
+        gdy, gq, gs, gp = got
+        assert torch.equal(gdy, dy) and gdy.dtype == torch.bfloat16
+        assert same(gq, q) and torch.equal(gs, s)
+        assert gp.dtype == torch.float32 and torch.equal(gp.sum(-1), d_rows)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("M,I", FUSED_SHAPES)
+def test_dequantize_fp8_rows_is_the_torch_formulation(M, I, pow2):
+    _, y, _ = _layer_rows(M, I, seed=5 * M + I)
+    q, s = qf.quantize_rows(y, pow2)
+    want = qf.dequantize_rows(q, s).to(torch.bfloat16)           # the backward's old h_bf
+    for got in (qf.dequantize_rows_bf16(q, s), torch.ops.moonep.dequantize_fp8_rows(q, s)):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_fused_layer_ops_opcheck():
+    dz, y, w = _layer_rows(37, 200, seed=11)
+    opcheck(torch.ops.moonep.scale_rows.default, (y, w))
+    for pow2 in (False, True):
+        opcheck(torch.ops.moonep.scale_rows_backward_fp8.default, (dz, w, y, pow2))
+        q, s = qf.quantize_rows(y, pow2)
+        args = (q, s)
+        opcheck(torch.ops.moonep.dequantize_fp8_rows.default, args, test_utils=E4M3_INPUT_CHECKS)
+        no_mutation_no_alias(torch.ops.moonep.dequantize_fp8_rows.default, args)
+    with torch.device("meta"):                                   # the fakes: a GPU-sized call
+        dz, y, w = torch.empty(32768, 7168, dtype=torch.bfloat16), None, torch.empty(32768)
+        assert torch.ops.moonep.scale_rows(dz, w).shape == (32768, 7168)
+        dy, q, s, p = torch.ops.moonep.scale_rows_backward_fp8(dz, w, dz, False)
+        assert (dy.dtype, q.dtype, s.shape, p.dtype) == (torch.bfloat16, E4M3, (32768, 56),
+                                                         torch.float32)
+        h = torch.ops.moonep.dequantize_fp8_rows(q, s)
+        assert h.shape == (32768, 7168) and h.dtype == torch.bfloat16
+
+
+def test_fused_layer_ops_bad_input():
+    dz, y, w = _layer_rows(6, 144, seed=2)
+    with pytest.raises(qf.FP8ArgumentError, match="bfloat16"):
+        torch.ops.moonep.scale_rows(y.float(), w)
+    with pytest.raises(qf.FP8ArgumentError, match="row_weights"):
+        torch.ops.moonep.scale_rows(y, w.double())
+    with pytest.raises(qf.FP8ArgumentError, match="row_weights"):
+        torch.ops.moonep.scale_rows(y, w[:5])
+    with pytest.raises(ValueError, match="must match"):
+        torch.ops.moonep.scale_rows_backward_fp8(dz, w, y[:, :128], False)
+    with pytest.raises(ValueError, match="2-D"):
+        qf.scale_rows(y[None], w)
+    with pytest.raises(qf.FP8ArgumentError, match="pow2_scales"):
+        qf.scale_rows_backward(dz, w, y, 1)
+    q, s = qf.quantize_rows(y)
+    with pytest.raises(ValueError, match="scale"):
+        torch.ops.moonep.dequantize_fp8_rows(q, s[:, :1])
+    with pytest.raises(qf.FP8ArgumentError, match="e4m3"):
+        torch.ops.moonep.dequantize_fp8_rows(y, s)
+
+
+# ------------------------------------------------------------------------------------------
 # the FP8 grouped GEMMs against dequantise-then-matmul
 # ------------------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The FP8 quantisers on CUDA (moonep_ops/ops/quantize_fp8_triton.py) against the torch reference
 (moonep_ops/ops/quantize_fp8.py), bitwise: e4m3 bytes and fp32 scales, the plain and the
-transposed (transpose=True) block quantiser; and the FP8 layer's backward on CUDA (which runs
-on those transposed weights) against the CPU reference.
+transposed (transpose=True) block quantiser; the FP8 layer's fused elementwise kernels
+(scale_rows, scale_rows_backward, dequantize_rows_bf16) against their references; and the FP8
+layer's backward on CUDA (which runs on those transposed weights and kernels) against the CPU
+reference.
 
 Skips without CUDA or without Triton.  Inputs are fresh random values whose magnitude varies
 per tile and block (2^-20 .. 2^12), with all-zero tiles, exact powers of two and dims that cut
@@ -89,6 +91,85 @@ def test_blocks_transposed_bitwise(shape, dtype, pow2):
     qo, so = torch.ops.moonep.quantize_fp8_blocks(w, pow2, True)    # the op routes to it
     _same(qo, q)
     _same(so, s)
+
+
+# The FP8 layer's fused elementwise kernels (scale_rows, scale_rows_backward, dequantize_rows_bf16)
+# against their references (the torch formulations they replaced in moe_experts_fp8.py), bitwise
+# on fresh random inputs: M = 0 and 1, rows and columns that cut the last 16-row block and the
+# last 128-column tile short, the DeepSeek-V3 D = 7168 and F = 2048.
+
+FUSED_SHAPES = [(0, 16), (1, 16), (1, 7168), (37, 200), (515, 2048), (64, 7168), (300, 2112),
+                (17, 7168)]
+
+
+def _row_weights(M, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.rand(M, device="cuda", generator=g)
+    if M > 4:
+        w[1] = 0.0                                   # a padding row
+        w[4] = 1.0
+    return w
+
+
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
+def test_scale_rows_bitwise(shape):
+    k = _kernels()
+    y = _data(shape, torch.bfloat16, seed=hash(shape) % 1000)
+    w = _row_weights(shape[0], seed=shape[0] + 1)
+    z = k.scale_rows(y, w)
+    _same(z, qf.scale_rows(y, w))
+    _same(z, (y.float() * w[:, None]).to(torch.bfloat16))
+    _same(torch.ops.moonep.scale_rows(y, w), z)                  # the op routes to it
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
+def test_scale_rows_backward_bitwise(shape, pow2):
+    k = _kernels()
+    y = _data(shape, torch.bfloat16, seed=hash(shape) % 1000 + 7)
+    dz = _data(shape, torch.bfloat16, seed=hash(shape) % 1000 + 8 + int(pow2))
+    w = _row_weights(shape[0], seed=shape[0] + 2)
+    got = k.scale_rows_backward(dz, w, y, pow2)
+    want = qf.scale_rows_backward(dz, w, y, pow2)
+    for a, b in zip(got, want):
+        _same(a, b)
+    dzf = dz.float()                                             # the old torch lines
+    _same(got[0], (dzf * w[:, None]).to(torch.bfloat16))
+    _same(got[3].sum(-1), (dzf * y.float()).sum(-1))             # d_rows: torch's reduction
+    for a, b in zip(torch.ops.moonep.scale_rows_backward_fp8(dz, w, y, pow2), got):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
+def test_dequantize_rows_bf16_bitwise(shape, pow2):
+    k = _kernels()
+    q, s = qf.quantize_rows(_data(shape, torch.bfloat16, seed=hash(shape) % 1000 + 9), pow2)
+    h = k.dequantize_rows_bf16(q, s)
+    _same(h, qf.dequantize_rows_bf16(q, s))
+    _same(h, qf.dequantize_rows(q, s).to(torch.bfloat16))
+    _same(torch.ops.moonep.dequantize_fp8_rows(q, s), h)
+
+
+def test_fused_ops_use_the_kernels_on_cuda(monkeypatch):
+    """The three fused ops route CUDA tensors to the kernels (MOONEP_FP8_QUANT=reference back)."""
+    k = _kernels()
+    calls = []
+    for name in ("scale_rows", "scale_rows_backward", "dequantize_rows_bf16"):
+        real = getattr(k, name)
+        monkeypatch.setattr(k, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    y = _data((40, 272), torch.bfloat16, 4)
+    w = _row_weights(40, 5)
+    q, s = qf.quantize_rows(y)
+    torch.ops.moonep.scale_rows(y, w)
+    torch.ops.moonep.scale_rows_backward_fp8(y, w, y, False)
+    torch.ops.moonep.dequantize_fp8_rows(q, s)
+    assert calls == ["scale_rows", "scale_rows_backward", "dequantize_rows_bf16"]
+    monkeypatch.setenv("MOONEP_FP8_QUANT", "reference")
+    torch.ops.moonep.scale_rows(y, w)
+    torch.ops.moonep.scale_rows_backward_fp8(y, w, y, False)
+    torch.ops.moonep.dequantize_fp8_rows(q, s)
+    assert len(calls) == 3
 
 
 def _fp8_layer_grads(device, backend, pow2):

@@ -4,7 +4,8 @@ with its schema, fake kernel, CPU reference, kernel binding and autograd:
   dispatch.py        moonep::dispatch, dispatch_with_plan, combine     (-> Backend methods)
   expert_weights.py  moonep::prefetch_weight, reduce_grad              (-> Backend methods)
   grouped_mm.py      moonep::grouped_mm, _dgrad, _wgrad, _wgrad_accumulate, _wgrad_into
-  quantize_fp8.py    moonep::quantize_fp8_rows, quantize_fp8_blocks, swiglu_quantize_fp8
+  quantize_fp8.py    moonep::quantize_fp8_rows, quantize_fp8_blocks, swiglu_quantize_fp8,
+                     scale_rows, scale_rows_backward_fp8, dequantize_fp8_rows
   grouped_mm_fp8.py  moonep::grouped_mm_fp8, grouped_mm_fp8_dgrad, grouped_linear_fp8
   swiglu.py          moonep::swiglu, swiglu_backward
   moe_experts.py     moonep::moe_experts, moe_experts_backward; ExpertPool

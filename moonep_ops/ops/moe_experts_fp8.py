@@ -31,6 +31,12 @@ experts of one rank in FP8 (the DeepSeek-V3 recipe), fed by ``moonep::dispatch_f
         Buffer's dtype with fp32 accumulation.
       So quantisation is straight-through: the gradient of x and of the route weights is that
       of the bf16 layer evaluated at the FP8 forward's values.
+    Elementwise passes fused (quantize_fp8.py's ops, one Triton kernel each on CUDA, bitwise
+    the torch formulation written above; the torch formulation itself elsewhere):
+      z                    moonep::scale_rows(y, w_M)
+      dy, q(dy), dz * y    moonep::scale_rows_backward_fp8(dz, w_M, y)  (dw_M = its .sum(-1)
+                           in torch: torch's reduction order, bitwise)
+      h_bf16               moonep::dequantize_fp8_rows(h, h_scale)
 
 Why one node carries dispatch's transpose: the rows reach the experts as e4m3 tensors, and an
 e4m3 tensor cannot carry a bf16 gradient through autograd (the engine casts a gradient to its
@@ -197,7 +203,7 @@ def _moe_experts_fp8(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w
     u = mm(h, h_scale, q3, s3, p.w3, p.s3, cu)
     aq, as_ = torch.ops.moonep.swiglu_quantize_fp8(g, u, pow2_scales)
     y = mm(aq, as_, q2, s2, p.w2, p.s2, cu)
-    z = (y.float() * row_weights[:, None]).to(DTYPE)
+    z = torch.ops.moonep.scale_rows(y, row_weights)     # bf16(fp32(y) * w_M), one pass
     return z, y, g, u
 
 
@@ -226,16 +232,20 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     t1, ts1, t3, ts3, t2, ts2 = _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2],
                                           transposed=True)
     cu = cu_seqlens
-    dzf = dz.float()
-    dy = (dzf * row_weights[:, None]).to(DTYPE)
-    d_rows = (dzf * y.float()).sum(-1)                          # grad of row_weights, fp32
+    # One pass over dz and y: dy = bf16(fp32(dz) * w_M), its 1 x 128 tiles, and the fp32
+    # products fp32(dz) * fp32(y), summed by torch so that d_rows is its reduction bitwise.
+    dy, dyq, dys, dz_y = torch.ops.moonep.scale_rows_backward_fp8(dz, row_weights, y,
+                                                                  pow2_scales)
+    d_rows = dz_y.sum(-1)                                       # grad of row_weights, fp32
+    del dz_y
     quant = torch.ops.moonep.quantize_fp8_rows
     mm = torch.ops.moonep.grouped_mm_fp8
-    da = mm(*quant(dy, pow2_scales), q2, s2, t2, ts2, cu)       # dy @ w2_g  [M, F]
+    da = mm(dyq, dys, q2, s2, t2, ts2, cu)                      # dy @ w2_g  [M, F]
     dg, du, a = swiglu_backward(g, u, da)
     dh = mm(*quant(dg, pow2_scales), q1, s1, t1, ts1, cu) \
         + mm(*quant(du, pow2_scales), q3, s3, t3, ts3, cu)      # [M, D]
-    h_bf = qf.dequantize_rows(h, h_scale).to(DTYPE)              # the rows the forward used
+    h_bf = torch.ops.moonep.dequantize_fp8_rows(h, h_scale)     # bf16(h * h_scale), one pass:
+                                                                # the rows the forward used
     d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
     torch.ops.moonep.grouped_mm_wgrad_into(dg, h_bf, cu, d1, p.g1)
     torch.ops.moonep.grouped_mm_wgrad_into(du, h_bf, cu, d3, p.g3)

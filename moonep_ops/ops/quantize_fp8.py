@@ -35,6 +35,14 @@ one Triton kernel each, bit-identical with the reference: quantize_fp8_triton.py
   swiglu_quantize_fp8(g [M, F], u [M, F], pow2_scales=False) -> (q [M, F] e4m3, scale [M, C])
       a = silu(g) * u in fp32 (moonep::swiglu's formula), quantised per 1 x 128 tile straight
       from fp32: the SwiGLU output that feeds the down projection is never rounded to bf16.
+The FP8 layer's fused elementwise passes (moe_experts_fp8.py; on CUDA one Triton kernel each,
+bitwise the reference, which is the torch formulation they replaced; docs/fp8.md):
+  scale_rows(x [M, I] bf16, row_weights [M] fp32) -> z = bf16(fp32(x) * w[:, None])
+  scale_rows_backward_fp8(dz [M, I] bf16, row_weights [M] fp32, y [M, I] bf16, pow2_scales)
+      -> (dy = bf16(fp32(dz) * w[:, None]), dy_q e4m3, dy_scale [M, C] fp32 (quantize_fp8_rows
+          of dy), dz_y = fp32(dz) * fp32(y) fp32 [M, I]); the grad of w is dz_y.sum(-1), left
+          to torch so that it is torch's reduction bitwise on every device
+  dequantize_fp8_rows(q [M, I] e4m3, scale [M, C] fp32) -> bf16(dequantize_rows(q, scale))
 Python helpers: ``dequantize_rows``, ``dequantize_blocks`` (fp32 results), ``scale_cols``.
 None of the ops is differentiable: quantisation sits inside the FP8 ops' own backward
 (moonep_ops/ops/grouped_mm_fp8.py, moe_experts_fp8.py), which treat it as the identity
@@ -307,6 +315,84 @@ def dequantize_blocks(q: Tensor, scale: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
+# The FP8 layer's fused elementwise passes (moe_experts_fp8.py): references and implementations
+# --------------------------------------------------------------------------------------------
+
+BF16 = torch.bfloat16
+
+
+def _check_rows_bf16(op: str, w_M, **named) -> tuple[int, int]:
+    """bf16 [M, I] tensors of one shape and a float32 [M] row weight, on one device."""
+    for n, t in named.items():
+        if not isinstance(t, Tensor):
+            raise FP8ArgumentError(f"{op}: {n} must be a Tensor, got {type(t).__name__}")
+        if t.dtype != BF16:
+            raise FP8ArgumentError(f"{op}: {n} must be {BF16}, got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{op}: {n} must be 2-D [M, I], got shape {tuple(t.shape)}")
+    (n0, t0), *rest = named.items()
+    M, I = t0.shape
+    for n, t in rest:
+        if tuple(t.shape) != (M, I):
+            raise ValueError(f"{op}: {n} {tuple(t.shape)} and {n0} {tuple(t0.shape)} must match")
+    if not isinstance(w_M, Tensor):
+        raise FP8ArgumentError(f"{op}: row_weights must be a Tensor, got {type(w_M).__name__}")
+    if w_M.dtype != torch.float32 or tuple(w_M.shape) != (M,):
+        raise FP8ArgumentError(f"{op}: row_weights must be [M={M}] float32, got "
+                               f"{list(w_M.shape)} {w_M.dtype}")
+    for n, t in [*rest, ("row_weights", w_M)]:
+        if t.device != t0.device:
+            raise ValueError(f"{op}: {n} is on {t.device}, {n0} on {t0.device}")
+    return M, I
+
+
+def scale_rows(x_MI: Tensor, w_M: Tensor) -> Tensor:
+    """Reference of moonep::scale_rows: bf16(fp32(x) * w[:, None]), the FP8 layer's z."""
+    _check_rows_bf16("scale_rows", w_M, x=x_MI)
+    return (x_MI.float() * w_M[:, None]).to(BF16)
+
+
+def scale_rows_backward(dz_MI: Tensor, w_M: Tensor, y_MI: Tensor, pow2_scales: bool = False
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Reference of moonep::scale_rows_backward_fp8: (dy, dy_q, dy_scale, dz_y) with
+    dy = bf16(fp32(dz) * w[:, None]), (dy_q, dy_scale) = quantize_rows(dy) and
+    dz_y = fp32(dz) * fp32(y) (the caller's .sum(-1) of it is the grad of w)."""
+    _check_rows_bf16("scale_rows_backward_fp8", w_M, dz=dz_MI, y=y_MI)
+    _check_bool("scale_rows_backward_fp8", pow2_scales)
+    dzf = dz_MI.float()
+    dy = (dzf * w_M[:, None]).to(BF16)
+    q, s = quantize_rows_from_fp32(dy, pow2_scales)
+    return dy, q, s, dzf * y_MI.float()
+
+
+def dequantize_rows_bf16(q_MI: Tensor, scale_MC: Tensor) -> Tensor:
+    """Reference of moonep::dequantize_fp8_rows: bf16(dequantize_rows(q, scale))."""
+    return dequantize_rows(q_MI, scale_MC).to(BF16)
+
+
+def _scale_rows_impl(x_MI: Tensor, w_M: Tensor) -> Tensor:
+    _check_rows_bf16("scale_rows", w_M, x=x_MI)
+    k = _kernels(x_MI)
+    return scale_rows(x_MI, w_M) if k is None else k.scale_rows(x_MI, w_M)
+
+
+def _scale_rows_backward_impl(dz_MI, w_M, y_MI, pow2_scales):
+    _check_rows_bf16("scale_rows_backward_fp8", w_M, dz=dz_MI, y=y_MI)
+    _check_bool("scale_rows_backward_fp8", pow2_scales)
+    k = _kernels(dz_MI)
+    if k is None:
+        return scale_rows_backward(dz_MI, w_M, y_MI, pow2_scales)
+    return k.scale_rows_backward(dz_MI, w_M, y_MI, pow2_scales)
+
+
+def _dequantize_rows_bf16_impl(q_MI: Tensor, scale_MC: Tensor) -> Tensor:
+    check_rows_fp8("dequantize_fp8_rows", "q", q_MI, scale_MC)
+    k = _kernels(q_MI)
+    return dequantize_rows_bf16(q_MI, scale_MC) if k is None else k.dequantize_rows_bf16(
+        q_MI, scale_MC)
+
+
+# --------------------------------------------------------------------------------------------
 # Custom ops
 # --------------------------------------------------------------------------------------------
 
@@ -357,6 +443,47 @@ def _(g, u, pow2_scales=False):
             g.new_empty((M, scale_cols(F)), dtype=torch.float32))
 
 
+@torch.library.custom_op("moonep::scale_rows", mutates_args=(),
+                         schema="(Tensor x, Tensor row_weights) -> Tensor")
+def _scale_rows_op(x: Tensor, row_weights: Tensor) -> Tensor:
+    return _scale_rows_impl(x, row_weights)
+
+
+@_scale_rows_op.register_fake
+def _(x, row_weights):
+    _check_rows_bf16("scale_rows", row_weights, x=x)
+    return x.new_empty(x.shape, dtype=BF16)
+
+
+@torch.library.custom_op("moonep::scale_rows_backward_fp8", mutates_args=(),
+                         schema="(Tensor dz, Tensor row_weights, Tensor y, bool pow2_scales=False)"
+                                " -> (Tensor, Tensor, Tensor, Tensor)")
+def _scale_rows_backward_op(dz: Tensor, row_weights: Tensor, y: Tensor, pow2_scales: bool = False
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _scale_rows_backward_impl(dz, row_weights, y, pow2_scales)
+
+
+@_scale_rows_backward_op.register_fake
+def _(dz, row_weights, y, pow2_scales=False):
+    M, I = _check_rows_bf16("scale_rows_backward_fp8", row_weights, dz=dz, y=y)
+    _check_bool("scale_rows_backward_fp8", pow2_scales)
+    return (dz.new_empty((M, I), dtype=BF16), dz.new_empty((M, I), dtype=FP8_DTYPE),
+            dz.new_empty((M, scale_cols(I)), dtype=torch.float32),
+            dz.new_empty((M, I), dtype=torch.float32))
+
+
+@torch.library.custom_op("moonep::dequantize_fp8_rows", mutates_args=(),
+                         schema="(Tensor q, Tensor scale) -> Tensor")
+def _dequantize_rows_bf16_op(q: Tensor, scale: Tensor) -> Tensor:
+    return _dequantize_rows_bf16_impl(q, scale)
+
+
+@_dequantize_rows_bf16_op.register_fake
+def _(q, scale):
+    M, I = check_rows_fp8("dequantize_fp8_rows", "q", q, scale)
+    return q.new_empty((M, I), dtype=BF16)
+
+
 # Public API: the ops (trace under torch.compile; the references above are plain functions).
 
 def quantize_fp8_rows(x_MI: Tensor, *, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
@@ -378,4 +505,6 @@ def swiglu_quantize_fp8(g_MF: Tensor, u_MF: Tensor, *, pow2_scales: bool = False
     return torch.ops.moonep.swiglu_quantize_fp8(g_MF, u_MF, pow2_scales)
 
 
-__all__ += ["quantize_fp8_rows", "quantize_fp8_blocks", "swiglu_quantize_fp8"]
+__all__ += ["quantize_fp8_rows", "quantize_fp8_blocks", "swiglu_quantize_fp8",
+            "scale_rows", "scale_rows_backward",
+            "dequantize_rows_bf16"]

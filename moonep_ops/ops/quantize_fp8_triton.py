@@ -1,5 +1,7 @@
 """Triton kernels of moonep::quantize_fp8_rows / quantize_fp8_blocks on CUDA (imported only
-there; the schemas, fakes and the reference are in quantize_fp8.py).
+there; the schemas, fakes and the reference are in quantize_fp8.py), and of the FP8 layer's
+fused elementwise ops moonep::scale_rows / scale_rows_backward_fp8 / dequantize_fp8_rows (the
+end of this file).
 
 Why: the torch reference makes ~6 full passes over an fp32 copy of its input (cast, pad, abs,
 amax, divide, clamp, cast).  At DeepSeek-V3 expert shapes a layer quantises 3 x [B, F, D] bf16
@@ -110,3 +112,96 @@ def quantize_blocks(w: Tensor, pow2: bool, transpose: bool = False) -> tuple[Ten
     if n and O and I:
         _blocks_kernel[(n, P, C)](w, q, s, O, I, P, C, POW2=pow2, TRANS=transpose, num_warps=8)
     return q, s
+
+
+# --------------------------------------------------------------------------------------------
+# The FP8 layer's fused elementwise passes (moe_experts_fp8.py; schemas, fakes and references
+# in quantize_fp8.py).  Each is one read of its inputs and one write of its outputs, bitwise
+# the torch formulation it replaces: an fp32 product is one IEEE multiply (no add follows it,
+# so nothing can be contracted into an FMA), e4m3 -> fp32 is exact, and fp32 -> bf16 is the
+# round-to-nearest-even conversion torch's cast does.
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _scale_rows_kernel(x_ptr, w_ptr, z_ptr, M, I, BM: tl.constexpr):
+    # z = bf16(fp32(x) * w[:, None]); one program: BM rows x 128 columns
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    mask = (rows[:, None] < M) & (cols[None, :] < I)
+    offs = rows[:, None].to(tl.int64) * I + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + rows, mask=rows < M, other=0.0)
+    tl.store(z_ptr + offs, (x * w[:, None]).to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _scale_rows_bwd_kernel(dz_ptr, w_ptr, y_ptr, dy_ptr, q_ptr, s_ptr, p_ptr, M, I, C,
+                           BM: tl.constexpr, POW2: tl.constexpr):
+    # dy = bf16(fp32(dz) * w), (q, s) = the 1 x 128 tiles of dy, p = fp32(dz) * fp32(y);
+    # one program: BM rows x one 128-column tile (the quantisation tile)
+    pc = tl.program_id(1)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = pc * 128 + tl.arange(0, 128)
+    mask = (rows[:, None] < M) & (cols[None, :] < I)
+    offs = rows[:, None].to(tl.int64) * I + cols[None, :]
+    dz = tl.load(dz_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + rows, mask=rows < M, other=0.0)
+    dy = (dz * w[:, None]).to(tl.bfloat16)
+    tl.store(dy_ptr + offs, dy, mask=mask)
+    dyf = dy.to(tl.float32)                      # masked lanes are 0: they do not move amax
+    s = _scale(tl.max(tl.abs(dyf), axis=1), POW2)
+    tl.store(q_ptr + offs, _quant(dyf, s[:, None]), mask=mask)
+    tl.store(s_ptr + rows.to(tl.int64) * C + pc, s, mask=rows < M)
+    tl.store(p_ptr + offs, dz * y, mask=mask)
+
+
+@triton.jit
+def _dequant_rows_kernel(q_ptr, s_ptr, h_ptr, M, I, C, BM: tl.constexpr):
+    # h = bf16(fp32(q) * scale of its 1 x 128 tile)
+    pc = tl.program_id(1)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = pc * 128 + tl.arange(0, 128)
+    mask = (rows[:, None] < M) & (cols[None, :] < I)
+    offs = rows[:, None].to(tl.int64) * I + cols[None, :]
+    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + rows.to(tl.int64) * C + pc, mask=rows < M, other=0.0)
+    tl.store(h_ptr + offs, (q * s[:, None]).to(tl.bfloat16), mask=mask)
+
+
+_BM = 16
+
+
+def scale_rows(x_MI: Tensor, w_M: Tensor) -> Tensor:
+    x, w = x_MI.contiguous(), w_M.contiguous()
+    M, I = x.shape
+    z = torch.empty(M, I, dtype=torch.bfloat16, device=x.device)
+    if M and I:
+        _scale_rows_kernel[(triton.cdiv(M, _BM), triton.cdiv(I, TILE))](x, w, z, M, I, BM=_BM,
+                                                                        num_warps=4)
+    return z
+
+
+def scale_rows_backward(dz_MI: Tensor, w_M: Tensor, y_MI: Tensor, pow2: bool
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dz, w, y = dz_MI.contiguous(), w_M.contiguous(), y_MI.contiguous()
+    M, I = dz.shape
+    C = triton.cdiv(I, TILE)
+    dy = torch.empty(M, I, dtype=torch.bfloat16, device=dz.device)
+    q = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=dz.device)
+    s = torch.empty(M, C, dtype=torch.float32, device=dz.device)
+    p = torch.empty(M, I, dtype=torch.float32, device=dz.device)
+    if M and I:
+        _scale_rows_bwd_kernel[(triton.cdiv(M, _BM), C)](dz, w, y, dy, q, s, p, M, I, C, BM=_BM,
+                                                         POW2=pow2, num_warps=4)
+    return dy, q, s, p
+
+
+def dequantize_rows_bf16(q_MI: Tensor, scale_MC: Tensor) -> Tensor:
+    q, sc = q_MI.contiguous(), scale_MC.contiguous()
+    M, I = q.shape
+    C = triton.cdiv(I, TILE)
+    h = torch.empty(M, I, dtype=torch.bfloat16, device=q.device)
+    if M and I:
+        _dequant_rows_kernel[(triton.cdiv(M, _BM), C)](q, sc, h, M, I, C, BM=_BM, num_warps=4)
+    return h
