@@ -129,7 +129,10 @@ def _ref(aq, as_, wl, wls, ws, wss, cu, transpose_w: bool) -> Tensor:
     for g, s, e in _bounds(cu):
         if e > s:
             w = wdl[g] if g < epn else wds[g - epn]
-            out[s:e] = (a[s:e] @ (w if transpose_w else w.t())).to(OUT_DTYPE)
+            # a contiguous right operand whatever the layout asked for: a CPU BLAS picks its
+            # kernel (and so its summation order) by operand layout, and the FP8 backward's
+            # dgrad, the forward GEMM on W^T, must equal dequant(dy) @ W bitwise on any CPU
+            out[s:e] = (a[s:e] @ (w if transpose_w else w.t()).contiguous()).to(OUT_DTYPE)
     return out
 
 
