@@ -51,61 +51,68 @@ def greedy(q, rem, R):
     return q, rem, nin, tin, no, to
 
 
+def one_expert_steps(st, R, B, W=32):
+    """The one-expert steps of cost_split_pair on the state st (q, rem, nin, tin, no, to; updated
+    in place); returns the greedy rounds they took."""
+    q, rem, nin, tin = st["q"], st["rem"], st["nin"], st["tin"]
+    ibR, ibB = ceil_log2(R), ceil_log2(B)
+    MR, MB = (1 << ibR) - 1, (1 << ibB) - 1
+    qk = lambda d: (q[d] << ibR) | (MR - d) if q[d] > 0 else 0     # noqa: E731
+    ek = lambda l: (rem[l] << ibB) | (MB - l)                       # noqa: E731
+    if sum(1 for d in q if q[d] > 0) < 8:
+        return 0
+    KQ = max(qk(d) for d in q)
+    keys = sorted((ek(l) for l in range(B)), reverse=True)
+    KR, KR2 = keys[0], (keys[1] if B > 1 else 0)
+    QM, RM = KQ >> ibR, KR >> ibB
+    if QM == 0 or RM <= QM or (((RM - QM) << ibB) | (KR & MB)) <= KR2:
+        return 0
+    order = sorted((d for d in q if q[d] > 0), key=qk, reverse=True)
+    sq = [qk(d) for d in order]
+    nq, p, rounds = len(order), 0, 0
+    while p < nq:
+        keys = sorted((ek(l) for l in range(B)), reverse=True)
+        KR, KR2 = keys[0], (keys[1] if B > 1 else 0)
+        c = KR >> ibB
+        if c == 0:
+            break
+        lanes = [sq[p + i] if p + i < nq else 0 for i in range(W)]
+        qv = [k >> ibR for k in lanes]
+        P = [sum(qv[:i]) for i in range(W)]
+        ok = [qv[i] > 0 and P[i] < c and ((((c - P[i]) << ibB) | (KR & MB)) > KR2)
+              for i in range(W)]
+        k = ok.index(False) if False in ok else W
+        if k == 0:
+            break
+        partial = qv[k - 1] > c - P[k - 1]
+        used = c if partial else P[k - 1] + qv[k - 1]
+        for i in range(k):
+            d = MR - (lanes[i] & MR)
+            t = min(qv[i], c - P[i])
+            q[d] -= t
+            nin[d] += 1
+            tin[d] += t
+        rem[MB - (KR & MB)] -= used
+        st["no"] += k
+        st["to"] += used
+        rounds += k
+        p += k
+        if k < W or partial:
+            break
+    return rounds
+
+
 def kernel(q, rem, R, pk=True, W=32, b_gate=True, stats=None):
     """cost_split_pair as the kernel runs it: one-expert steps over packed keys (pk, B <= 64:
     the register path), then the greedy from the same state for the rounds left."""
     B = len(rem)
-    q, rem = dict(q), list(rem)
-    nin, tin = {d: 0 for d in q}, {d: 0 for d in q}
-    no = to = 0
-    rounds = 0
-    ibR, ibB = ceil_log2(R), ceil_log2(B)
-    MR, MB = (1 << ibR) - 1, (1 << ibB) - 1
-    qk = lambda d: (q[d] << ibR) | (MR - d) if q[d] > 0 else 0     # noqa: E731
-    ek = lambda l: (rem[l] << ibB) | (MB - l)                       # noqa: E731 (expert_key)
-    if pk and (B <= 64 or not b_gate) and sum(1 for d in q if q[d] > 0) >= 8:
-        KQ = max(qk(d) for d in q)
-        keys = sorted((ek(l) for l in range(B)), reverse=True)
-        KR, KR2 = keys[0], (keys[1] if B > 1 else 0)
-        QM, RM = KQ >> ibR, KR >> ibB
-        if not (QM == 0 or RM <= QM or (((RM - QM) << ibB) | (KR & MB)) <= KR2):
-            order = sorted((d for d in q if q[d] > 0), key=qk, reverse=True)
-            sq = [qk(d) for d in order]
-            nq, p = len(order), 0
-            while p < nq:
-                keys = sorted((ek(l) for l in range(B)), reverse=True)
-                KR, KR2 = keys[0], (keys[1] if B > 1 else 0)
-                c = KR >> ibB
-                if c == 0:
-                    break
-                lanes = [sq[p + i] if p + i < nq else 0 for i in range(W)]
-                qv = [k >> ibR for k in lanes]
-                P = [sum(qv[:i]) for i in range(W)]
-                ok = [qv[i] > 0 and P[i] < c and ((((c - P[i]) << ibB) | (KR & MB)) > KR2)
-                      for i in range(W)]
-                k = ok.index(False) if False in ok else W
-                if k == 0:
-                    break
-                partial = qv[k - 1] > c - P[k - 1]
-                used = c if partial else P[k - 1] + qv[k - 1]
-                le = MB - (KR & MB)
-                for i in range(k):
-                    d = MR - (lanes[i] & MR)
-                    t = min(qv[i], c - P[i])
-                    q[d] -= t
-                    nin[d] += 1
-                    tin[d] += t
-                rem[le] -= used
-                no += k
-                to += used
-                rounds += k
-                p += k
-                if k < W or partial:
-                    break
+    st = {"q": dict(q), "rem": list(rem), "nin": {d: 0 for d in q}, "tin": {d: 0 for d in q},
+          "no": 0, "to": 0}
+    rounds = one_expert_steps(st, R, B, W) if pk and (B <= 64 or not b_gate) else 0
     if stats is not None:
         stats.append(rounds)
-    no, to = _rounds(q, rem, nin, tin, no, to, rounds, R)
-    return q, rem, nin, tin, no, to
+    no, to = _rounds(st["q"], st["rem"], st["nin"], st["tin"], st["no"], st["to"], rounds, R)
+    return st["q"], st["rem"], st["nin"], st["tin"], no, to
 
 
 def hist(rng, R, B, shape, sk):

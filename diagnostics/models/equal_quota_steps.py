@@ -28,59 +28,9 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cost_split_steps import ceil_log2, greedy, pairs  # noqa: E402
+from cost_split_steps import greedy, one_expert_steps, pairs  # noqa: E402
 
 KMIN = 4             # smallest run of equal largest quotas worth a step (kCostEqualMin)
-
-
-def one_expert_steps(st, R, B, W=32):
-    """cost_split_steps (diagnostics/models/cost_split_steps.py kernel, its step part)."""
-    q, rem, nin, tin = st["q"], st["rem"], st["nin"], st["tin"]
-    ibR, ibB = ceil_log2(R), ceil_log2(B)
-    MR, MB = (1 << ibR) - 1, (1 << ibB) - 1
-    qk = lambda d: (q[d] << ibR) | (MR - d) if q[d] > 0 else 0     # noqa: E731
-    ek = lambda l: (rem[l] << ibB) | (MB - l)                       # noqa: E731
-    if sum(1 for d in q if q[d] > 0) < 8:
-        return 0
-    KQ = max(qk(d) for d in q)
-    keys = sorted((ek(l) for l in range(B)), reverse=True)
-    KR, KR2 = keys[0], (keys[1] if B > 1 else 0)
-    QM, RM = KQ >> ibR, KR >> ibB
-    if QM == 0 or RM <= QM or (((RM - QM) << ibB) | (KR & MB)) <= KR2:
-        return 0
-    order = sorted((d for d in q if q[d] > 0), key=qk, reverse=True)
-    sq = [qk(d) for d in order]
-    nq, p, rounds = len(order), 0, 0
-    while p < nq:
-        keys = sorted((ek(l) for l in range(B)), reverse=True)
-        KR, KR2 = keys[0], (keys[1] if B > 1 else 0)
-        c = KR >> ibB
-        if c == 0:
-            break
-        lanes = [sq[p + i] if p + i < nq else 0 for i in range(W)]
-        qv = [k >> ibR for k in lanes]
-        P = [sum(qv[:i]) for i in range(W)]
-        ok = [qv[i] > 0 and P[i] < c and ((((c - P[i]) << ibB) | (KR & MB)) > KR2)
-              for i in range(W)]
-        k = ok.index(False) if False in ok else W
-        if k == 0:
-            break
-        partial = qv[k - 1] > c - P[k - 1]
-        used = c if partial else P[k - 1] + qv[k - 1]
-        for i in range(k):
-            d = MR - (lanes[i] & MR)
-            t = min(qv[i], c - P[i])
-            q[d] -= t
-            nin[d] += 1
-            tin[d] += t
-        rem[MB - (KR & MB)] -= used
-        st["no"] += k
-        st["to"] += used
-        rounds += k
-        p += k
-        if k < W or partial:
-            break
-    return rounds
 
 
 def equal_steps(st, R, B, it0, kmin=KMIN, stats=None, cover=None):
