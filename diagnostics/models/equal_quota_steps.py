@@ -28,7 +28,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cost_split_steps import greedy, one_expert_steps, pairs  # noqa: E402
+from cost_split_steps import _rounds, greedy, one_expert_steps, pairs  # noqa: E402
 
 KMIN = 4             # smallest run of equal largest quotas worth a step (kCostEqualMin)
 
@@ -183,22 +183,9 @@ def kernel(q, rem, R, eq=True, kmin=KMIN, stats=None, cover=None, lanes=False):
     elif eq:
         it += equal_steps(st, R, B, it, kmin, stats, cover)
     q, rem, nin, tin = st["q"], st["rem"], st["nin"], st["tin"]
-    rounds = 0
-    for _ in range(it, R - 1 + B):
-        if not q:
-            break
-        d = max(q, key=lambda d: (q[d], -d))
-        le = max(range(B), key=lambda l: (rem[l], -l))
-        if q[d] <= 0 or rem[le] <= 0:
-            break
-        t = min(q[d], rem[le])
-        q[d] -= t
-        rem[le] -= t
-        nin[d] += 1
-        tin[d] += t
-        st["no"] += 1
-        st["to"] += t
-        rounds += 1
+    no, to = _rounds(q, rem, nin, tin, st["no"], st["to"], it, R)
+    rounds = no - st["no"]                                       # one copy-out a round
+    st["no"], st["to"] = no, to
     if stats is not None:
         stats.append(-rounds - 1)                                # loop rounds, tagged
     return q, rem, nin, tin, st["no"], st["to"]
