@@ -14,6 +14,24 @@ and the MoE layer against its dense reference, each in a fresh process, as
   mallocasync_premove  premove on the stream-ordered allocator (backend:cudaMallocAsync);
   premove_matmul       premove after one bf16 cuBLAS GEMM (a large shared-memory kernel);
   premove_stream1      premove with the ranks on torch's pool streams 1..8 (after_r1's);
+  premove_blas, premove_mm64, premove_fp32mm, premove_randn, premove_sleep, premove_gg
+                       premove after one of: the cuBLAS handle only, a 64x64 bf16 GEMM, a
+                       4096^2 fp32 GEMM, the 4096^2 bf16 inputs and their sum without a GEMM,
+                       one trivial kernel, one of our grouped GEMMs;
+  premove_rsmall, premove_smem{N}
+                       premove after a one-block reduction; after a one-block kernel with N
+                       bytes of dynamic shared memory (cupy);
+  fresh_reduce         fresh after one reduction kernel (both cases);
+  premove_cat1k        premove after one torch.cat of 1,000 tensors;
+  premove_upto<stage>  premove with each rank's ops only up to that stage of
+                       test_symm_cuda.RANK_OPS_STAGES (dispatch, combine, scaled, reuse,
+                       autograd): which ops queued while rank 0's barrier spins hold it up;
+  premove_loadmode, premove_lazyenv_loadmode
+                       premove printing the driver's module loading mode, with
+                       CUDA_MODULE_LOADING=EAGER (every mode's default) or LAZY;
+  premove_philox, premove_reduce, premove_item, premove_pinned
+                       premove after randn's kernel only, one reduction, one device-to-host
+                       copy into pageable memory, one into pinned memory;
   premove_stack[N]     premove after setting the stack-size limit to N bytes (default: the
                        current limit, set again);
   premove_nopdl        premove with the planner's programmatic dependent launches off (needs
@@ -64,13 +82,16 @@ def run(R, premove=False):
                 th = time.time()
                 faulthandler.dump_traceback_later(3, exit=False)   # where the host blocks
                 with torch.cuda.stream(streams[r]), torch.profiler.record_function(f"rank{{r}}"):
-                    outs.append(t.rank_ops(c, bufs[r], r))
+                    outs.append(t.rank_ops(c, bufs[r], r, stop=STOP))
                 faulthandler.cancel_dump_traceback_later()
                 print("rank", r, "queued in %.3f s" % (time.time() - th), flush=True)
             torch.cuda.synchronize()
             c.update(host)
             for r in range(R):
-                t.verify_rank(c, bufs[r], r, outs[r])
+                if STOP is None:
+                    t.verify_rank(c, bufs[r], r, outs[r])
+                else:                 # a prefix of the ops: only the error words are checked
+                    bufs[r].check_errors()
         else:
             def mk(r, *a, **k):
                 b = Buffer(*a, device=vg.device, backend=vg.backend(r), **k)
@@ -88,9 +109,71 @@ def run(R, premove=False):
 
 
 MODE = {mode!r}
+# "_upto<stage>": rank_ops only up to that stage (test_symm_cuda.RANK_OPS_STAGES)
+STOP = MODE.rsplit("_upto", 1)[1] if "_upto" in MODE else None
+if "loadmode" in MODE:            # what the driver says its module loading mode is
+    import ctypes
+    torch.zeros(1, device="cuda")
+    lm = ctypes.c_int()
+    ctypes.CDLL("libcuda.so.1").cuModuleGetLoadingMode(ctypes.byref(lm))
+    print("module loading mode", {{1: "LAZY", 2: "EAGER"}}.get(lm.value, lm.value),
+          "env", os.environ.get("CUDA_MODULE_LOADING"))
 if "matmul" in MODE:              # a cuBLAS GEMM (large shared-memory footprint) first
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     (a @ a).sum().item()
+if "blas" in MODE:                 # the cuBLAS handle only (cublasCreate, workspace), no GEMM
+    torch.zeros(1, device="cuda")
+    torch.cuda.current_blas_handle()
+    torch.cuda.synchronize()
+if "mm64" in MODE:                 # a tiny bf16 cuBLAS GEMM
+    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    (a @ a).sum().item()
+if "fp32mm" in MODE:               # a large fp32 cuBLAS GEMM (another kernel family)
+    a = torch.randn(4096, 4096, device="cuda")
+    (a @ a).sum().item()
+if "randn" in MODE:                # the big matmul's inputs and reduction, without the GEMM
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    a.sum().item()
+if "philox" in MODE:               # randn's kernel only, completed
+    torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+if "reduce" in MODE:               # one reduction kernel, completed
+    torch.ones(1 << 20, device="cuda").sum()
+    torch.cuda.synchronize()
+if "item" in MODE:                 # one device-to-host copy into pageable memory
+    torch.zeros(1, device="cuda").item()
+if "pinned" in MODE:               # one device-to-host copy into pinned memory
+    hp = torch.empty(1, pin_memory=True)
+    hp.copy_(torch.zeros(1, device="cuda"), non_blocking=True)
+    torch.cuda.synchronize()
+if "rsmall" in MODE:               # one small (single-block) reduction kernel, completed
+    torch.ones(1000, device="cuda").sum()
+    torch.cuda.synchronize()
+if "smem" in MODE:                 # one 1-block kernel with N bytes of dynamic shared memory (cupy)
+    import cupy
+    torch.zeros(1, device="cuda")
+    nb = int(MODE.rsplit("smem", 1)[1])
+    kern = cupy.RawKernel(r'extern "C" __global__ void k(int* o) {{'
+                          r' extern __shared__ int sh[]; sh[threadIdx.x] = threadIdx.x;'
+                          r' __syncthreads(); if (threadIdx.x == 0) o[0] = sh[31]; }}', "k")
+    if nb > 48 * 1024:
+        kern.max_dynamic_shared_size_bytes = nb
+    o = cupy.zeros(1, dtype=cupy.int32)
+    kern((1,), (32,), (o,), shared_mem=max(nb, 128))
+    cupy.cuda.runtime.deviceSynchronize()
+    print("smem kernel", nb, "bytes ran, out", int(o[0]))
+if "cat1k" in MODE:                # torch.cat of 1,000 tensors (a large parameter block), completed
+    torch.cat([torch.zeros(1, device="cuda") for _ in range(1000)])
+    torch.cuda.synchronize()
+if "sleep" in MODE:                # one trivial kernel, completed
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+if "gg" in MODE:                   # one of our CUTLASS sm90 grouped GEMMs (TMA, clusters)
+    from moonep_ops.ops import grouped_mm as gg
+    xg = torch.randn(1600, 512, device="cuda", dtype=torch.bfloat16)
+    wg = torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16)
+    cg = torch.arange(1, 17, device="cuda", dtype=torch.int32) * 100
+    gg.grouped_mm(xg, wg, wg.clone(), cg).sum().item()
 if "stack" in MODE:               # the stack-size limit set (driver API) before the case
     import ctypes
     torch.zeros(1, device="cuda")
@@ -136,10 +219,12 @@ finally:
 def main():
     for case in os.environ.get("CASES", "all_remote,moe_reference").split(","):
         for mode in sys.argv[1:] or ("fresh", "premove", "after_r1"):
-            if mode != "fresh" and mode != "after_r1" and case != "all_remote":
+            if not mode.startswith(("fresh", "after_r1")) and case != "all_remote":
                 continue
             env = dict(os.environ, MOONEP_BARRIER_TIMEOUT_S="6", CUDA_DEVICE_MAX_CONNECTIONS="32",
                        CUDA_MODULE_LOADING="EAGER", PYTHONPATH=ROOT)
+            if "lazyenv" in mode:               # the driver's default loading mode instead
+                env["CUDA_MODULE_LOADING"] = "LAZY"
             if mode.startswith("mallocasync"):   # stream-ordered allocator: no cudaMalloc
                 env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
             t0 = time.time()
