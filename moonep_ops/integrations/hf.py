@@ -10,7 +10,9 @@
         model.save_pretrained(out_dir, state_dict=sd)        # plain transformers reloads it
 
 Supported (transformers 5.24): the sparse-MoE blocks of Qwen2-MoE (with its gated shared expert),
-Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 (``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
+Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 (Kimi-K2's architecture), and of Qwen3-Next, MiniMax,
+FlexOlmo, GLM-4.5 (glm4_moe) and dots.llm1, whose blocks are those families' code
+(``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
 block's forward signature and return value (``[B, T, D] -> [B, T, D]``) around a
 ``moonep_ops.MoonEPMoE`` that holds this rank's home experts ``r*E/R .. (r+1)*E/R - 1`` (r, R: rank
 and size of ``group``; one rank when torch.distributed is not initialised), the shared expert(s),
@@ -110,7 +112,11 @@ class Family:
     ``experts_field`` / ``ffn_field``: the config fields of E and F.  ``shared`` / ``shared_gate``:
     the block's shared-expert MLP and its sigmoid gate (None: none).  ``router_attrs``: (HF router
     attribute, config field) pairs the HF router copied at construction (checked against the
-    config: the router's copy is what HF computes with)."""
+    config: the router's copy is what HF computes with).  ``biased_groups``: DeepSeek-V3's router
+    (an fp32 weight in any model dtype, ``gate.e_score_correction_bias``, group-limited top-k).
+    ``jitter``: Mixtral's block (``router_jitter_noise``, refused when > 0).  A family is added
+    only where its transformers block, router, experts and MLP classes are the same code as an
+    existing family's up to the class-name prefix (tests/test_integrations_hf.py checks it)."""
     model_type: str
     block_class: str
     experts_field: str
@@ -119,6 +125,8 @@ class Family:
     shared: Optional[str] = None
     shared_gate: Optional[str] = None
     router_attrs: tuple = ()
+    biased_groups: bool = False
+    jitter: bool = False
 
     @property
     def module(self) -> str:
@@ -130,7 +138,7 @@ class Family:
         m = {"gate.weight": ("router.gate.weight",),
              "experts.gate_up_proj": ("w1", "w3"),
              "experts.down_proj": ("w2",)}
-        if self.model_type == "deepseek_v3":
+        if self.biased_groups:
             m["gate.e_score_correction_bias"] = ("router.expert_bias",)
         if self.shared:
             for theirs, ours in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
@@ -142,25 +150,52 @@ class Family:
 
 _QWEN_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "num_experts"),
                ("norm_topk_prob", "norm_topk_prob"))
+_MIXTRAL_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "num_local_experts"))
+_DEEPSEEK_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "n_routed_experts"),
+                   ("norm_topk_prob", "norm_topk_prob"),
+                   ("routed_scaling_factor", "routed_scaling_factor"),
+                   ("num_group", "n_group"), ("topk_group", "topk_group"))
+
+
+def _qwen2_like(model_type, block_class):          # softmax router, gated shared expert
+    return Family(model_type, block_class, "num_experts", "moe_intermediate_size",
+                  _softmax_rounded, shared="shared_expert", shared_gate="shared_expert_gate",
+                  router_attrs=_QWEN_ATTRS)
+
+
+def _olmoe_like(model_type, block_class):          # softmax router, F = intermediate_size
+    return Family(model_type, block_class, "num_experts", "intermediate_size", _softmax_rounded,
+                  router_attrs=_QWEN_ATTRS)
+
+
+def _mixtral_like(model_type, block_class):
+    return Family(model_type, block_class, "num_local_experts", "intermediate_size", _mixtral,
+                  router_attrs=_MIXTRAL_ATTRS, jitter=True)
+
+
+def _deepseek_like(model_type, block_class):       # noaux_tc router, shared experts
+    return Family(model_type, block_class, "n_routed_experts", "moe_intermediate_size",
+                  _deepseek_v3, shared="shared_experts", router_attrs=_DEEPSEEK_ATTRS,
+                  biased_groups=True)
+
+
 FAMILIES = (
-    Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", "num_experts", "moe_intermediate_size",
-           _softmax_rounded, shared="shared_expert", shared_gate="shared_expert_gate",
-           router_attrs=_QWEN_ATTRS),
+    _qwen2_like("qwen2_moe", "Qwen2MoeSparseMoeBlock"),
     Family("qwen3_moe", "Qwen3MoeSparseMoeBlock", "num_experts", "moe_intermediate_size",
            _softmax_rounded, router_attrs=_QWEN_ATTRS),
-    Family("mixtral", "MixtralSparseMoeBlock", "num_local_experts", "intermediate_size", _mixtral,
-           router_attrs=(("top_k", "num_experts_per_tok"), ("num_experts", "num_local_experts"))),
-    Family("olmoe", "OlmoeSparseMoeBlock", "num_experts", "intermediate_size", _softmax_rounded,
-           router_attrs=_QWEN_ATTRS),
-    Family("deepseek_v3", "DeepseekV3MoE", "n_routed_experts", "moe_intermediate_size",
-           _deepseek_v3, shared="shared_experts",
-           router_attrs=(("top_k", "num_experts_per_tok"), ("num_experts", "n_routed_experts"),
-                         ("norm_topk_prob", "norm_topk_prob"),
-                         ("routed_scaling_factor", "routed_scaling_factor"),
-                         ("num_group", "n_group"), ("topk_group", "topk_group"))),
+    _mixtral_like("mixtral", "MixtralSparseMoeBlock"),
+    _olmoe_like("olmoe", "OlmoeSparseMoeBlock"),
+    _deepseek_like("deepseek_v3", "DeepseekV3MoE"),
+    # the same block, router, experts and MLP code as the family above them
+    _qwen2_like("qwen3_next", "Qwen3NextSparseMoeBlock"),          # Qwen3-Next
+    _mixtral_like("minimax", "MiniMaxSparseMoeBlock"),              # MiniMax-Text-01
+    _olmoe_like("flex_olmo", "FlexOlmoSparseMoeBlock"),             # FlexOlmo
+    _deepseek_like("glm4_moe", "Glm4MoeMoE"),                       # GLM-4.5 / 4.6
+    _deepseek_like("dots1", "Dots1MoE"),                            # dots.llm1
 )
 _BY_CLASS = {(f.module, f.block_class): f for f in FAMILIES}
-_BY_TYPE = {f.model_type: f for f in FAMILIES}
+FAMILIES_BY_TYPE = {f.model_type: f for f in FAMILIES}
+_BY_TYPE = FAMILIES_BY_TYPE
 
 
 def family_of(module: nn.Module) -> Optional[Family]:
@@ -254,9 +289,9 @@ def _check_block(name: str, block: nn.Module, fam: Family, R: int) -> _Conversio
     if gate_fn is not None and getattr(gate_fn, "__name__", "") != "_default_apply_gate":
         raise NotImplementedError(f"{where}: {type(ex).__name__} overrides _apply_gate (not "
                                   "act(gate) * up)")
-    if fam.model_type == "mixtral" and float(getattr(block, "jitter_noise", 0.0)) > 0:
+    if fam.jitter and float(getattr(block, "jitter_noise", 0.0)) > 0:
         raise NotImplementedError(
-            f"{where}: router_jitter_noise={block.jitter_noise} > 0 -- Mixtral then multiplies "
+            f"{where}: router_jitter_noise={block.jitter_noise} > 0 -- the block then multiplies "
             "the hidden states by random noise in training, which no conversion reproduces")
     router = block.gate
     for attr, field in fam.router_attrs:
@@ -264,7 +299,7 @@ def _check_block(name: str, block: nn.Module, fam: Family, R: int) -> _Conversio
             raise ValueError(f"{where}: the HF router runs with {attr}={getattr(router, attr)!r} "
                              f"but its config says {field}={getattr(config, field)!r} (edited "
                              "after the model was built?); make them agree")
-    if fam.model_type == "deepseek_v3":
+    if fam.biased_groups:
         _check_deepseek_groups(where, config)
     keys = fam.key_map()
     if set(block.state_dict()) != set(keys):
@@ -292,7 +327,7 @@ def _check_block(name: str, block: nn.Module, fam: Family, R: int) -> _Conversio
     if dtype not in _DTYPES:
         raise NotImplementedError(f"{where}: experts in {dtype}; MoonEP takes {_DTYPES}")
     for pname, p in block.named_parameters():
-        if pname.startswith("gate.") and fam.model_type == "deepseek_v3":
+        if pname.startswith("gate.") and fam.biased_groups:
             continue                                    # an fp32 router in any model: fine
         if p.dtype != dtype:
             raise NotImplementedError(f"{where}: {pname} is {p.dtype} but the experts are "
