@@ -305,7 +305,7 @@ def _check_block(name: str, block: nn.Module, fam: Family, R: int) -> _Conversio
     if set(block.state_dict()) != set(keys):
         raise NotImplementedError(f"{where}: state-dict keys {sorted(block.state_dict())}, "
                                   f"expected {sorted(keys)} (another transformers version?)")
-    gu, dn = ex.gate_up_proj, ex.down_proj
+    gu = ex.gate_up_proj
     E, K = int(getattr(config, fam.experts_field)), int(config.num_experts_per_tok)
     if gu.dim() != 3 or gu.shape[1] % 2:
         raise NotImplementedError(f"{where}: experts.gate_up_proj has shape {tuple(gu.shape)}, "
