@@ -62,31 +62,28 @@ def rank_ops(c, buf, r, stop=None):
     that one (diagnostics/virtual_rank_timeouts.py; verify_rank needs them all)."""
     if stop is not None and stop not in RANK_OPS_STAGES:
         raise ValueError(f"stop must be one of {RANK_OPS_STAGES}, got {stop!r}")
-
-    def done(stage):
-        return stop == stage
     dt = c["dtype"]
     dev = buf.device
     x, w_in, t = c["xs"][r].to(dev), c["ws"][r].to(dev), c["ts"][r].to(dev)
     o = {}
     o["h"], o["w"], o["cu"], plan = buf.dispatch(x, t, w_in, total_num_tokens=c["total"])
     o["plan"] = plan
-    if done("dispatch"):
+    if stop == "dispatch":
         return o
     o["y"], o["wk"] = buf.combine(plan, o["h"], o["w"])
-    if done("combine"):
+    if stop == "combine":
         return o
     # per-row scaling, and the NvS-row form of combine
     scale = (torch.arange(o["h"].shape[0], device=dev) % 5 + 1).float()
     hs = (o["h"].float() * scale[:, None]).to(dt)
     hfull = torch.cat([hs, hs.new_zeros(buf.NvS - hs.shape[0], c["H"])])
     o["ys"], o["none"] = buf.combine(plan, hfull)
-    if done("scaled"):
+    if stop == "scaled":
         return o
     # plan reuse
     x2 = (x.float() * 3 - 1).to(dt)
     o["h2"], o["w2"], _, _ = buf.dispatch(x2, route_weights_sK=w_in, plan=plan)
-    if done("reuse"):
+    if stop == "reuse":
         return o
     # autograd: dispatch backward = combine, combine backward = dispatch (both on the device)
     xg = x.clone().requires_grad_()

@@ -195,7 +195,6 @@ FAMILIES = (
 )
 _BY_CLASS = {(f.module, f.block_class): f for f in FAMILIES}
 FAMILIES_BY_TYPE = {f.model_type: f for f in FAMILIES}
-_BY_TYPE = FAMILIES_BY_TYPE
 
 
 def family_of(module: nn.Module) -> Optional[Family]:
@@ -208,11 +207,11 @@ def family_of(module: nn.Module) -> Optional[Family]:
 def router_args(config) -> dict:
     """The ``MoEArgs`` router fields (num_experts, top_k and every option of the built-in
     ``Router``) that reproduce the HF router of ``config.model_type``."""
-    fam = _BY_TYPE.get(getattr(config, "model_type", None))
+    fam = FAMILIES_BY_TYPE.get(getattr(config, "model_type", None))
     if fam is None:
         raise NotImplementedError(f"no MoonEP router for model_type="
                                   f"{getattr(config, 'model_type', None)!r} (supported: "
-                                  f"{sorted(_BY_TYPE)})")
+                                  f"{sorted(FAMILIES_BY_TYPE)})")
     return dict(num_experts=int(getattr(config, fam.experts_field)),
                 top_k=int(config.num_experts_per_tok), **fam.router(config))
 
