@@ -139,6 +139,22 @@ def test_cli_override_entry_replaces_every_moe_layer_of_a_registry_config():
                and m.routed_experts.capacity == 16384 for m in moes)
 
 
+@pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in _TRAINER_DEPS),
+                    reason="torchtitan's CLI config needs the Trainer's packages")
+def test_override_refuses_routed_experts_it_would_compute_wrongly():
+    """gpt-oss wraps its own GroupedExperts subclass (biases, clamped SwiGLU) in the common
+    RoutedExperts: the override must say so instead of computing plain SwiGLU over it."""
+    from torchtitan.config import ConfigManager, apply_overrides
+
+    cfg = ConfigManager().parse_args([
+        "--module", "gpt_oss", "--config", "gpt_oss_debugmodel",
+        "--parallelism.expert_parallel_degree", "2", "--training.disable_cuda_graphs",
+        "--override.imports", mtt.OVERRIDE])
+    cfg.model_spec.model.update_from_config(config=cfg)
+    with pytest.raises(ValueError, match="GptOssGroupedExperts.*does not run them"):
+        apply_overrides(cfg.override, cfg)
+
+
 def test_capacity_defaults_to_the_dispatchers_num_max_tokens_per_rank():
     cfg = RoutedExperts.Config(
         inner_experts=tiny.qwen3_tiny().layers[0].moe.routed_experts.inner_experts,

@@ -124,7 +124,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.config import OverrideConfig, apply_overrides, derive, override
 from torchtitan.distributed.spmd_types import maybe_set_sparse_mesh
-from torchtitan.models.common.moe import RoutedExperts
+from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
 from ..buffer import Buffer
@@ -345,7 +345,17 @@ def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None,
     field of the matched config kept (``derive``).  Exact match: a model's own subclass of
     ``RoutedExperts`` is left alone (its behaviour would be lost).  The token dispatcher becomes torchtitan's
     standard one (used only at EP = 1; DeepEP/HybridEP buffers are not allocated), and its
-    ``num_max_tokens_per_rank``, when it has one, is the default capacity."""
+    ``num_max_tokens_per_rank``, when it has one, is the default capacity.  Routed experts
+    whose inner experts are not exactly ``GroupedExperts`` (gpt-oss's) raise ``ValueError``."""
+    inner = type(cfg.inner_experts)
+    if inner is not GroupedExperts.Config:
+        # MoonEP runs GroupedExperts' math (w1, w3, w2 SwiGLU, no biases) on its parameters; a
+        # subclass (gpt-oss's GptOssGroupedExperts: biases, clamped SwiGLU, other parameter
+        # names) would be computed wrongly or fail deep inside the forward
+        raise ValueError(
+            f"moonep override: these routed experts are {inner.__qualname__}, not torchtitan's "
+            "GroupedExperts.Config (SwiGLU over w1_EFD, w3_EFD, w2_EDF, no biases); MoonEP "
+            "does not run them: leave this model without the override")
     disp = cfg.token_dispatcher
     if capacity is None:
         capacity = getattr(disp, "num_max_tokens_per_rank", None)
