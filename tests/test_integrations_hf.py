@@ -91,8 +91,20 @@ TINY = {
         head_dim=16, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=E,
         n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.0,
         norm_topk_prob=False, first_k_dense_replace=1)),
+    # the text model of a multimodal checkpoint (text-only batches; the vision tower is tiny and
+    # untouched): keyed by its text config's model_type, the family's
+    "glm4v_moe_text": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", dict(
+        head_dim=16, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=E,
+        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.0,
+        norm_topk_prob=True, first_k_dense_replace=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": [2, 3, 3], "partial_rotary_factor": 1.0})),
 }
 FAMILIES = list(TINY)
+# the vision tower of the multimodal families (not converted; the smallest that builds)
+VISION = {"glm4v_moe_text": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                 out_hidden_size=D, patch_size=14, spatial_merge_size=2,
+                                 temporal_patch_size=2)}
 POST_NORM = {"flex_olmo"}              # a norm after each MLP, none before it
 # transformers' torch fallback of Qwen3-Next's gated delta rule (linear attention) fails in a
 # compiled backward (a .view of a non-contiguous grad, in HF's code, converted or not): the
@@ -109,7 +121,8 @@ SAME_CODE = {"qwen3_next": ("qwen2_moe", "Qwen3Next", "Qwen2Moe"),
              "minimax": ("mixtral", "MiniMax", "Mixtral"),
              "flex_olmo": ("olmoe", "FlexOlmo", "Olmoe"),
              "glm4_moe": ("deepseek_v3", "Glm4Moe", "DeepseekV3"),
-             "dots1": ("deepseek_v3", "Dots1", "DeepseekV3")}
+             "dots1": ("deepseek_v3", "Dots1", "DeepseekV3"),
+             "glm4v_moe_text": ("deepseek_v3", "Glm4vMoeText", "DeepseekV3")}
 # in-process variants (the other side of each family's options)
 VARIANTS = [(n, {}) for n in FAMILIES] + [
     ("qwen2_moe", {"norm_topk_prob": True}),
@@ -124,7 +137,18 @@ VIDS = [n + "".join(f"-{k}={v}" for k, v in o.items()) for n, o in VARIANTS]
 
 def make_config(name, **overrides):
     cfg_cls, _, kw = TINY[name]
+    if name in VISION:                 # a multimodal config: the text model gets the sizes
+        top = ("tie_word_embeddings", "attn_implementation", "experts_implementation")
+        text = {k: v for k, v in {**_COMMON, **kw, **overrides}.items() if k not in top}
+        return getattr(transformers, cfg_cls)(text_config=text, vision_config=VISION[name],
+                                              **{k: _COMMON[k] for k in top})
     return getattr(transformers, cfg_cls)(**{**_COMMON, **kw, **overrides})
+
+
+def decoder_layer(model, qual):
+    """The decoder layer of block ``qual`` (``model[.language_model].layers.<i>.mlp``)."""
+    layers = getattr(model.model, "language_model", model.model).layers
+    return layers[int(qual.split(".layers.")[1].split(".")[0])]
 
 
 def sparse_blocks(model):
@@ -225,7 +249,11 @@ def compare_run(ref, model, ids, group=None, call=None, **kw):
     for pname, p in ref.named_parameters():
         owner = next((b for b in blocks if pname.startswith(b + ".")), None)
         if owner is None:
-            check(pname, model.get_parameter(pname).grad, p.grad)
+            mine = model.get_parameter(pname).grad
+            if p.grad is None:         # takes no part (a vision tower on text batches)
+                assert mine is None, f"{pname}: a grad where the reference has none"
+            else:
+                check(pname, mine, p.grad)
             continue
         layer, key = blocks[owner], pname[len(owner) + 1:]
         targets = layer.to_moe_keys({key: p.grad})
@@ -306,6 +334,8 @@ def test_router_args_per_family():
     for name in ("qwen2_moe", "qwen3_moe", "olmoe"):
         a = hf.router_args(make_config(name))
         assert a["round_weights"] and a["route_norm"] == TINY[name][2]["norm_topk_prob"]
+    # a multimodal model's own config: its text config's router
+    assert hf.router_args(make_config("glm4v_moe_text"))["num_expert_groups"] == 4
     with pytest.raises(NotImplementedError, match="model_type='llama'"):
         hf.router_args(transformers.LlamaConfig())
 
@@ -443,7 +473,8 @@ def test_save_pretrained_from_pretrained(name, tmp_path):
         keys = list(f.keys())
     mixtral_keys = SAME_CODE.get(name, (name,))[0] == "mixtral"      # HF's legacy Mixtral names
     moe, w1 = ("block_sparse_moe", "w1") if mixtral_keys else ("mlp", "gate_proj")
-    assert f"model.layers.1.{moe}.experts.0.{w1}.weight" in keys
+    pre = "model.language_model" if name in VISION else "model"
+    assert f"{pre}.layers.1.{moe}.experts.0.{w1}.weight" in keys
     back = type(model).from_pretrained(tmp_path, experts_implementation="eager")
     assert_same_state(back.state_dict(), orig)
 
@@ -496,9 +527,9 @@ def test_compiled_block_has_no_graph_break(name):
         assert cnt.frame_count == 1, qual
         # compiled on its own, the block cannot reach HF's collector: recording raises
         with pytest.raises(RuntimeError, match="compiled on its own"):
-            model.model.layers[int(qual.split(".")[2])].mlp = cblk
+            decoder_layer(model, qual).mlp = cblk
             model(input_ids=batch(0), output_router_logits=True)
-        model.model.layers[int(qual.split(".")[2])].mlp = blk
+        decoder_layer(model, qual).mlp = blk
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -522,7 +553,8 @@ def test_compiled_model_equals_eager_without_recompiles(name):
         for m in (model, cmodel):
             out = m(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
             out.loss.backward()
-            res.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+            res.append((out, {n: p.grad.clone() for n, p in model.named_parameters()
+                              if p.grad is not None}))     # not the vision tower's
             model.zero_grad(set_to_none=True)
         (e, ge), (c, gc) = res
         assert maxdiff(e.logits, c.logits) <= TOL and maxdiff(e.loss, c.loss) <= TOL
@@ -598,6 +630,19 @@ def test_refuses_gpt_oss():
     model = transformers.GptOssForCausalLM(cfg)
     _refused(model, NotImplementedError, r"GptOssMLP at 'model\.layers\.0\.mlp'.*gpt_oss")
     assert isinstance(model.model.layers[0].mlp.router, GptOssTopKRouter)
+
+
+def test_refuses_qwen3_vl_moe_whose_checkpoints_would_not_round_trip():
+    text = dict(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96, moe_intermediate_size=24, num_experts=E,
+                num_experts_per_tok=K, vocab_size=V,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=D,
+                  deepstack_visual_indexes=[])
+    cfg = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(cfg)
+    _refused(model, NotImplementedError, r"Qwen3VLMoeTextSparseMoeBlock at .*save_pretrained")
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])

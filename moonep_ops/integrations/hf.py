@@ -11,8 +11,8 @@
 
 Supported (transformers 5.24): the sparse-MoE blocks of Qwen2-MoE (with its gated shared expert),
 Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 (Kimi-K2's architecture), and of Qwen3-Next, MiniMax,
-FlexOlmo, GLM-4.5 (glm4_moe) and dots.llm1, whose blocks are those families' code
-(``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
+FlexOlmo, GLM-4.5 (glm4_moe) and dots.llm1, whose blocks are those families' code, and GLM-4.5V's
+text model (``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
 block's forward signature and return value (``[B, T, D] -> [B, T, D]``) around a
 ``moonep_ops.MoonEPMoE`` that holds this rank's home experts ``r*E/R .. (r+1)*E/R - 1`` (r, R: rank
 and size of ``group``; one rank when torch.distributed is not initialised), the shared expert(s),
@@ -114,7 +114,9 @@ class Family:
     attribute, config field) pairs the HF router copied at construction (checked against the
     config: the router's copy is what HF computes with).  ``biased_groups``: DeepSeek-V3's router
     (an fp32 weight in any model dtype, ``gate.e_score_correction_bias``, group-limited top-k).
-    ``jitter``: Mixtral's block (``router_jitter_noise``, refused when > 0).  A family is added
+    ``jitter``: Mixtral's block (``router_jitter_noise``, refused when > 0).  ``package``: the
+    transformers model package when it is not ``model_type`` (a multimodal model's text config
+    has its own type, e.g. ``glm4v_moe_text`` in ``glm4v_moe``).  A family is added
     only where its transformers block, router, experts and MLP classes are the same code as an
     existing family's up to the class-name prefix (tests/test_integrations_hf.py checks it)."""
     model_type: str
@@ -127,10 +129,12 @@ class Family:
     router_attrs: tuple = ()
     biased_groups: bool = False
     jitter: bool = False
+    package: Optional[str] = None
 
     @property
     def module(self) -> str:
-        return f"transformers.models.{self.model_type}.modeling_{self.model_type}"
+        pkg = self.package or self.model_type
+        return f"transformers.models.{pkg}.modeling_{pkg}"
 
     def key_map(self) -> dict[str, tuple[str, ...]]:
         """HF block state-dict key -> the MoonEPMoE key(s) it maps to (two: gate_up_proj is the
@@ -173,10 +177,10 @@ def _mixtral_like(model_type, block_class):
                   router_attrs=_MIXTRAL_ATTRS, jitter=True)
 
 
-def _deepseek_like(model_type, block_class):       # noaux_tc router, shared experts
+def _deepseek_like(model_type, block_class, package=None):   # noaux_tc router, shared experts
     return Family(model_type, block_class, "n_routed_experts", "moe_intermediate_size",
                   _deepseek_v3, shared="shared_experts", router_attrs=_DEEPSEEK_ATTRS,
-                  biased_groups=True)
+                  biased_groups=True, package=package)
 
 
 FAMILIES = (
@@ -192,6 +196,8 @@ FAMILIES = (
     _olmoe_like("flex_olmo", "FlexOlmoSparseMoeBlock"),             # FlexOlmo
     _deepseek_like("glm4_moe", "Glm4MoeMoE"),                       # GLM-4.5 / 4.6
     _deepseek_like("dots1", "Dots1MoE"),                            # dots.llm1
+    # the text models of multimodal checkpoints (their text config's model_type)
+    _deepseek_like("glm4v_moe_text", "Glm4vMoeTextMoE", "glm4v_moe"),   # GLM-4.5V
 )
 _BY_CLASS = {(f.module, f.block_class): f for f in FAMILIES}
 FAMILIES_BY_TYPE = {f.model_type: f for f in FAMILIES}
@@ -207,6 +213,9 @@ def family_of(module: nn.Module) -> Optional[Family]:
 def router_args(config) -> dict:
     """The ``MoEArgs`` router fields (num_experts, top_k and every option of the built-in
     ``Router``) that reproduce the HF router of ``config.model_type``."""
+    if (getattr(config, "model_type", None) not in FAMILIES_BY_TYPE
+            and hasattr(config, "get_text_config")):
+        config = config.get_text_config()              # a multimodal model's config
     fam = FAMILIES_BY_TYPE.get(getattr(config, "model_type", None))
     if fam is None:
         raise NotImplementedError(f"no MoonEP router for model_type="
@@ -357,6 +366,10 @@ def _check_deepseek_groups(where: str, config) -> None:
 
 
 _UNSUPPORTED_WHY = {
+    "Qwen3VLMoeTextSparseMoeBlock": "Qwen3-VL-MoE's checkpoints store the experts transposed, and "
+                                    "transformers' save_pretrained reverts that by reading the "
+                                    "live experts' parameter shapes, which a converted block no "
+                                    "longer has (so its checkpoints would not round-trip)",
     "GptOssMLP": "gpt-oss (model_type='gpt_oss') has per-expert biases, a clamped (up + 1) SwiGLU "
                  "with alpha 1.702 (swiglu_limit), transposed interleaved gate/up weights and "
                  "MXFP4 checkpoints, which the MoonEP experts do not implement",
