@@ -26,6 +26,12 @@ and the MoE layer against its dense reference, each in a fresh process, as
   premove_upto<stage>  premove with each rank's ops only up to that stage of
                        test_symm_cuda.RANK_OPS_STAGES (dispatch, combine, scaled, reuse,
                        autograd): which ops queued while rank 0's barrier spins hold it up;
+  fresh_noprime, premove_noprime, fresh_noprime_device
+                       without the prime that VirtualGroup runs once per device and
+                       run_threads once per thread (symm._prime_device, symm.prime_thread);
+                       noprime_device: without the device prime only.  Every other mode runs
+                       with both (they were measured before the primes existed, i.e. as
+                       noprime: docs/multi_gpu.md keeps those results);
   premove_loadmode, premove_lazyenv_loadmode
                        premove printing the driver's module loading mode, with
                        CUDA_MODULE_LOADING=EAGER (every mode's default) or LAZY;
@@ -98,7 +104,12 @@ def run(R, premove=False):
                 bufs.append(b)
                 return b
             fn, check = m.moe_reference_case(R, mk)
-            check(run_threads(R, fn))
+            # every thread's stack 4 s in (the barrier timeout is 6 s): where a rank thread
+            # blocks while another rank spins
+            faulthandler.dump_traceback_later(4, exit=False)
+            res = run_threads(R, fn)
+            faulthandler.cancel_dump_traceback_later()
+            check(res)
     except BaseException:
         torch.cuda.synchronize()
         for r, b in enumerate(bufs):
@@ -116,7 +127,7 @@ if "loadmode" in MODE:            # what the driver says its module loading mode
     torch.zeros(1, device="cuda")
     lm = ctypes.c_int()
     ctypes.CDLL("libcuda.so.1").cuModuleGetLoadingMode(ctypes.byref(lm))
-    print("module loading mode", {{1: "LAZY", 2: "EAGER"}}.get(lm.value, lm.value),
+    print("module loading mode", {{1: "EAGER", 2: "LAZY"}}.get(lm.value, lm.value),
           "env", os.environ.get("CUDA_MODULE_LOADING"))
 if "matmul" in MODE:              # a cuBLAS GEMM (large shared-memory footprint) first
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -191,6 +202,12 @@ if MODE.endswith("reserve"):      # the caching allocator holds freed blocks of 
     keep = [torch.empty(n, dtype=torch.uint8, device="cuda")
             for n in [512 << 10] * 256 + [8 << 20] * 64 + [256 << 20] * 16 + [4 << 30] * 2]
     del keep
+if "noprime" in MODE:             # without the library's prime (VirtualGroup, run_threads)
+    from moonep_ops.backends import symm
+    import virtual_ranks
+    symm._PRIMED.add(torch.cuda.current_device())
+    if "noprime_device" not in MODE:
+        virtual_ranks.prime_thread = lambda device: None
 t0 = time.time()
 prof = None
 try:

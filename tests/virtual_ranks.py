@@ -4,6 +4,10 @@
 rank's host reads (result checks) never stop the other ranks from queueing the work its device
 barriers wait for.  Everything rank-independent (inputs, references) is a pure function of
 seeds, so every thread can rebuild every rank's inputs.
+
+Each thread first makes its own cuBLAS handle (symm.prime_thread), and no rank starts before
+every thread has: a thread's first cuBLAS call blocks until the device is idle, and the device
+is not idle while a rank spins in a barrier waiting for that thread's rank (symm.VirtualGroup).
 """
 from __future__ import annotations
 
@@ -12,17 +16,23 @@ import traceback
 
 import torch
 
+from moonep_ops.backends.symm import prime_thread
+
 
 def run_threads(R: int, fn, timeout_s: float = 180.0):
     streams = [torch.cuda.Stream() for _ in range(R)]
     results, errors = [None] * R, [None] * R
+    primed = threading.Barrier(R, timeout=timeout_s)
 
     def work(r):
         try:
             with torch.cuda.stream(streams[r]):
+                prime_thread(streams[r].device)
+                primed.wait()
                 results[r] = fn(r)
             streams[r].synchronize()
         except BaseException as e:           # noqa: BLE001  (re-raised below)
+            primed.abort()                   # no thread waits for a rank that cannot start
             errors[r] = (e, traceback.format_exc())
 
     threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(R)]

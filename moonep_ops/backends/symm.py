@@ -115,15 +115,72 @@ class TorchSymmetricHeap(SymmetricHeap):
         return out
 
 
+_PRIMED: set[int] = set()
+_CU_MODULE_LAZY_LOADING = 2          # CUmoduleLoadingMode (CU_MODULE_EAGER_LOADING is 1)
+
+
+def _module_loading_is_lazy() -> bool:
+    """The driver's module loading mode (fixed when CUDA starts: CUDA_MODULE_LOADING)."""
+    mode = ctypes.c_int(0)
+    try:
+        rc = ctypes.CDLL("libcuda.so.1").cuModuleGetLoadingMode(ctypes.byref(mode))
+    except (OSError, AttributeError):          # no driver API to ask: assume the env var holds
+        return os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER"
+    return rc == 0 and mode.value == _CU_MODULE_LAZY_LOADING
+
+
+def _prime_device(device: torch.device) -> None:
+    """Once per device and process, before any virtual rank exists: run to completion the
+    first-time steps of the CUDA stack that wait for the whole device.  Measured on the H200
+    with eager module loading (diagnostics/host_block_probe.py; docs/multi_gpu.md):
+      - the process's first dtype cast or first reduction kernel is held on the device until
+        every running kernel has finished (the host call returns at once); one of them
+        releases the other, so it is a one-time step, not one per kernel;
+      - the first cuBLAS GEMM blocks the host for ~3 s, until the device is idle;
+      - fills, arange, elementwise arithmetic, cat, new allocator segments: not held.
+    A virtual rank spinning in a barrier is a running kernel, so such a step queued before the
+    other ranks' work holds that work back until the barrier times out (R = 8 in a fresh
+    process: rank 0's histogram barrier, 6 of 6 runs).  One process per GPU is not exposed:
+    its peers are other devices, and the step costs one stall."""
+    if device.index in _PRIMED:
+        return
+    with torch.cuda.device(device):
+        s = torch.cuda.Stream(device)
+        with torch.cuda.stream(s):
+            prime_thread(device)
+    _PRIMED.add(device.index)
+
+
+def prime_thread(device: torch.device) -> None:
+    """A 64 x 64 bf16 GEMM, a cast and a reduction, forward and backward, and two small copies
+    between host and device, on the current stream, run to completion: the calling thread's cuBLAS handle and the autograd engine's (its device
+    thread runs every backward) exist afterwards.  Call it from each thread that queues a
+    virtual rank's work, before any rank starts (tests/virtual_ranks.run_threads): a thread's
+    first cuBLAS call waits for the device, and the device is busy with a spinning barrier."""
+    a = torch.ones(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    (a @ a).float().sum().backward()
+    # and a pageable host-to-device and device-to-host copy (a rank's inputs and results): in a
+    # fresh process without the primes, rank 1's first input copy blocked the host until rank
+    # 0's barrier timed out (diagnostics/virtual_rank_timeouts.py fresh_noprime)
+    torch.ones(16).to(device).cpu()
+    torch.cuda.current_stream(device).synchronize()
+
+
 class VirtualGroup:
     """R virtual ranks on one GPU in one process (see the module docstring).
 
-    The ranks' streams must run concurrently: a rank spinning in a barrier must never sit in the
-    same hardware queue ahead of the peer work it waits for.  Set CUDA_DEVICE_MAX_CONNECTIONS=32
-    (the tests and benchmarks do) before CUDA starts; with the default 8 queues, streams can
-    share a queue and the barrier times out instead of meeting.  Likewise CUDA_MODULE_LOADING=
-    EAGER: a lazily loaded kernel's first launch may wait for the whole context, spinning peers
-    included.
+    All ranks share one CUDA context, and a rank spinning in a device barrier waits for work
+    the other ranks queue later; anything that makes the device or the host wait for running
+    kernels before that work is queued stalls every rank until the barrier times out.  So:
+      - the ranks' streams must not share a hardware queue: set CUDA_DEVICE_MAX_CONNECTIONS=32
+        before CUDA starts (the tests and benchmarks do; with the default 8, two streams can
+        share one, and a spinning kernel blocks the peer queued behind it);
+      - CUDA_MODULE_LOADING=EAGER (checked here): with lazy loading every kernel's first launch
+        may wait for the whole context;
+      - the CUDA stack's first-time steps that wait for the device run here, once per device
+        (_prime_device);
+      - work queued from one thread per rank: each thread's first cuBLAS call creates its
+        handle, so prime each thread before any rank starts (tests/virtual_ranks.py).
     """
 
     def __init__(self, world_size: int, device=None):
@@ -135,6 +192,12 @@ class VirtualGroup:
             raise ValueError("a VirtualGroup lives on a CUDA device")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if world_size > 1 and _module_loading_is_lazy():
+            raise RuntimeError(
+                "virtual ranks need CUDA_MODULE_LOADING=EAGER, set before CUDA starts: with "
+                "lazy loading a kernel's first launch can wait for a peer rank spinning in a "
+                "barrier on the same GPU, and the barrier times out (docs/multi_gpu.md)")
+        _prime_device(self.device)
         self._allocs: list[tuple[int, list[Tensor], Tensor]] = []
         self._count = [0] * world_size
         self._posted: list[list] = []            # k-th exchange: what each rank posted
