@@ -60,6 +60,15 @@ print("OK")
 """
 
 
+def _run_child(src: str, **env) -> tuple[str, int]:
+    """Run src in a fresh interpreter with env added and this checkout first on PYTHONPATH:
+    (its stdout + stderr, its exit status)."""
+    path = [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    r = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, **env, PYTHONPATH=os.pathsep.join(path)))
+    return (r.stdout + r.stderr).strip(), r.returncode
+
+
 # The layer case's ranks each build their Buffer, layer and inputs in their own thread while
 # other ranks already spin in the histogram barrier; with the primes it still times out there
 # (H200, 2026-12-02): strict, so the suite goes red the day it passes.
@@ -71,25 +80,17 @@ _OPEN = pytest.mark.xfail(strict=True, reason="open: moe_reference at R = 8 as a
 @pytest.mark.parametrize("case,premove", [("all_remote", False), ("all_remote", True),
                                           pytest.param("moe_reference", False, marks=_OPEN)])
 def test_first_multi_rank_work_of_a_process(R, case, premove):
-    env = dict(os.environ, MOONEP_BARRIER_TIMEOUT_S="6", CUDA_DEVICE_MAX_CONNECTIONS="32",
-               CUDA_MODULE_LOADING="EAGER", PYTHONPATH=os.pathsep.join(
-                   [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    src = CHILD.format(here=HERE, R=R, case=case, premove=premove)
-    r = subprocess.run([sys.executable, "-c", src], env=env, capture_output=True, text=True,
-                       timeout=120)
-    out = (r.stdout + r.stderr).strip()
-    assert r.returncode == 0 and out.endswith("OK"), out[-2000:]
+    out, rc = _run_child(CHILD.format(here=HERE, R=R, case=case, premove=premove),
+                         MOONEP_BARRIER_TIMEOUT_S="6", CUDA_DEVICE_MAX_CONNECTIONS="32",
+                         CUDA_MODULE_LOADING="EAGER")
+    assert rc == 0 and out.endswith("OK"), out[-2000:]
 
 
 def test_virtual_ranks_refuse_lazy_module_loading():
     """With lazy loading any kernel's first launch may wait for a spinning peer: VirtualGroup
     says so at construction instead of timing out later."""
-    env = dict(os.environ, CUDA_MODULE_LOADING="LAZY", PYTHONPATH=os.pathsep.join(
-        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     src = ("from moonep_ops.backends import VirtualGroup\n"
            "VirtualGroup(1)\n"                       # R = 1 has no peer to wait for
            "try:\n    VirtualGroup(2)\nexcept RuntimeError as e:\n    print('REFUSED', e)\n")
-    r = subprocess.run([sys.executable, "-c", src], env=env, capture_output=True, text=True,
-                       timeout=120)
-    out = (r.stdout + r.stderr).strip()
-    assert r.returncode == 0 and "REFUSED" in out and "CUDA_MODULE_LOADING=EAGER" in out, out
+    out, rc = _run_child(src, CUDA_MODULE_LOADING="LAZY")
+    assert rc == 0 and "REFUSED" in out and "CUDA_MODULE_LOADING=EAGER" in out, out

@@ -153,8 +153,9 @@ def _prime_device(device: torch.device) -> None:
 
 def prime_thread(device: torch.device) -> None:
     """A 64 x 64 bf16 GEMM, a cast and a reduction, forward and backward, and two small copies
-    between host and device, on the current stream, run to completion: the calling thread's cuBLAS handle and the autograd engine's (its device
-    thread runs every backward) exist afterwards.  Call it from each thread that queues a
+    between host and device, on the current stream, run to completion: the calling thread's
+    cuBLAS handle and the autograd engine's (its device thread runs every backward) exist
+    afterwards.  Call it from each thread that queues a
     virtual rank's work, before any rank starts (tests/virtual_ranks.run_threads): a thread's
     first cuBLAS call waits for the device, and the device is busy with a spinning barrier."""
     a = torch.ones(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
