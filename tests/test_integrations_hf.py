@@ -91,6 +91,19 @@ TINY = {
         head_dim=16, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=E,
         n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.0,
         norm_topk_prob=False, first_k_dense_replace=1)),
+    # 4 groups of 2, top-2 groups; renorm on, scale 2.5; the lightning indexer beside attention
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=24,
+        n_routed_experts=E, n_shared_experts=1, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True, mlp_layer_types=["dense", "sparse"],
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        index_topk=8, index_n_heads=2, index_head_dim=16)),
+    # one group (no group limit); renorm off, scale 1.8; two shared experts
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=24,
+        n_routed_experts=E, n_shared_experts=2, n_group=1, topk_group=1,
+        routed_scaling_factor=1.8, norm_topk_prob=False, mlp_layer_types=["dense", "sparse"],
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
     # the text model of a multimodal checkpoint (text-only batches; the vision tower is tiny and
     # untouched): keyed by its text config's model_type, the family's
     "glm4v_moe_text": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", dict(
@@ -122,6 +135,8 @@ SAME_CODE = {"qwen3_next": ("qwen2_moe", "Qwen3Next", "Qwen2Moe"),
              "flex_olmo": ("olmoe", "FlexOlmo", "Olmoe"),
              "glm4_moe": ("deepseek_v3", "Glm4Moe", "DeepseekV3"),
              "dots1": ("deepseek_v3", "Dots1", "DeepseekV3"),
+             "deepseek_v32": ("deepseek_v3", "DeepseekV32", "DeepseekV3"),
+             "glm4_moe_lite": ("deepseek_v3", "Glm4MoeLite", "DeepseekV3"),
              "glm4v_moe_text": ("deepseek_v3", "Glm4vMoeText", "DeepseekV3")}
 # in-process variants (the other side of each family's options)
 VARIANTS = [(n, {}) for n in FAMILIES] + [

@@ -11,8 +11,8 @@
 
 Supported (transformers 5.24): the sparse-MoE blocks of Qwen2-MoE (with its gated shared expert),
 Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 (Kimi-K2's architecture), and of Qwen3-Next, MiniMax,
-FlexOlmo, GLM-4.5 (glm4_moe) and dots.llm1, whose blocks are those families' code, and GLM-4.5V's
-text model (``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
+FlexOlmo, GLM-4.5 (glm4_moe), dots.llm1, DeepSeek-V3.2 and GLM-4.7-Flash (glm4_moe_lite), whose
+blocks are those families' code, and GLM-4.5V's text model (``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
 block's forward signature and return value (``[B, T, D] -> [B, T, D]``) around a
 ``moonep_ops.MoonEPMoE`` that holds this rank's home experts ``r*E/R .. (r+1)*E/R - 1`` (r, R: rank
 and size of ``group``; one rank when torch.distributed is not initialised), the shared expert(s),
@@ -196,6 +196,8 @@ FAMILIES = (
     _olmoe_like("flex_olmo", "FlexOlmoSparseMoeBlock"),             # FlexOlmo
     _deepseek_like("glm4_moe", "Glm4MoeMoE"),                       # GLM-4.5 / 4.6
     _deepseek_like("dots1", "Dots1MoE"),                            # dots.llm1
+    _deepseek_like("deepseek_v32", "DeepseekV32MoE"),               # DeepSeek-V3.2
+    _deepseek_like("glm4_moe_lite", "Glm4MoeLiteMoE"),              # GLM-4.7-Flash
     # the text models of multimodal checkpoints (their text config's model_type)
     _deepseek_like("glm4v_moe_text", "Glm4vMoeTextMoE", "glm4v_moe"),   # GLM-4.5V
 )
