@@ -188,6 +188,19 @@ class WeightGroup:
         return self.rows[M]
 
 
+PDL_AB = False      # --pdl-ab: also time "ours_pdl", ours with MOONEP_GEMM_PDL=1
+
+
+def _with_pdl(fn):
+    def call():
+        os.environ["MOONEP_GEMM_PDL"] = "1"
+        try:
+            return fn()
+        finally:
+            os.environ.pop("MOONEP_GEMM_PDL")
+    return call
+
+
 def contenders(mods, wg: WeightGroup, kind: str, counts, M: int) -> dict:
     import moonep_ops as mo
     cm = mods.cost_model
@@ -208,6 +221,8 @@ def contenders(mods, wg: WeightGroup, kind: str, counts, M: int) -> dict:
         else:
             fns[n] = (lambda cfg=cfg: mo.grouped_mm_wgrad(dy, x, cu, epn, config=cfg,
                                                           out_dtype=torch.bfloat16))
+    if PDL_AB:
+        fns["ours_pdl"] = _with_pdl(fns["ours"])
     if kind == "fwd":
         wt = wcat.transpose(-2, -1)
         fns["torch"] = lambda: torch._grouped_mm(x, wt, offs=cu)
@@ -434,6 +449,16 @@ def targets(ms: list[dict], kinds) -> list[tuple[str, bool, str]]:
                          f"ours/oracle gm {common.gmean(ho):.3f} (min {min(ho):.3f}) over "
                          f"{len(ho)} held-out cases; host pick forced {common.gmean(hp):.3f}; all "
                          f"cases {common.gmean([m['vs_oracle'] for m in km]):.3f}"))
+        pd = [(m["case"]["us"]["ours"] / m["case"]["us"]["ours_pdl"],
+               m["case"]["us"]["torch"] / m["case"]["us"]["ours_pdl"]) for m in km
+              if m["case"]["us"].get("ours_pdl")]
+        if pd:                                    # --pdl-ab: the same run, PDL on
+            rows.append((f"{kind}: A/B, GEMM launched as a PDL dependent of the prep kernel",
+                         common.gmean([a for a, _ in pd]) > 1.0,
+                         f"ours_pdl/ours gm {common.gmean([a for a, _ in pd]):.3f} (min "
+                         f"{min(a for a, _ in pd):.3f}); ours_pdl/torch gm "
+                         f"{common.gmean([b for _, b in pd]):.3f}, min {min(b for _, b in pd):.3f}, "
+                         f"{sum(b < 0.98 for _, b in pd)} of {len(pd)} below 0.98"))
     # selector cost: ours (auto) minus the same config forced, per case
     d = [m["case"]["us"]["ours"] - m["case"]["us"][m["case"]["pick"]] for m in ms
          if m["case"].get("pick") in m["case"]["us"]]
@@ -592,7 +617,12 @@ def main(argv=None):
                     help="CPU, reference backend, tiny shapes: checks the script end to end")
     ap.add_argument("--report-from", default=None, help="rebuild the report from a gemm_zoo.json")
     ap.add_argument("--verbose", action="store_true", help="one line per case")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="also time ours with the GEMM launched as a programmatic dependent of "
+                         "the prep kernel (MOONEP_GEMM_PDL=1), interleaved with the rest")
     args = ap.parse_args(argv)
+    global PDL_AB
+    PDL_AB = args.pdl_ab
     args.kinds = tuple(k for k in args.kinds.split(",") if k)
 
     if args.report_from:

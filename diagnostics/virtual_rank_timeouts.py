@@ -42,11 +42,15 @@ and the MoE layer against its dense reference, each in a fresh process, as
                        current limit, set again);
   premove_nopdl        premove with the planner's programmatic dependent launches off (needs
                        MOONEP_LIB_DIR=moonep_ops/lib/diagnostics);
+  fresh_nocopyprime    fresh, the primes without their two host <-> device copies;
+  fresh_oplog          fresh, each rank's ops recorded as its thread queues them: on a timeout
+                       every rank's last ops and when its host queued them (layer case);
   premove_trace, after_r1_trace  premove / after_r1 (inputs on the GPU) under torch.profiler:
             the chrome trace goes to $OUT, and vrank_trace_summary.py prints the host's CUDA
             calls in each rank's queueing window and when each rank's first kernels ran;
 with a 6 s barrier timeout; prints pass / timeout and the wall time of each.
-    [CASES=all_remote,moe_reference] python diagnostics/virtual_rank_timeouts.py [MODE ...]
+    [CASES=all_remote,moe_reference] [REPEAT=n] \
+        python diagnostics/virtual_rank_timeouts.py [MODE ...]
 """
 import os
 import subprocess
@@ -66,6 +70,28 @@ import test_moe_symm_cuda as m
 from moonep_ops import Buffer
 from moonep_ops.backends import VirtualGroup
 from virtual_ranks import run_threads
+
+
+LOG, T0 = [], time.time()
+
+
+def _logged(fn):
+    # fn run under a per-thread dispatch mode that records (time, rank, op) of every op
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpLog(TorchDispatchMode):
+        def __init__(self, r):
+            super().__init__()
+            self.r = r
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            LOG.append((time.time(), self.r, str(func).replace("aten.", "")))
+            return func(*args, **(kwargs or {{}}))
+
+    def wrapped(r):
+        with OpLog(r):
+            return fn(r)
+    return wrapped
 
 
 def run(R, premove=False):
@@ -104,6 +130,8 @@ def run(R, premove=False):
                 bufs.append(b)
                 return b
             fn, check = m.moe_reference_case(R, mk)
+            if "oplog" in MODE:                 # every aten / moonep op each rank queues, timed
+                fn = _logged(fn)
             # every thread's stack 4 s in (the barrier timeout is 6 s): where a rank thread
             # blocks while another rank spins
             faulthandler.dump_traceback_later(4, exit=False)
@@ -111,6 +139,10 @@ def run(R, premove=False):
             faulthandler.cancel_dump_traceback_later()
             check(res)
     except BaseException:
+        for r in range(R):                     # each rank's last ops queued (oplog mode)
+            last = [e for e in LOG if e[1] == r][-6:]
+            print("rank", r, "ops queued", sum(e[1] == r for e in LOG), "last:",
+                  ", ".join(f"{{e[2]}} @{{e[0] - T0:.2f}}" for e in last), flush=True)
         torch.cuda.synchronize()
         for r, b in enumerate(bufs):
             be = b.backend
@@ -202,6 +234,15 @@ if MODE.endswith("reserve"):      # the caching allocator holds freed blocks of 
     keep = [torch.empty(n, dtype=torch.uint8, device="cuda")
             for n in [512 << 10] * 256 + [8 << 20] * 64 + [256 << 20] * 16 + [4 << 30] * 2]
     del keep
+if "nocopyprime" in MODE:         # the primes without their host <-> device copies
+    from moonep_ops.backends import symm
+    import virtual_ranks
+
+    def _gemm_only(device):
+        a = torch.ones(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+        (a @ a).float().sum().backward()
+        torch.cuda.current_stream(device).synchronize()
+    symm.prime_thread = virtual_ranks.prime_thread = _gemm_only
 if "noprime" in MODE:             # without the library's prime (VirtualGroup, run_threads)
     from moonep_ops.backends import symm
     import virtual_ranks
@@ -235,7 +276,8 @@ finally:
 
 def main():
     for case in os.environ.get("CASES", "all_remote,moe_reference").split(","):
-        for mode in sys.argv[1:] or ("fresh", "premove", "after_r1"):
+        modes = sys.argv[1:] or ["fresh", "premove", "after_r1"]
+        for mode in modes * int(os.environ.get("REPEAT", 1)):
             if not mode.startswith(("fresh", "after_r1")) and case != "all_remote":
                 continue
             env = dict(os.environ, MOONEP_BARRIER_TIMEOUT_S="6", CUDA_DEVICE_MAX_CONNECTIONS="32",
@@ -250,7 +292,7 @@ def main():
                                                                        mode=mode)],
                                    env=env, capture_output=True, text=True, timeout=120)
                 out = (r.stdout + r.stderr).strip()
-                print(out[-3000:])
+                print(out[-3000:] if case == "all_remote" else out[-30000:])
                 tail = out.splitlines()
                 verdict = tail[-1][:200] if tail else f"exit {r.returncode}"
             except subprocess.TimeoutExpired:
