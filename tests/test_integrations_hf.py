@@ -112,17 +112,27 @@ TINY = {
         norm_topk_prob=True, first_k_dense_replace=1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "mrope_section": [2, 3, 3], "partial_rotary_factor": 1.0})),
+    # Qwen3-Next's block with the renorm always on, every layer sparse, linear attention
+    "qwen3_5_moe_text": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
+        head_dim=16, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        num_experts=E, layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16)),
 }
 FAMILIES = list(TINY)
 # the vision tower of the multimodal families (not converted; the smallest that builds)
 VISION = {"glm4v_moe_text": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                  out_hidden_size=D, patch_size=14, spatial_merge_size=2,
-                                 temporal_patch_size=2)}
+                                 temporal_patch_size=2),
+          "qwen3_5_moe_text": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                   out_hidden_size=D, patch_size=14, spatial_merge_size=2,
+                                   temporal_patch_size=2, num_position_embeddings=16)}
 POST_NORM = {"flex_olmo"}              # a norm after each MLP, none before it
 # transformers' torch fallback of Qwen3-Next's gated delta rule (linear attention) fails in a
 # compiled backward (a .view of a non-contiguous grad, in HF's code, converted or not): the
 # compile test runs that family with full attention in both layers
-COMPILE_OVERRIDES = {"qwen3_next": {"layer_types": ["full_attention", "full_attention"]}}
+COMPILE_OVERRIDES = {n: {"layer_types": ["full_attention", "full_attention"]}
+                     for n in ("qwen3_next", "qwen3_5_moe_text")}
 
 
 def biased_groups(name):
@@ -805,6 +815,10 @@ def case_glm4_moe(ctx):                # DeepSeek-V3's code with other groups an
 
 def case_qwen3_next(ctx):              # Qwen2-MoE's block next to linear attention
     _equivalence_case(ctx, "qwen3_next")
+
+
+def case_qwen3_5_moe_text(ctx):        # the same block, renorm always on, inside a VLM
+    _equivalence_case(ctx, "qwen3_5_moe_text")
 
 
 def case_qwen3_moe_cost_policy(ctx):

@@ -12,7 +12,8 @@
 Supported (transformers 5.24): the sparse-MoE blocks of Qwen2-MoE (with its gated shared expert),
 Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 (Kimi-K2's architecture), and of Qwen3-Next, MiniMax,
 FlexOlmo, GLM-4.5 (glm4_moe), dots.llm1, DeepSeek-V3.2 and GLM-4.7-Flash (glm4_moe_lite), whose
-blocks are those families' code, and GLM-4.5V's text model (``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
+blocks are those families' code, GLM-4.5V's text model, and Qwen3.5-MoE (Qwen3-Next's block,
+its router always renormalising) (``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
 block's forward signature and return value (``[B, T, D] -> [B, T, D]``) around a
 ``moonep_ops.MoonEPMoE`` that holds this rank's home experts ``r*E/R .. (r+1)*E/R - 1`` (r, R: rank
 and size of ``group``; one rank when torch.distributed is not initialised), the shared expert(s),
@@ -84,6 +85,11 @@ def _softmax_rounded(config) -> dict:
     # top-k on the probabilities (sorted), optional renorm without eps, weights rounded back to
     # the logits' dtype.
     return _router_fields(route_norm=bool(config.norm_topk_prob), round_weights=True)
+
+
+def _softmax_rounded_renorm(config) -> dict:
+    # Qwen3.5-MoE: the same router with the renorm always on (no norm_topk_prob field).
+    return _router_fields(route_norm=True, round_weights=True)
 
 
 def _mixtral(config) -> dict:
@@ -200,6 +206,11 @@ FAMILIES = (
     _deepseek_like("glm4_moe_lite", "Glm4MoeLiteMoE"),              # GLM-4.7-Flash
     # the text models of multimodal checkpoints (their text config's model_type)
     _deepseek_like("glm4v_moe_text", "Glm4vMoeTextMoE", "glm4v_moe"),   # GLM-4.5V
+    # Qwen3-Next's block whose router always renormalises (mapped on its own, not by table)
+    Family("qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", "num_experts", "moe_intermediate_size",
+           _softmax_rounded_renorm, shared="shared_expert", shared_gate="shared_expert_gate",
+           router_attrs=_MIXTRAL_ATTRS[:1] + (("num_experts", "num_experts"),),
+           package="qwen3_5_moe"),                                  # Qwen3.5-MoE
 )
 _BY_CLASS = {(f.module, f.block_class): f for f in FAMILIES}
 FAMILIES_BY_TYPE = {f.model_type: f for f in FAMILIES}
