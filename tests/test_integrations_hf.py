@@ -112,6 +112,9 @@ TINY = {
         norm_topk_prob=True, first_k_dense_replace=1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "mrope_section": [2, 3, 3], "partial_rotary_factor": 1.0})),
+    # Mixtral's experts, a biased sigmoid router without groups (the bias a block buffer)
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        head_dim=16, intermediate_size=24, num_local_experts=E, router_jitter_noise=0.0)),
     # Qwen3-Next's block with the renorm always on, every layer sparse, linear attention
     "qwen3_5_moe_text": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
         head_dim=16, moe_intermediate_size=24, shared_expert_intermediate_size=40,
@@ -133,6 +136,20 @@ POST_NORM = {"flex_olmo"}              # a norm after each MLP, none before it
 # compile test runs that family with full attention in both layers
 COMPILE_OVERRIDES = {n: {"layer_types": ["full_attention", "full_attention"]}
                      for n in ("qwen3_next", "qwen3_5_moe_text")}
+
+
+def score_bias(blk):
+    """The HF block's selection-only score bias buffer (DeepSeek-V3's in its gate, MiniMax-M2's
+    in the block), or None."""
+    key = hf.family_of(blk).score_bias
+    return blk.get_buffer(key) if key else None
+
+
+def hf_route(blk, x):
+    """(logits, weights, ids) of the HF block's router (MiniMax-M2's takes the block's bias)."""
+    if hf.family_of(blk).score_bias == "e_score_correction_bias":
+        return blk.gate(x, blk.e_score_correction_bias)
+    return blk.gate(x)
 
 
 def biased_groups(name):
@@ -200,10 +217,10 @@ def tiny(name, seed=0, skew=True, **overrides):
                 p.copy_(torch.randn(p.shape, generator=g) * std)
             if skew:
                 blk.gate.weight[HOT] += 1.5 * mu
-            if hasattr(blk.gate, "e_score_correction_bias"):
-                blk.gate.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.3)
+            if score_bias(blk) is not None:
+                score_bias(blk).copy_(torch.randn(E, generator=g) * 0.3)
                 if skew:
-                    blk.gate.e_score_correction_bias[HOT] += 0.6
+                    score_bias(blk)[HOT] += 0.6
     return model
 
 
@@ -307,8 +324,8 @@ def _router_for(blk, config):
                dtype=blk.experts.gate_up_proj.dtype)
     with torch.no_grad():
         r.gate.weight.copy_(blk.gate.weight)
-        if hasattr(blk.gate, "e_score_correction_bias"):
-            r.expert_bias.copy_(blk.gate.e_score_correction_bias)
+        if score_bias(blk) is not None:
+            r.expert_bias.copy_(score_bias(blk))
     return r
 
 
@@ -322,7 +339,7 @@ def test_router_args_reproduce_the_hf_router_bitwise(name, ov, dtype):
         x = torch.randn(BATCH * SEQ, D, generator=torch.Generator().manual_seed(3)).to(dtype)
         x += 3.0 * blk.gate.weight[HOT].to(dtype) / blk.gate.weight[HOT].norm().to(dtype)
         with torch.no_grad():
-            logits, w, ids = blk.gate(x)
+            logits, w, ids = hf_route(blk, x)
             rid, rw, rlog = _router_for(blk, model.config)(x)
         assert rid.dtype == torch.int32 and rw.dtype == torch.float32
         assert torch.equal(rid, ids.int()) and torch.equal(rw, w.float())
@@ -338,11 +355,11 @@ def test_router_ties_resolve_as_in_hf(name):
     for _, blk in sparse_blocks(model):
         with torch.no_grad():
             blk.gate.weight[1:5] = blk.gate.weight[HOT].clone() * 3
-            if hasattr(blk.gate, "e_score_correction_bias"):
-                blk.gate.e_score_correction_bias[1:5] = 0.5
+            if score_bias(blk) is not None:
+                score_bias(blk)[1:5] = 0.5
             x = torch.randn(BATCH * SEQ, D, generator=torch.Generator().manual_seed(4))
             x += 4.0 * blk.gate.weight[HOT] / blk.gate.weight[HOT].norm()
-            logits, w, ids = blk.gate(x)
+            logits, w, ids = hf_route(blk, x)
             assert (logits[:, 1:5] == logits[:, 1:2]).all()
             rid, rw, _ = _router_for(blk, model.config)(x)
         assert torch.equal(rid, ids.int()) and torch.equal(rw, w.float())
@@ -496,7 +513,8 @@ def test_save_pretrained_from_pretrained(name, tmp_path):
     model.save_pretrained(tmp_path, state_dict=hf.full_state_dict(model))
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
-    mixtral_keys = SAME_CODE.get(name, (name,))[0] == "mixtral"      # HF's legacy Mixtral names
+    mixtral_keys = (SAME_CODE.get(name, (name,))[0] == "mixtral"     # HF's legacy Mixtral names
+                    or name == "minimax_m2")
     moe, w1 = ("block_sparse_moe", "w1") if mixtral_keys else ("mlp", "gate_proj")
     pre = "model.language_model" if name in VISION else "model"
     assert f"{pre}.layers.1.{moe}.experts.0.{w1}.weight" in keys
@@ -633,13 +651,10 @@ def test_added_families_are_a_base_familys_code(name):
 
 
 @pytest.mark.parametrize("cfg,cls,kw", [
-    ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",                   # sigmoid + bias, no groups
-     dict(head_dim=16, intermediate_size=24, num_local_experts=E)),
     ("DeepseekV2Config", "DeepseekV2ForCausalLM",                 # group-limited softmax
      dict(intermediate_size=96, moe_intermediate_size=24, n_routed_experts=E, n_shared_experts=1,
           first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-          qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4))], ids=["minimax_m2",
-                                                                            "deepseek_v2"])
+          qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4))], ids=["deepseek_v2"])
 def test_refuses_moe_families_whose_router_differs(cfg, cls, kw):
     """Blocks that look like a supported family's (an experts child, a gate) but route otherwise:
     refused by name, not converted with the wrong router."""
@@ -815,6 +830,10 @@ def case_glm4_moe(ctx):                # DeepSeek-V3's code with other groups an
 
 def case_qwen3_next(ctx):              # Qwen2-MoE's block next to linear attention
     _equivalence_case(ctx, "qwen3_next")
+
+
+def case_minimax_m2(ctx):              # Mixtral's experts, the block's biased sigmoid router
+    _equivalence_case(ctx, "minimax_m2")
 
 
 def case_qwen3_5_moe_text(ctx):        # the same block, renorm always on, inside a VLM

@@ -3,8 +3,9 @@
 first-time step of the CUDA stack that waits for the device while rank 0's barrier spins (the
 primes of symm.VirtualGroup and tests/virtual_ranks.run_threads exist for it).  Each case runs in
 its own interpreter with a 6 s barrier timeout and must complete and verify; without the primes
-every case timed out on the H200 (6 of 6 runs; the all_remote ones pass with them, the layer
-case is still open).  Skipped without a GPU or libmoonep_ep.so.
+every case timed out on the H200 (6 of 6 runs); the layer case, whose rank threads build their
+Buffer, layer and inputs while other ranks already spin, needed the thread prime's two host <->
+device copies.  Skipped without a GPU or libmoonep_ep.so.
 """
 from __future__ import annotations
 
@@ -69,16 +70,9 @@ def _run_child(src: str, **env) -> tuple[str, int]:
     return (r.stdout + r.stderr).strip(), r.returncode
 
 
-# The layer case's ranks each build their Buffer, layer and inputs in their own thread while
-# other ranks already spin in the histogram barrier; with the primes it still times out there
-# (H200, 2026-12-02): strict, so the suite goes red the day it passes.
-_OPEN = pytest.mark.xfail(strict=True, reason="open: moe_reference at R = 8 as a fresh process's "
-                          "first multi-rank work times out in dispatch's histogram barrier")
-
-
 @pytest.mark.parametrize("R", [8])
 @pytest.mark.parametrize("case,premove", [("all_remote", False), ("all_remote", True),
-                                          pytest.param("moe_reference", False, marks=_OPEN)])
+                                          ("moe_reference", False)])
 def test_first_multi_rank_work_of_a_process(R, case, premove):
     out, rc = _run_child(CHILD.format(here=HERE, R=R, case=case, premove=premove),
                          MOONEP_BARRIER_TIMEOUT_S="6", CUDA_DEVICE_MAX_CONNECTIONS="32",

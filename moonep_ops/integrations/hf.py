@@ -12,8 +12,9 @@
 Supported (transformers 5.24): the sparse-MoE blocks of Qwen2-MoE (with its gated shared expert),
 Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 (Kimi-K2's architecture), and of Qwen3-Next, MiniMax,
 FlexOlmo, GLM-4.5 (glm4_moe), dots.llm1, DeepSeek-V3.2 and GLM-4.7-Flash (glm4_moe_lite), whose
-blocks are those families' code, GLM-4.5V's text model, and Qwen3.5-MoE (Qwen3-Next's block,
-its router always renormalising) (``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
+blocks are those families' code, GLM-4.5V's text model, Qwen3.5-MoE (Qwen3-Next's block, its
+router always renormalising) and MiniMax-M2 (Mixtral's experts, a biased sigmoid router)
+(``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
 block's forward signature and return value (``[B, T, D] -> [B, T, D]``) around a
 ``moonep_ops.MoonEPMoE`` that holds this rank's home experts ``r*E/R .. (r+1)*E/R - 1`` (r, R: rank
 and size of ``group``; one rank when torch.distributed is not initialised), the shared expert(s),
@@ -98,6 +99,13 @@ def _mixtral(config) -> dict:
     return _router_fields(route_norm=True)
 
 
+def _minimax_m2(config) -> dict:
+    # logits in the router weight's dtype, sigmoid(logits.float()), the block's
+    # e_score_correction_bias for the choice only, top-k unsorted on the biased scores, weights =
+    # unbiased scores, always renormalised (no eps), no scale, fp32 weights; no groups.
+    return _router_fields(score_func="sigmoid", route_norm=True, sorted_topk=False)
+
+
 def _deepseek_v3(config) -> dict:
     # fp32 logits (x and W cast to fp32), sigmoid scores, e_score_correction_bias for the choice
     # only, group-limited top-k (group score = sum of the top-2 biased scores; sorted=False for
@@ -120,6 +128,8 @@ class Family:
     attribute, config field) pairs the HF router copied at construction (checked against the
     config: the router's copy is what HF computes with).  ``biased_groups``: DeepSeek-V3's router
     (an fp32 weight in any model dtype, ``gate.e_score_correction_bias``, group-limited top-k).
+    ``score_bias``: the block's state-dict key of a selection-only score bias (it becomes the
+    Router's ``expert_bias``; None: none).
     ``jitter``: Mixtral's block (``router_jitter_noise``, refused when > 0).  ``package``: the
     transformers model package when it is not ``model_type`` (a multimodal model's text config
     has its own type, e.g. ``glm4v_moe_text`` in ``glm4v_moe``).  A family is added
@@ -134,6 +144,7 @@ class Family:
     shared_gate: Optional[str] = None
     router_attrs: tuple = ()
     biased_groups: bool = False
+    score_bias: Optional[str] = None
     jitter: bool = False
     package: Optional[str] = None
 
@@ -148,8 +159,8 @@ class Family:
         m = {"gate.weight": ("router.gate.weight",),
              "experts.gate_up_proj": ("w1", "w3"),
              "experts.down_proj": ("w2",)}
-        if self.biased_groups:
-            m["gate.e_score_correction_bias"] = ("router.expert_bias",)
+        if self.score_bias:
+            m[self.score_bias] = ("router.expert_bias",)
         if self.shared:
             for theirs, ours in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
                 m[f"{self.shared}.{theirs}.weight"] = (f"shared.{ours}.weight",)
@@ -186,7 +197,7 @@ def _mixtral_like(model_type, block_class):
 def _deepseek_like(model_type, block_class, package=None):   # noaux_tc router, shared experts
     return Family(model_type, block_class, "n_routed_experts", "moe_intermediate_size",
                   _deepseek_v3, shared="shared_experts", router_attrs=_DEEPSEEK_ATTRS,
-                  biased_groups=True, package=package)
+                  biased_groups=True, score_bias="gate.e_score_correction_bias", package=package)
 
 
 FAMILIES = (
@@ -206,6 +217,10 @@ FAMILIES = (
     _deepseek_like("glm4_moe_lite", "Glm4MoeLiteMoE"),              # GLM-4.7-Flash
     # the text models of multimodal checkpoints (their text config's model_type)
     _deepseek_like("glm4v_moe_text", "Glm4vMoeTextMoE", "glm4v_moe"),   # GLM-4.5V
+    # Mixtral's experts under a biased sigmoid router (the bias a buffer of the block)
+    Family("minimax_m2", "MiniMaxM2SparseMoeBlock", "num_local_experts", "intermediate_size",
+           _minimax_m2, router_attrs=_MIXTRAL_ATTRS, score_bias="e_score_correction_bias",
+           jitter=True),                                            # MiniMax-M2
     # Qwen3-Next's block whose router always renormalises (mapped on its own, not by table)
     Family("qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", "num_experts", "moe_intermediate_size",
            _softmax_rounded_renorm, shared="shared_expert", shared_gate="shared_expert_gate",
