@@ -112,6 +112,12 @@ TINY = {
         norm_topk_prob=True, first_k_dense_replace=1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "mrope_section": [2, 3, 3], "partial_rotary_factor": 1.0})),
+    # DeepSeek-V3's router in EXAONE's code: 2 groups of 4, top-1 group, renorm on, scale 2.0
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", dict(
+        head_dim=16, intermediate_size=96, moe_intermediate_size=24, num_experts=E,
+        num_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+        norm_topk_prob=True, mlp_layer_types=["dense", "sparse"],
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8)),
     # Mixtral's experts, a biased sigmoid router without groups (the bias a block buffer)
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
         head_dim=16, intermediate_size=24, num_local_experts=E, router_jitter_noise=0.0)),
@@ -830,6 +836,10 @@ def case_glm4_moe(ctx):                # DeepSeek-V3's code with other groups an
 
 def case_qwen3_next(ctx):              # Qwen2-MoE's block next to linear attention
     _equivalence_case(ctx, "qwen3_next")
+
+
+def case_exaone_moe(ctx):              # DeepSeek-V3's router in EXAONE's code
+    _equivalence_case(ctx, "exaone_moe")
 
 
 def case_minimax_m2(ctx):              # Mixtral's experts, the block's biased sigmoid router

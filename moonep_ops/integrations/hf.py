@@ -13,8 +13,8 @@ Supported (transformers 5.24): the sparse-MoE blocks of Qwen2-MoE (with its gate
 Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 (Kimi-K2's architecture), and of Qwen3-Next, MiniMax,
 FlexOlmo, GLM-4.5 (glm4_moe), dots.llm1, DeepSeek-V3.2 and GLM-4.7-Flash (glm4_moe_lite), whose
 blocks are those families' code, GLM-4.5V's text model, Qwen3.5-MoE (Qwen3-Next's block, its
-router always renormalising) and MiniMax-M2 (Mixtral's experts, a biased sigmoid router)
-(``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
+router always renormalising), MiniMax-M2 (Mixtral's experts, a biased sigmoid router) and
+K-EXAONE (DeepSeek-V3's router in its own code) (``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
 block's forward signature and return value (``[B, T, D] -> [B, T, D]``) around a
 ``moonep_ops.MoonEPMoE`` that holds this rank's home experts ``r*E/R .. (r+1)*E/R - 1`` (r, R: rank
 and size of ``group``; one rank when torch.distributed is not initialised), the shared expert(s),
@@ -221,6 +221,14 @@ FAMILIES = (
     Family("minimax_m2", "MiniMaxM2SparseMoeBlock", "num_local_experts", "intermediate_size",
            _minimax_m2, router_attrs=_MIXTRAL_ATTRS, score_bias="e_score_correction_bias",
            jitter=True),                                            # MiniMax-M2
+    # DeepSeek-V3's router and experts in its own code, E from num_experts
+    Family("exaone_moe", "ExaoneMoeSparseMoEBlock", "num_experts", "moe_intermediate_size",
+           _deepseek_v3, shared="shared_experts",
+           router_attrs=(("top_k", "num_experts_per_tok"), ("num_experts", "num_experts"),
+                         ("norm_topk_prob", "norm_topk_prob"),
+                         ("routed_scaling_factor", "routed_scaling_factor"),
+                         ("num_group", "n_group"), ("topk_group", "topk_group")),
+           biased_groups=True, score_bias="gate.e_score_correction_bias"),   # K-EXAONE
     # Qwen3-Next's block whose router always renormalises (mapped on its own, not by table)
     Family("qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", "num_experts", "moe_intermediate_size",
            _softmax_rounded_renorm, shared="shared_expert", shared_gate="shared_expert_gate",
@@ -336,7 +344,7 @@ def _check_block(name: str, block: nn.Module, fam: Family, R: int) -> _Conversio
                              f"but its config says {field}={getattr(config, field)!r} (edited "
                              "after the model was built?); make them agree")
     if fam.biased_groups:
-        _check_deepseek_groups(where, config)
+        _check_deepseek_groups(where, config, fam.experts_field)
     keys = fam.key_map()
     if set(block.state_dict()) != set(keys):
         raise NotImplementedError(f"{where}: state-dict keys {sorted(block.state_dict())}, "
@@ -378,18 +386,18 @@ def _check_block(name: str, block: nn.Module, fam: Family, R: int) -> _Conversio
     return _Conversion(name, block, fam, config, E, K, D, F, Fs, dtype, devices.pop())
 
 
-def _check_deepseek_groups(where: str, config) -> None:
-    E, K = config.n_routed_experts, config.num_experts_per_tok
+def _check_deepseek_groups(where: str, config, experts_field: str) -> None:
+    E, K = getattr(config, experts_field), config.num_experts_per_tok
     G, Gk = config.n_group, config.topk_group
     if not (isinstance(G, int) and isinstance(Gk, int)) or not 1 <= Gk <= G:
         raise NotImplementedError(f"{where}: n_group={G!r}, topk_group={Gk!r}: need ints with "
                                   "1 <= topk_group <= n_group")
     if E % G or E // G < 2:
-        raise NotImplementedError(f"{where}: n_routed_experts={E} must split into n_group={G} "
+        raise NotImplementedError(f"{where}: {experts_field}={E} must split into n_group={G} "
                                   "groups of at least 2 experts (the group score sums a top-2)")
     if Gk * (E // G) < K:
         raise NotImplementedError(
-            f"{where}: topk_group={Gk} * n_routed_experts={E} / n_group={G} = {Gk * (E // G)} "
+            f"{where}: topk_group={Gk} * {experts_field}={E} / n_group={G} = {Gk * (E // G)} "
             f"< num_experts_per_tok={K}: HF would pick masked (-inf) experts")
 
 
