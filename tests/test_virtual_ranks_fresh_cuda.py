@@ -3,9 +3,9 @@
 first-time step of the CUDA stack that waits for the device while rank 0's barrier spins (the
 primes of symm.VirtualGroup and tests/virtual_ranks.run_threads exist for it).  Each case runs in
 its own interpreter with a 6 s barrier timeout and must complete and verify; without the primes
-every case timed out on the H200 (6 of 6 runs); the layer case, whose rank threads build their
-Buffer, layer and inputs while other ranks already spin, needed the thread prime's two host <->
-device copies.  Skipped without a GPU or libmoonep_ep.so.
+every case timed out on the H200 (6 of 6 runs); the layer case, whose rank threads run the first
+grouped GEMM while other ranks already spin, also needs the GEMM library loaded before any rank
+starts (symm._prime_libraries).  Skipped without a GPU or libmoonep_ep.so.
 """
 from __future__ import annotations
 

@@ -137,6 +137,7 @@ def _prime_device(device: torch.device) -> None:
         every running kernel has finished (the host call returns at once); one of them
         releases the other, so it is a one-time step, not one per kernel;
       - the first cuBLAS GEMM blocks the host for ~3 s, until the device is idle;
+      - so does loading this project's GEMM library (_prime_libraries);
       - fills, arange, elementwise arithmetic, cat, new allocator segments: not held.
     A virtual rank spinning in a barrier is a running kernel, so such a step queued before the
     other ranks' work holds that work back until the barrier times out (R = 8 in a fresh
@@ -148,7 +149,26 @@ def _prime_device(device: torch.device) -> None:
         s = torch.cuda.Stream(device)
         with torch.cuda.stream(s):
             prime_thread(device)
+            _prime_libraries(device)
     _PRIMED.add(device.index)
+
+
+def _prime_libraries(device: torch.device) -> None:
+    """Load libmoonep_ep.so and libmoonep_gemm.so and run one small grouped GEMM to completion.
+    Loading a library registers its kernels with the context, and that waits for the whole
+    device: in fresh processes on the H200 the layer case's rank threads blocked in the GEMM
+    library's first load (and every other rank thread's launch behind it) while peers spun in
+    dispatch's barrier, until it timed out (4 of 4 runs; diagnostics/virtual_rank_timeouts.py
+    fresh, thread stacks)."""
+    native.ep()
+    if native.gemm() is None:
+        return
+    from ..ops.grouped_mm import grouped_mm        # here: ops/ imports backends.base
+    x = torch.zeros(256, 128, dtype=torch.bfloat16, device=device)
+    w = torch.zeros(1, 128, 128, dtype=torch.bfloat16, device=device)
+    cu = torch.tensor([128, 256], dtype=torch.int32, device=device)
+    grouped_mm(x, w, w.clone(), cu)
+    torch.cuda.current_stream(device).synchronize()
 
 
 def prime_thread(device: torch.device) -> None:
