@@ -5,7 +5,8 @@
 #   STAGES=tests,gemm bash scripts/gpu_check.sh   # some stages
 #
 # On the H200 of the device tool, with the libraries built on the CPU machine and carried (the
-# device's 16 cores build them in ~3.5 min instead, when nvidia-cutlass is carried in .whl/):
+# device's 16 cores build them in ~3.5 min instead, when nvidia-cutlass is carried in .whl/;
+# scripts/gpu_wheels.sh fills .whl/ with every wheel this script installs there):
 #   run(command="bash scripts/gpu_check.sh", carry=["moonep_ops/lib", ".whl"])
 # Stages:
 #   build      build moonep_ops/lib (production) and moonep_ops/lib/diagnostics if they are
