@@ -335,11 +335,13 @@ def test_device_runs_the_forced_family(kind, family, monkeypatch):
 
 
 @needs_lib
+@pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no_pdl"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_pdl_launch_matches(kind, monkeypatch):
-    """MOONEP_GEMM_PDL=1 (the GEMM as a programmatic dependent of the prep kernel): the same
-    results, automatic and forced, in both families, eager and in a captured graph."""
-    monkeypatch.setenv("MOONEP_GEMM_PDL", "1")
+def test_pdl_launch_matches(kind, pdl, monkeypatch):
+    """MOONEP_GEMM_PDL=1 (the default: the GEMM as a programmatic dependent of the prep kernel)
+    and 0 (launched after it): the same results, automatic and forced, in both families, eager
+    and in a captured graph."""
+    monkeypatch.setenv("MOONEP_GEMM_PDL", pdl)
     counts = COUNTS["skewed_empty"]
     N, K = 384, 512
     x, wl, ws, cu = make(counts, N, K)

@@ -41,7 +41,8 @@ Backends, picked per call from the device and dtype (never from data, so no host
 Env MOONEP_GEMM_BACKEND = auto (default) | torch | reference forces a backend (tests, bisecting).
 Env MOONEP_GEMM_FAMILY = auto (default) | moonep | torch forces the config family of automatic
 calls; MOONEP_GEMM_CANDIDATES = name,name (one family) narrows the device's candidates;
-MOONEP_GEMM_PDL = 1 launches the GEMM kernel as a programmatic dependent of the prep kernel.
+MOONEP_GEMM_PDL = 1 (default) | 0: the GEMM kernel launched as a programmatic dependent of the
+prep kernel, or after it (docs/grouped_gemm.md, "PDL").
 """
 from __future__ import annotations
 
@@ -384,7 +385,8 @@ _PDL = 2                   # moonep_gemm.h MOONEP_GEMM_PDL
 
 
 def _pdl_flag() -> int:
-    return _PDL if os.environ.get("MOONEP_GEMM_PDL", "0") not in ("", "0") else 0
+    # on by default: 1.0-1.5 % gm over the zoo, far fewer calls below 0.98x torch (benchmarks.md)
+    return _PDL if os.environ.get("MOONEP_GEMM_PDL", "1") not in ("", "0") else 0
 
 
 def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,
