@@ -465,7 +465,6 @@ def test_opcheck_cuda(backend, monkeypatch):
 def test_cuda_graph_capture_reads_sizes_on_device():
     """Capture once, then change cu_seqlens in place: replays follow the new sizes."""
     N, K, G = 256, 512, 16
-    epn = G // 2
     counts0 = [100] * G
     x, wl, ws, cu = make(counts0, N, K, pad=500)
     y = gg.grouped_mm(x, wl, ws, cu)           # warm-up (lazy init outside capture)
