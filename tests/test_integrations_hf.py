@@ -660,7 +660,12 @@ def test_added_families_are_a_base_familys_code(name):
     ("DeepseekV2Config", "DeepseekV2ForCausalLM",                 # group-limited softmax
      dict(intermediate_size=96, moe_intermediate_size=24, n_routed_experts=E, n_shared_experts=1,
           first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-          qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4))], ids=["deepseek_v2"])
+          qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)),
+    ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",             # renorm clamped at norm_min
+     dict(intermediate_size=96, moe_intermediate_size=24, num_experts=E)),
+    ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM",             # gate.wg, its own fp32 rule
+     dict(intermediate_size=24, num_experts=E, moe_topk=K, head_dim=16))],
+    ids=["deepseek_v2", "ernie4_5_moe", "hunyuan_v1_moe"])
 def test_refuses_moe_families_whose_router_differs(cfg, cls, kw):
     """Blocks that look like a supported family's (an experts child, a gate) but route otherwise:
     refused by name, not converted with the wrong router."""
