@@ -153,22 +153,26 @@ def _prime_device(device: torch.device) -> None:
     _PRIMED.add(device.index)
 
 
+_DEVICE_PRIMES: list = []      # fn(device) of the layers above: their libraries' first steps
+
+
+def register_device_prime(fn) -> None:
+    """Have ``fn(device)`` run in _prime_device, once per device and process, before any virtual
+    rank exists.  The ops layer registers its GEMM library's prime (ops/grouped_mm.py): the
+    backends sit below the ops and do not import them."""
+    _DEVICE_PRIMES.append(fn)
+
+
 def _prime_libraries(device: torch.device) -> None:
-    """Load libmoonep_ep.so and libmoonep_gemm.so and run one small grouped GEMM to completion.
-    Loading a library registers its kernels with the context, and that waits for the whole
-    device: in fresh processes on the H200 the layer case's rank threads blocked in the GEMM
-    library's first load (and every other rank thread's launch behind it) while peers spun in
-    dispatch's barrier, until it timed out (4 of 4 runs; diagnostics/virtual_rank_timeouts.py
-    fresh, thread stacks)."""
+    """Load libmoonep_ep.so, then the registered primes (one small grouped GEMM).  Loading a
+    library registers its kernels with the context, and that waits for the whole device: in
+    fresh processes on the H200 the layer case's rank threads blocked in the GEMM library's
+    first load (and every other rank thread's launch behind it) while peers spun in dispatch's
+    barrier, until it timed out (4 of 4 runs; diagnostics/virtual_rank_timeouts.py fresh,
+    thread stacks)."""
     native.ep()
-    if native.gemm() is None:
-        return
-    from ..ops.grouped_mm import grouped_mm        # here: ops/ imports backends.base
-    x = torch.zeros(256, 128, dtype=torch.bfloat16, device=device)
-    w = torch.zeros(1, 128, 128, dtype=torch.bfloat16, device=device)
-    cu = torch.tensor([128, 256], dtype=torch.int32, device=device)
-    grouped_mm(x, w, w.clone(), cu)
-    torch.cuda.current_stream(device).synchronize()
+    for fn in _DEVICE_PRIMES:
+        fn(device)
 
 
 def prime_thread(device: torch.device) -> None:
