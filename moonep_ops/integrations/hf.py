@@ -12,14 +12,14 @@
 Supported (transformers 5.24): the sparse-MoE blocks of Qwen2-MoE (with its gated shared expert),
 Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 (Kimi-K2's architecture), and of Qwen3-Next, MiniMax,
 FlexOlmo, GLM-4.5 (glm4_moe), dots.llm1, DeepSeek-V3.2 and GLM-4.7-Flash (glm4_moe_lite), whose
-blocks are those families' code, GLM-4.5V's text model, Qwen3.5-MoE (Qwen3-Next's block, its
-router always renormalising), MiniMax-M2 (Mixtral's experts, a biased sigmoid router) and
-K-EXAONE (DeepSeek-V3's router in its own code) (``FAMILIES``).  Each becomes a ``MoonEPBlock``: the HF
+blocks are those families' code, GLM-4.5V's text model, Qwen3.5-MoE (Qwen3-Next's block, its router
+always renormalising), MiniMax-M2 (Mixtral's experts, a biased sigmoid router) and K-EXAONE
+(DeepSeek-V3's router in its own code) (``FAMILIES``). Each becomes a ``MoonEPBlock``: the HF
 block's forward signature and return value (``[B, T, D] -> [B, T, D]``) around a
 ``moonep_ops.MoonEPMoE`` that holds this rank's home experts ``r*E/R .. (r+1)*E/R - 1`` (r, R: rank
 and size of ``group``; one rank when torch.distributed is not initialised), the shared expert(s),
 and a built-in ``Router`` configured by ``router_args(config)`` so that it computes what the
-family's HF router computes, op for op.  Dense layers and every other module are untouched.
+family's HF router computes, op for op. Dense layers and every other module are untouched.
 
 Under expert parallelism each rank runs its own batch.  The outputs, the loss and the grads of the
 replicated parameters (dense layers, routers, shared experts) are those of the unconverted model on
@@ -171,11 +171,16 @@ class Family:
 
 _QWEN_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "num_experts"),
                ("norm_topk_prob", "norm_topk_prob"))
+_QWEN3_5_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "num_experts"))
 _MIXTRAL_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "num_local_experts"))
 _DEEPSEEK_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "n_routed_experts"),
                    ("norm_topk_prob", "norm_topk_prob"),
                    ("routed_scaling_factor", "routed_scaling_factor"),
                    ("num_group", "n_group"), ("topk_group", "topk_group"))
+_EXAONE_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "num_experts"),
+                 ("norm_topk_prob", "norm_topk_prob"),
+                 ("routed_scaling_factor", "routed_scaling_factor"),
+                 ("num_group", "n_group"), ("topk_group", "topk_group"))
 
 
 def _qwen2_like(model_type, block_class):          # softmax router, gated shared expert
@@ -224,15 +229,12 @@ FAMILIES = (
     # DeepSeek-V3's router and experts in its own code, E from num_experts
     Family("exaone_moe", "ExaoneMoeSparseMoEBlock", "num_experts", "moe_intermediate_size",
            _deepseek_v3, shared="shared_experts",
-           router_attrs=(("top_k", "num_experts_per_tok"), ("num_experts", "num_experts"),
-                         ("norm_topk_prob", "norm_topk_prob"),
-                         ("routed_scaling_factor", "routed_scaling_factor"),
-                         ("num_group", "n_group"), ("topk_group", "topk_group")),
-           biased_groups=True, score_bias="gate.e_score_correction_bias"),   # K-EXAONE
+           router_attrs=_EXAONE_ATTRS, biased_groups=True,
+           score_bias="gate.e_score_correction_bias"),                     # K-EXAONE
     # Qwen3-Next's block whose router always renormalises (mapped on its own, not by table)
     Family("qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", "num_experts", "moe_intermediate_size",
            _softmax_rounded_renorm, shared="shared_expert", shared_gate="shared_expert_gate",
-           router_attrs=_MIXTRAL_ATTRS[:1] + (("num_experts", "num_experts"),),
+           router_attrs=_QWEN3_5_ATTRS,
            package="qwen3_5_moe"),                                  # Qwen3.5-MoE
 )
 _BY_CLASS = {(f.module, f.block_class): f for f in FAMILIES}
