@@ -136,6 +136,9 @@ VISION = {"glm4v_moe_text": dict(depth=1, hidden_size=32, intermediate_size=64, 
           "qwen3_5_moe_text": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                    out_hidden_size=D, patch_size=14, spatial_merge_size=2,
                                    temporal_patch_size=2, num_position_embeddings=16)}
+# hub checkpoints with Mixtral's legacy names (block_sparse_moe.experts.N.w1; transformers'
+# conversion_mapping maps these families as "mixtral")
+LEGACY_MIXTRAL_KEYS = {"mixtral", "minimax", "minimax_m2"}
 POST_NORM = {"flex_olmo"}              # a norm after each MLP, none before it
 # transformers' torch fallback of Qwen3-Next's gated delta rule (linear attention) fails in a
 # compiled backward (a .view of a non-contiguous grad, in HF's code, converted or not): the
@@ -519,8 +522,7 @@ def test_save_pretrained_from_pretrained(name, tmp_path):
     model.save_pretrained(tmp_path, state_dict=hf.full_state_dict(model))
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
-    mixtral_keys = (SAME_CODE.get(name, (name,))[0] == "mixtral"     # HF's legacy Mixtral names
-                    or name == "minimax_m2")
+    mixtral_keys = name in LEGACY_MIXTRAL_KEYS
     moe, w1 = ("block_sparse_moe", "w1") if mixtral_keys else ("mlp", "gate_proj")
     pre = "model.language_model" if name in VISION else "model"
     assert f"{pre}.layers.1.{moe}.experts.0.{w1}.weight" in keys
