@@ -529,8 +529,11 @@ MOONEP_EXPORT void moonep_plan_debug_stamps(void* dev_int64x8);
  * @param dev_int64x160  device int64 [5, 32]: [stage i, warp w] = warp w's clock64 as it reaches
  *                       the end of stage i (load, rank quotas, split, layout, pieces), before the
  *                       barrier.  Written by the R <= 64 kernels only (the 512-thread kernel of
- *                       R <= 12 has 16 warps: columns 16..31 untouched).  NULL: off.  Owned by
- *                       the caller, kept alive while enabled.
+ *                       R <= 12 has 16 warps: columns 16..31 untouched).  Policy cost's
+ *                       kernels also write rows 5 and 6 (its search, between rank quotas and
+ *                       split: the candidates' splits, the choice), so with that policy the
+ *                       buffer is [7, 32] (224 int64).
+ *                       NULL: off.  Owned by the caller, kept alive while enabled.
  */
 MOONEP_EXPORT void moonep_plan_debug_warp_stamps(void* dev_int64x160);
 

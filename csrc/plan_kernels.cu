@@ -148,14 +148,13 @@ __host__ __device__ inline size_t group_smem_base(int R, int E) {
                static_cast<size_t>(R) * RW + 48) + 15) & ~static_cast<size_t>(15);
 }
 
-// Policy "cost" (docs/planner.md, planner.cost_plan): MoonEP's plan + 2 stages of kCostLevels
-// level plans.  Its shared area (CostSmem, after the group kernel's own): kCostScores int64
-// scores, per candidate its quotas and per-rank split counts, one row of max(B, R) ints per warp.
-// Limits (host-checked, planner.py mirrors them): R <= kCostMaxR (two register slots a lane:
-// the candidate warps keep every per-rank value in registers) and B <= kCostMaxB (the per-warp
-// rows stay <= 32 KiB; R <= 64 < B's 256).
-constexpr int kCostLevels = 8;                       // planner.COST_LEVELS
-constexpr int kCostScores = 1 + 2 * kCostLevels;
+// Policy "cost" (docs/planner.md, planner.cost_plan): MoonEP's plan + kCostLevels level plans.
+// Its shared area (CostSmem, after the group kernel's own): per candidate its quotas, its
+// critical donors and their split's pieces, one row of max(B, R) ints per warp.  Limits
+// (host-checked, planner.py mirrors them): R <= kCostMaxR (two register slots a lane: the
+// candidate warps keep every per-rank value in registers) and B <= kCostMaxB (the per-warp rows
+// stay <= 32 KiB; R <= 64 < B's 256).
+constexpr int kCostLevels = 16;                      // planner.COST_LEVELS
 constexpr int kCostMaxR = 64;
 constexpr int kCostMaxB = 256;
 constexpr int kCostWarps = 32;                       // scratch rows: the largest block's warps
@@ -195,7 +194,8 @@ struct GroupArgs {
 #ifdef MOONEP_DIAGNOSTICS
   int stop;            // block 0 returns after this stage (99: full plan; moonep_plan_debug_stop)
   long long* stamps;   // null: off.  Block 0's clock64 at the stage boundaries
-  long long* wstamps;  // null: off.  [5, 32] each warp's clock64 at stage ends
+  long long* wstamps;  // null: off.  [5, 32] each warp's clock64 at stage ends; [7, 32]
+                       // with policy cost (5, 6: its search's stages, cost_search)
 #endif
   int nvs_uni;         // nvs_s of T = R*s*K (uniform s, or an invalid histogram): host-computed
   int slack_ppm;       // policy "cost"'s cap slack (0: MoonEP, exact caps)
@@ -780,31 +780,43 @@ __device__ __forceinline__ int rank_quotas_order(const unsigned* kb, unsigned TT
 
 // ---------------------------------------------------------------------------------------------
 // Policy "cost" (planner.cost_plan, bit-identical): candidates are MoonEP's plan (step 1's
-// quotas, which this kernel computes anyway) and 2 x kCostLevels "level" plans; each is scored
-// by max_r load_r + replica_cost * max_r max(out_links_r, in_links_r), and the first minimum
-// (MoonEP first, then stage 1, then stage 2) becomes the plan: its quotas replace step 1's
+// quotas, which this kernel computes anyway) and kCostLevels "level" plans; each is scored by
+// max_r load_r + replica_cost * max_r max(out_links_r, in_links_r), and the first minimum
+// (MoonEP first, then the levels in order) becomes the plan: its quotas replace step 1's
 // (donor_of, z_of, the receiver masks, the donor list) and steps 2-4 run on them unchanged.
 // That is exact because step 2 is split_quotas("max") and every level plan, like MoonEP's,
 // refills each receiver from one donor (level_quotas retires a receiver after its round), which
 // is all steps 2-4 assume.
 //
+// The score from the quotas, without the alloc.  Each receiver has one donor, so:
+//   load: a feasible level plan leaves donors at exactly L and everyone else at <= L, so
+//         max load = min(L, max group); MoonEP's plan leaves every rank at its cap, so
+//         max load = ceil(T/R).
+//   links: a rank's out-links are its own split's pieces P_h (a (expert, receiver) pair is
+//         picked at most once: each round empties the quota or the expert), its in-links come
+//         from its donor's split alone, so at most that P_h: max links = max_h P_h.  (In
+//         MoonEP's plan a donor may also receive: its "max" rule refills a whole deficit.)
+//   P_h = nrecv_h + X_h, X_h the rounds that empty an expert and leave the quota positive:
+//         0 <= X_h <= B-1 (a donor never sends more than its tokens, so the round that empties
+//         its last expert also ends its last quota).
+// So only the *critical* donors, nrecv_h + B - 1 >= max_h' nrecv_h', can hold the largest P_h,
+// and only their splits run (zipf at R = 64: 1 of ~15 donors a candidate).
+//
 // Code: the kCost instances of plan_group_kernel (NJ <= 2) only, so policy "moonep"'s kernels
 // are compiled as without it.
 //
-// Parallelism.  Level quotas: one warp per candidate level (cost_warp: 8 warps, none on warp
-// 0's scheduler); stage 1's 8 depend only on the group loads, so they run during step 1 (warp
-// 0's MoonEP quotas), before its barrier.  Splits: every (candidate, donor) pair is independent
-// (torch batches them the same way), so all warps of the block take the pairs of stage 1 and
-// MoonEP's plan, interleaved by candidate (one_group's single donor: 9 pairs on 9 warps); then
-// one warp per candidate scores it from the per-rank counts.  Stage 2 (its levels need stage
-// 1's first minimum): quotas on the 8 candidate warps, pairs on all warps, scores.  Warp 0
-// picks the winner.  Six block barriers in all, and the critical path beyond step 1 is two
-// single-donor splits (up to R-1+B rounds of 2 warp reductions each, MoonEP's step 2's greedy
+// Parallelism.  Level quotas: every level depends only on the group loads, so all run during
+// step 1 (warp 0's MoonEP quotas), before its barrier: one level per candidate warp in the
+// 1024-thread block (cost_warp: 16 warps, 4 a scheduler), two in the 512-thread one (8 warps); each candidate warp then lists its level's critical donors, and warp 0 lists
+// MoonEP's after its quotas.  Splits: every (candidate, critical donor) pair is independent, so
+// all warps take them, interleaved by candidate.  Warp 0 scores the candidates and picks the
+// winner.  Two block barriers beyond step 1's, and the critical path beyond step 1 is one
+// single-donor split (up to R-1+B rounds of 2 warp reductions each, MoonEP's step 2's greedy
 // rounds with only its one-expert steps, cost_split_steps, and whole fills of a run of equal
-// largest quotas, cost_equal_steps) plus one level's quotas (up to R-1 rounds of
-// 3 reductions, two levels deep; level_quotas_warp shortens them: a single donor's rounds that
-// find no fit go 32 at a time, and with several donors such a round costs one reduction level).
-// A pair's split only counts (pieces, tokens) per rank; the winner's alloc comes from step 2.
+// largest quotas, cost_equal_steps).  Level quotas: up to R-1 rounds of 3 reductions, two
+// levels deep; level_quotas_warp shortens them: a single donor's rounds that find no fit go 32
+// at a time, and with several donors such a round costs one reduction level.  A pair's split
+// only counts its pieces; the winner's alloc comes from step 2.
 //
 // Every value is a count bounded by T < 2^31 (host: R*S*K < 2^31), so int32 is exact where the
 // torch code uses int64; scores are int64 (replica_cost < 2^40, links < 2^15).  Argmax / argmin
@@ -813,13 +825,18 @@ __device__ __forceinline__ int rank_quotas_order(const unsigned* kb, unsigned TT
 // lowest index holding it).
 // ---------------------------------------------------------------------------------------------
 
-// Candidate warp c (0..kCostLevels-1) of a block of nwarps: counting down from the last warp,
-// skipping warp 0's scheduler (warp % 4 == 0).  -1: not a candidate warp.
+// Candidate warps of a block of nwarps: 16 of the 1024-thread block, 8 of the 512-thread one,
+// each taking kCostLevels / cost_cwarps levels.
+__host__ __device__ constexpr int cost_cwarps(int nwarps) { return nwarps >= 32 ? 16 : 8; }
+
+// Candidate warp c (0..cost_cwarps-1) of a block of nwarps: the top cost_cwarps warps, counting
+// down from the last, so each of the 4 schedulers (warp % 4) holds a quarter of them.  Why:
+// with several donors (zipf at R = 64) the 16 level loops are issue-bound, and skipping warp
+// 0's scheduler put 6 of them on one scheduler, which ended step 1 at 45.8k cycles (warp 0's
+// own quotas: 16.7k).  -1: not a candidate warp.
 __device__ __forceinline__ int cost_warp(int warp, int nwarps) {
-  if ((warp & 3) == 0) return -1;
-  const int top = nwarps - 1;                        // nwarps % 4 == 0: top % 4 == 3
-  const int c = (top - warp) - (top - warp) / 4;     // warps above it, less the skipped ones
-  return c < kCostLevels ? c : -1;
+  const int c = nwarps - 1 - warp;
+  return c < cost_cwarps(nwarps) ? c : -1;
 }
 
 // Warp first argmax: v this lane's best value (<= 0: none), i its lowest index (<= 2^ib - 1).
@@ -1017,49 +1034,83 @@ __device__ __forceinline__ bool level_quotas_warp(const int* g, int L, int R, bo
   return __reduce_or_sync(kFull, static_cast<unsigned>(left)) == 0u;
 }
 
-// Policy "cost"'s shared area (24 int64, then cost_smem_ints ints): the int64 scores, then per
-// candidate row (0..7 stage 1, 8..15 stage 2, kCostMoonRow MoonEP) its (donor, quota) per
-// receiver (rows 0..15 only: MoonEP's are step 1's donor_of / z_of), its per-rank split counts
-// [4][R] (pieces and tokens received, pieces and tokens given; until its level quotas are done,
-// the candidate warp's scratch for their sorted receivers), its feasibility, the group loads
-// [R], and one row of max(B, R) ints per warp (the split's tokens left, or its sorted quota
-// keys).
-constexpr int kCostRows = 2 * kCostLevels + 1;
-constexpr int kCostMoonRow = 2 * kCostLevels;
+// Policy "cost"'s shared area (cost_smem_ints ints): per candidate row (0..kCostLevels-1 the
+// levels, kCostMoonRow MoonEP) its (donor, quota) per receiver (the levels only: MoonEP's are
+// step 1's donor_of / z_of), its critical donors and their splits' pieces, its feasibility,
+// critical-donor count and max load; one row of max(B, R) ints per warp (during step 1 a
+// candidate warp's sorted receivers and donor counts, then a split's tokens left or its sorted
+// quota keys).
+constexpr int kCostRows = kCostLevels + 1;
+constexpr int kCostMoonRow = kCostLevels;
 struct CostSmem {
-  long long* score;    // [kCostScores]: 0 MoonEP, 1 + c stage 1, 1 + kCostLevels + c stage 2
-  int* qrow;           // [2 * kCostLevels][2][R]
-  int* stat;           // [kCostRows][4][R]
+  int* qrow;           // [kCostLevels][2][R]
+  int* crit;           // [kCostRows][R] critical donors, ascending
+  int* pieces;         // [kCostRows][R] their splits' pieces
   int* feas;           // [kCostRows]
-  int* g;              // [R]
+  int* ncrit;          // [kCostRows]
+  int* mload;          // [kCostRows]
   int* wrem;           // [kCostWarps][max(B, R)]
 };
 
 __host__ __device__ inline size_t cost_smem_ints(int R, int E) {
-  return static_cast<size_t>(2 * kCostLevels * 2 + kCostRows * 4 + 1) * R + kCostRows + 3 +
+  return static_cast<size_t>(kCostLevels * 2 + kCostRows * 2) * R + 3 * kCostRows + 1 +
          static_cast<size_t>(kCostWarps) * (E / R > R ? E / R : R);
 }
 
 __device__ __forceinline__ CostSmem cost_smem(unsigned char* base, int R) {
   CostSmem c;
-  c.score = reinterpret_cast<long long*>(base);
-  c.qrow = reinterpret_cast<int*>(c.score + 24);
-  c.stat = c.qrow + 2 * kCostLevels * 2 * R;
-  c.feas = c.stat + kCostRows * 4 * R;
-  c.g = c.feas + kCostRows + 3;
-  c.wrem = c.g + R;
+  c.qrow = reinterpret_cast<int*>(base);
+  c.crit = c.qrow + kCostLevels * 2 * R;
+  c.pieces = c.crit + kCostRows * R;
+  c.feas = c.pieces + kCostRows * R;
+  c.ncrit = c.feas + kCostRows;
+  c.mload = c.ncrit + kCostRows;
+  c.wrem = c.mload + kCostRows + 1;
   return c;
 }
 
 inline size_t group_smem_bytes(int R, int E, bool cost) {
-  return group_smem_base(R, E) + (cost ? 8 * 24 + 4 * cost_smem_ints(R, E) : 0);
+  return group_smem_base(R, E) + (cost ? 4 * cost_smem_ints(R, E) : 0);
+}
+
+// A candidate's critical donors (see the section comment) from its quota row, on one warp
+// (slot j of lane: receiver d = lane + 32 j, dn[j] its donor or -1).  cnt: the warp's scratch
+// row (>= R ints).  Writes the list (ascending) and its length.
+template <int NJ>
+__device__ __forceinline__ void cost_critical(const int* dn, int R, int B, int* cnt, int* list,
+                                              int* ncrit) {
+  const int lane = threadIdx.x & 31;
+  __syncwarp();                                      // cnt's last readers are done
+  for (int i = lane; i < R; i += 32) cnt[i] = 0;
+  __syncwarp();
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+    if (lane + 32 * j < R && dn[j] >= 0) atomicAdd(&cnt[dn[j]], 1);
+  __syncwarp();
+  int c[NJ], mx = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    c[j] = lane + 32 * j < R ? cnt[lane + 32 * j] : 0;
+    mx = max(mx, c[j]);
+  }
+  const int N = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(mx)));
+  const unsigned lt = (1u << lane) - 1u;
+  int n = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const bool cr = c[j] > 0 && c[j] + B - 1 >= N;
+    const unsigned bl = __ballot_sync(kFull, cr);
+    if (cr) list[n + __popc(bl & lt)] = lane + 32 * j;
+    n += __popc(bl);
+  }
+  if (lane == 0) *ncrit = n;
 }
 
 // The first rounds of a cost split pair in steps for one expert serving many quotas (packed
 // keys, tokens left in registers: B <= 64), split_one_expert_steps's rule on the pair's counts.
 // Why: at R = 64 a hot expert's single donor refills ~60 receivers, and every greedy round pairs
-// the largest quota left with that expert (two warp reductions a round, on the critical path
-// twice: stage 1 and stage 2).  The quotas are taken largest key first (sorted once into sq), and
+// the largest quota left with that expert (two warp reductions a round, on the critical
+// path).  The quotas are taken largest key first (sorted once into sq), and
 // round i of a step (lane i) is the greedy's while the expert's leftover before it is positive
 // and its key still beats every other expert's (KR2); a step ends after a partial fill (the
 // expert is then empty) or short of 32 rounds.  Gate: >= 8 receivers and the largest expert
@@ -1252,14 +1303,13 @@ __device__ __forceinline__ int cost_equal_steps(int* q, int* nin, int* tin, int&
 
 // One (candidate, donor h) pair of planner.split_quotas_batched ("max") on one warp: the donor's
 // greedy (rounds of first argmax quota, first argmax tokens left, t = min of both), counting
-// per rank the pieces (alloc entries > 0 off home) and tokens instead of storing the alloc.
-// dnr / zzr: the candidate's donor and quota per receiver.  Every receiver has one donor and
-// every rank's give-side entries one writer (its own pair), so the stores need no atomics.
-// Returns at once when h gives nothing.
+// its pieces (alloc entries > 0 off home: one a round) instead of storing the alloc.  dnr / zzr:
+// the candidate's donor and quota per receiver.  Returns the pieces (0 when h gives nothing);
+// the per-receiver counts the steps keep (nin, tin) are dead here and compiled away.
 template <int NJ>
-__device__ __forceinline__ void cost_split_pair(const int* dnr, const int* zzr, int h, int R,
-                                                int B, const int* remE, int* wrem, int* st,
-                                                bool pk, int ibR, int ibB) {
+__device__ __forceinline__ int cost_split_pair(const int* dnr, const int* zzr, int h, int R,
+                                               int B, const int* remE, int* wrem, bool pk,
+                                               int ibR, int ibB) {
   const int lane = threadIdx.x & 31;
   int q[NJ], nin[NJ], tin[NJ];
   bool mine[NJ];
@@ -1273,7 +1323,7 @@ __device__ __forceinline__ void cost_split_pair(const int* dnr, const int* zzr, 
     tin[j] = 0;
     any |= __ballot_sync(kFull, q[j] > 0);
   }
-  if (any == 0u) return;                             // uniform: not a donor of this candidate
+  if (any == 0u) return 0;                           // not a donor of this candidate
   int no = 0, to = 0;
   // One round: first argmax quota (d), first argmax tokens left (le), t = min of both.
   // torch: t = min(rem, q) if q > 0 else 0; no quota or no token left: nothing moves again.
@@ -1333,55 +1383,29 @@ __device__ __forceinline__ void cost_split_pair(const int* dnr, const int* zzr, 
       __syncwarp();
     }
   }
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    const int d = lane + 32 * j;
-    if (mine[j]) { st[d] = nin[j]; st[R + d] = tin[j]; }
-  }
-  if (lane == 0) { st[2 * R + h] = no; st[3 * R + h] = to; }
+  return no;
 }
 
-// Every (row, donor) pair of rows row0 + [0, nrows) (row index nrows - 1 + row0 may stand for
-// MoonEP: moon) over all warps.  Pairs are interleaved by row (p = h * nrows + r) so that the
-// candidates' splits of one donor (one_group: rank 0 in every row) run on different warps.
+// Every (candidate, critical donor) pair over all warps, interleaved by candidate (p = i * rows
+// + row) so that the candidates' splits of one donor (one_group: rank 0 in every row) run on
+// different warps.  Lane 0 stores each pair's pieces.
 template <int NJ>
-__device__ __forceinline__ void cost_split_all(const CostSmem& cs, int row0, int nrows, bool moon,
-                                               const int* donor_of, const int* z_of, int R,
-                                               int B, const int* remE, bool pk, int ibR,
-                                               int ibB) {
-  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+__device__ __forceinline__ void cost_split_all(const CostSmem& cs, const int* donor_of,
+                                               const int* z_of, int R, int B, const int* remE,
+                                               bool pk, int ibR, int ibB) {
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, lane = threadIdx.x & 31;
   int* wrem = cs.wrem + warp * max(B, R);           // B tokens left, or R sorted quota keys
-  for (int p = warp; p < nrows * R; p += nwarps) {
-    const int h = p / nrows, r = p - h * nrows;
-    const int row = moon && r == nrows - 1 ? kCostMoonRow : row0 + r;
-    if (!cs.feas[row]) continue;                     // infeasible: scored _INFEASIBLE anyway
+  int cmax = 0;
+  for (int r = 0; r < kCostRows; ++r) cmax = max(cmax, cs.feas[r] ? cs.ncrit[r] : 0);
+  for (int p = warp; p < kCostRows * cmax; p += nwarps) {
+    const int i = p / kCostRows, row = p - i * kCostRows;
+    if (!cs.feas[row] || i >= cs.ncrit[row]) continue;   // infeasible: scored kInfeasible
     const int* dnr = row == kCostMoonRow ? donor_of : cs.qrow + row * 2 * R;
     const int* zzr = row == kCostMoonRow ? z_of : cs.qrow + row * 2 * R + R;
-    cost_split_pair<NJ>(dnr, zzr, h, R, B, remE, wrem, cs.stat + row * 4 * R, pk, ibR, ibB);
+    const int np = cost_split_pair<NJ>(dnr, zzr, cs.crit[row * R + i], R, B, remE, wrem, pk,
+                                       ibR, ibB);
+    if (lane == 0) cs.pieces[row * R + i] = np;
   }
-}
-
-// planner.plan_scores of one row from its statistics: max_r load_r + rc * max_r links_r with
-// load_r = group_r - given_r + received_r (alloc[:, r].sum()) and links_r = max(pieces given,
-// pieces received) (plan_links); _INFEASIBLE for an infeasible level.
-template <int NJ>
-__device__ __forceinline__ long long cost_row_score(const CostSmem& cs, int row, int R,
-                                                    long long rc) {
-  const int lane = threadIdx.x & 31;
-  const int* st = cs.stat + row * 4 * R;
-  int ml = 0, mk = 0;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    const int d = lane + 32 * j;
-    if (d < R) {
-      ml = max(ml, cs.g[d] - st[3 * R + d] + st[R + d]);
-      mk = max(mk, max(st[2 * R + d], st[d]));
-    }
-  }
-  ml = __reduce_max_sync(kFull, ml);
-  mk = __reduce_max_sync(kFull, mk);
-  return cs.feas[row] ? static_cast<long long>(ml) + rc * static_cast<long long>(mk)
-                      : kInfeasible;
 }
 
 // Group loads of the ranks of this lane's slots (from the column sums cnt = remE).
@@ -1400,126 +1424,84 @@ __device__ __forceinline__ void cost_groups(const int* remE, int R, int B, int* 
   }
 }
 
-struct CostLevels {
-  long long even, hi;    // ceil(T/R) and the top level of stage 1
-};
-
-// Policy "cost", stage 1's quotas on candidate warp cwarp (before step 1's barrier): its level,
-// its quotas, zeroed split counts (candidate 0 also MoonEP's, and the group loads).
+// Policy "cost"'s level quotas on candidate warp cwarp of ncw (before step 1's barrier): its
+// levels cwarp, cwarp + ncw, ... of the kCostLevels evenly over [ceil(T/R), hi], each one's
+// quotas into its row, its feasibility, max load and critical donors.
 template <int NJ>
-__device__ __forceinline__ CostLevels cost_stage1(CostSmem cs, const int* remE, int R, int B, int T1,
-                                               int cwarp, int slack_ppm, bool packing) {
-  const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void cost_levels(CostSmem cs, const int* remE, int R, int B, int T1,
+                                            int cwarp, int ncw, int slack_ppm, bool packing) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int cib = max(ceil_log2(R), ceil_log2(B));
   int g[NJ], dn[NJ], zz[NJ];
   cost_groups<NJ>(remE, R, B, g);
   int mg = 0;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) mg = max(mg, g[j]);
-  mg = __reduce_max_sync(kFull, mg);
-  CostLevels lv;
-  lv.even = (static_cast<long long>(T1) + R - 1) / R;
-  const long long limit = slack_cap(lv.even, slack_ppm);
-  lv.hi = min(max(static_cast<long long>(mg), lv.even), limit);   // clamp(min=even, max=U)
-  const int L = static_cast<int>(lv.even + ((lv.hi - lv.even) * cwarp + (kCostLevels - 2)) /
-                                               (kCostLevels - 1));
+  mg = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(mg)));
+  const long long even = (static_cast<long long>(T1) + R - 1) / R;
+  const long long limit = slack_cap(even, slack_ppm);
+  const long long hi = min(max(static_cast<long long>(mg), even), limit);   // clamp(even, U)
   // packed keys when the values (<= T) leave room for the index bits; diagnostics stop 199
   // forces the two-reduction path (packing false), as in the other greedy loops
   const bool pk = packing && T1 >= 0 && static_cast<long long>(T1) < (1ll << (31 - cib));
-  int* row = cs.qrow + cwarp * 2 * R;
-  int* st = cs.stat + cwarp * 4 * R;
-  // st is this warp's alone until its split counts are zeroed below: the quotas' scratch
-  const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ceil_log2(R), dn, zz,
-                                        reinterpret_cast<unsigned*>(st));
-  int* stm = cs.stat + kCostMoonRow * 4 * R;
+  int* scratch = cs.wrem + warp * max(B, R);        // this warp's alone until the barrier
+  for (int c = cwarp; c < kCostLevels; c += ncw) {
+    const int L = static_cast<int>(even + ((hi - even) * c + (kCostLevels - 2)) /
+                                              (kCostLevels - 1));
+    const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ceil_log2(R), dn, zz,
+                                          reinterpret_cast<unsigned*>(scratch));
+    int* row = cs.qrow + c * 2 * R;
 #pragma unroll
-  for (int j = 0; j < NJ; ++j) {
-    const int d = lane + 32 * j;
-    if (d < R) {
-      row[d] = dn[j];
-      row[R + d] = zz[j];
-      st[d] = 0; st[R + d] = 0; st[2 * R + d] = 0; st[3 * R + d] = 0;
-      if (cwarp == 0) {                              // the group loads, MoonEP's statistics
-        cs.g[d] = g[j];
-        stm[d] = 0; stm[R + d] = 0; stm[2 * R + d] = 0; stm[3 * R + d] = 0;
-      }
+    for (int j = 0; j < NJ; ++j) {
+      const int d = lane + 32 * j;
+      if (d < R) { row[d] = dn[j]; row[R + d] = zz[j]; }
+    }
+    cost_critical<NJ>(dn, R, B, scratch, cs.crit + c * R, cs.ncrit + c);
+    if (lane == 0) {
+      cs.feas[c] = ok ? 1 : 0;
+      cs.mload[c] = min(L, mg);                      // donors at L, the rest at <= L
     }
   }
-  if (lane == 0) {
-    cs.feas[cwarp] = ok ? 1 : 0;
-    if (cwarp == 0) cs.feas[kCostMoonRow] = 1;
-  }
-  return lv;
 }
 
 // Policy "cost" after step 1's barrier, on every thread of block 0 (valid histogram): the
-// splits, stage 2 and the choice (see the section comment).  Rewrites donor_of, z_of, rmask,
+// critical splits and the choice (see the section comment).  Rewrites donor_of, z_of, rmask,
 // donors and misc[1] when a level plan wins.
 template <int NJ>
-__device__ __forceinline__ void cost_search(CostSmem cs, const int* remE, int* donor_of, int* z_of,
-                                         unsigned* rmask, int* donors, int* misc, int R, int B,
-                                         int T, int cwarp, long long c_even, long long c_hi,
-                                         long long rc, bool packing) {
+__device__ __forceinline__ void cost_search(const GroupArgs& a, CostSmem cs, const int* remE,
+                                            int* donor_of, int* z_of, unsigned* rmask,
+                                            int* donors, int* misc, int R, int B, int T,
+                                            long long rc, bool packing) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int RW = (R + 31) / 32;
   const int cib = max(ceil_log2(R), ceil_log2(B));
   const bool pk = packing && T >= 0 && static_cast<long long>(T) < (1ll << (31 - cib));
   const int ibR = ceil_log2(R), ibB = ceil_log2(B);
-  cost_split_all<NJ>(cs, 0, kCostLevels + 1, true, donor_of, z_of, R, B, remE, pk, ibR, ibB);
-  __syncthreads();
-  if (warp <= kCostLevels) {
-    const int row = warp < kCostLevels ? warp : kCostMoonRow;
-    const long long sc = cost_row_score<NJ>(cs, row, R, rc);
-    if (lane == 0) cs.score[warp < kCostLevels ? 1 + warp : 0] = sc;
-  }
-  __syncthreads();
-  if (cwarp >= 0) {
-    long long bv = cs.score[1];
-    int kb = 0;
-    for (int k = 1; k < kCostLevels; ++k)
-      if (cs.score[1 + k] < bv) { bv = cs.score[1 + k]; kb = k; }   // first minimum
-    auto lv1 = [&](int k) {
-      return c_even + ((c_hi - c_even) * k + (kCostLevels - 2)) / (kCostLevels - 1);
-    };
-    const long long lo = lv1(max(kb - 1, 0)), top = lv1(min(kb + 1, kCostLevels - 1));
-    const int L = static_cast<int>(lo + ((top - lo) * (cwarp + 1) + kCostLevels) /
-                                            (kCostLevels + 1));
-    int g[NJ], dn[NJ], zz[NJ];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) g[j] = lane + 32 * j < R ? cs.g[lane + 32 * j] : 0;
-    const int c = kCostLevels + cwarp;
-    int* row = cs.qrow + c * 2 * R;
-    int* st = cs.stat + c * 4 * R;
-    // st: this warp's scratch until zeroed below (no other warp touches row c before the
-    // barrier)
-    const bool ok = level_quotas_warp<NJ>(g, L, R, pk, ibR, dn, zz,
-                                          reinterpret_cast<unsigned*>(st));
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      const int d = lane + 32 * j;
-      if (d < R) {
-        row[d] = dn[j];
-        row[R + d] = zz[j];
-        st[d] = 0; st[R + d] = 0; st[2 * R + d] = 0; st[3 * R + d] = 0;
-      }
-    }
-    if (lane == 0) cs.feas[c] = ok ? 1 : 0;
-  }
-  __syncthreads();
-  cost_split_all<NJ>(cs, kCostLevels, kCostLevels, false, donor_of, z_of, R, B, remE, pk,
-                     ibR, ibB);
-  __syncthreads();
-  if (warp < kCostLevels) {
-    const long long sc = cost_row_score<NJ>(cs, kCostLevels + warp, R, rc);
-    if (lane == 0) cs.score[1 + kCostLevels + warp] = sc;
-  }
+  cost_split_all<NJ>(cs, donor_of, z_of, R, B, remE, pk, ibR, ibB);
+  wstamp<NJ>(a, 5);
   __syncthreads();
   if (warp == 0) {
-    long long bv = cs.score[0];
-    int best = 0;
-    for (int c = 1; c < kCostScores; ++c)
-      if (cs.score[c] < bv) { bv = cs.score[c]; best = c; }   // first minimum: MoonEP on ties
-    if (best > 0) {
+    // Lane k scores candidate k (0 MoonEP, 1 + c level c): planner.plan_scores from the max
+    // load and the critical donors' pieces; then the first minimum over the lanes.
+    long long sc = LLONG_MAX;
+    int best = lane;
+    if (lane < kCostRows) {
+      const int row = lane == 0 ? kCostMoonRow : lane - 1;
+      int mp = 0;
+      if (cs.feas[row]) {
+        for (int i = 0; i < cs.ncrit[row]; ++i) mp = max(mp, cs.pieces[row * R + i]);
+        sc = static_cast<long long>(cs.mload[row]) + rc * static_cast<long long>(mp);
+      } else {
+        sc = kInfeasible;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const long long os = __shfl_xor_sync(kFull, sc, o);
+      const int ob = __shfl_xor_sync(kFull, best, o);
+      if (os < sc || (os == sc && ob < best)) { sc = os; best = ob; }
+    }
+    if (best > 0) {                                  // a level plan: its quotas replace step 1's
       const int* row = cs.qrow + (best - 1) * 2 * R;
       for (int i = lane; i < R * RW; i += 32) rmask[i] = 0u;
       __syncwarp();
@@ -1552,6 +1534,7 @@ __device__ __forceinline__ void cost_search(CostSmem cs, const int* remE, int* d
       if (lane == 0) misc[1] = nd;
     }
   }
+  wstamp<NJ>(a, 6);
   __syncthreads();
 }
 
@@ -1682,6 +1665,7 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   const bool batch_ok = shortcuts && NJ == 1 && B <= 64 &&
                         sorting_warps_fit(R, nwarps);
 
+  const CostSmem cs = cost_smem(smem_raw + group_smem_base(R, E), R);   // policy "cost" only
   // ---- 1. validity, group loads, rank_quotas: all in warp 0, no block barrier -----------------
   if (warp == 0) {
     int ev = 0;
@@ -1895,6 +1879,18 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
       misc[1] = nd;
       misc[3] = vq ? 1 : 0;
     }
+    if constexpr (NJ <= 2 && kCost) {
+      // Policy "cost"'s MoonEP candidate: its critical donors, and its max load (every rank at
+      // its cap).  Warp 0's scratch row is free until the barrier.
+      if (vq) {
+        cost_critical<NJ>(don, R, B, cs.wrem, cs.crit + kCostMoonRow * R,
+                          cs.ncrit + kCostMoonRow);
+        if (lane == 0) {
+          cs.feas[kCostMoonRow] = 1;
+          cs.mload[kCostMoonRow] = cap_base + (cap_extra > 0 ? 1 : 0);
+        }
+      }
+    }
   } else if (batch_ok && (warp & 3) != 0 && warp - 1 - (warp >> 2) < R) {
     // Idle during step 1: sort rank h's expert keys, on warps outside warp 0's scheduler
     // (warp % 4 != 0: warps 1, 2, 3, 5, ... for h = 0, 1, 2, 3, ...), so warp 0's dependent
@@ -1909,19 +1905,14 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
     if (g * R > total_T(true))
       sort_expert_keys(rh, B, ibB, MB, reinterpret_cast<unsigned*>(slotoff) + h * B);
   }
-  // Policy "cost", stage 1's quotas (see cost_warp): the kCostLevels levels even .. hi evenly,
-  // one per candidate warp, during step 1.  On an invalid histogram (warp 0 may be zeroing remE
+  // Policy "cost", the level quotas (see cost_warp): the kCostLevels levels even .. hi evenly
+  // on the candidate warps, during step 1.  On an invalid histogram (warp 0 may be zeroing remE
   // meanwhile) the results are garbage and unused: the search is skipped after the barrier.
-  long long c_even = 0, c_hi = 0;                    // ceil(T/R) and the top level
-  const int cwarp = cost_warp(warp, nwarps);
-  const CostSmem cs = cost_smem(smem_raw + group_smem_base(R, E), R);
   if constexpr (NJ <= 2 && kCost) {
-    if (cwarp >= 0) {
-      const CostLevels lv = cost_stage1<NJ>(cs, remE, R, B, total_T(true), cwarp, a.slack_ppm,
-                                            plan_stop(a) != 199);
-      c_even = lv.even;
-      c_hi = lv.hi;
-    }
+    const int cwarp = cost_warp(warp, nwarps);
+    if (cwarp >= 0)
+      cost_levels<NJ>(cs, remE, R, B, total_T(true), cwarp, cost_cwarps(nwarps), a.slack_ppm,
+                      plan_stop(a) != 199);
   }
   if (warp == nwarps - 1 && lane == 0) {
     // nvs_s for either validity.  T = R*s*K (uniform s, or an invalid histogram) is the host's;
@@ -1940,16 +1931,15 @@ __global__ void __launch_bounds__(NT, 1) plan_group_kernel(GroupArgs a) {
   const int nvs_s = valid ? misc[5] : misc[6];
   if (plan_stop(a) == 2) return;
 
-  // Policy "cost", the splits, stage 2 and the choice.  All warps split the (candidate, donor)
-  // pairs of stage 1 and MoonEP's plan (step 1's quotas); one warp per row scores it; the
-  // candidate warps place stage 2's levels between the neighbours of stage 1's first-minimum
-  // level; all warps split stage 2's pairs; the rows are scored; warp 0 picks the first minimum
-  // and its quotas replace step 1's outputs, so steps 2-4 below plan it.  An invalid histogram
+  // Policy "cost", the splits and the choice.  All warps split the (candidate, critical donor)
+  // pairs of the levels and of MoonEP's plan (step 1's quotas); warp 0 scores the candidates,
+  // picks the first minimum, and its quotas replace step 1's outputs, so steps 2-4 below plan
+  // it.  An invalid histogram
   // plans as MoonEP's plan of the empty one (as without the policy).
   if constexpr (NJ <= 2 && kCost) {
     if (valid)
-      cost_search<NJ>(cs, remE, donor_of, z_of, rmask, donors, misc, R, B, T, cwarp, c_even, c_hi,
-                      a.replica_cost, plan_stop(a) != 199);
+      cost_search<NJ>(a, cs, remE, donor_of, z_of, rmask, donors, misc, R, B, T, a.replica_cost,
+                      plan_stop(a) != 199);
   }
 
   // ---- 2. split_quotas (one warp per donor; the last warp lists the receivers meanwhile) -------

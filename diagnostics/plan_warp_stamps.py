@@ -20,6 +20,12 @@ BAR.SYNC.DEFER_BLOCKING, and the warp issues on until a memory instruction
 Routings (the kinds of benchmarks/bench_plan_device.py, same seeds): zipf (alpha 1.0, sampled
 with replacement), hot (one expert at 8x the mean load, the rest uniform), one_group (every
 entry to rank 0's experts).  s = S = 8192, K = 8, token_padding 128, rank 1.
+
+    python diagnostics/plan_warp_stamps.py --cost
+
+policy "cost" instead (eps 0.05, replica_cost 1500: the cost table of bench_plan_device.py) on
+that table's R = 64, E = 256, s = 1024 cases, with the search's stages between rank quotas and
+split (its kernels' warp stamps 5 and 6), and the exact policy's stages of the same routing.
 """
 from __future__ import annotations
 
@@ -34,7 +40,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ((8, 384, "one_group"), (8, 384, "hot"), (8, 384, "zipf"),
          (64, 1024, "hot"), (64, 1024, "one_group"), (64, 1024, "zipf"))
+COST_CASES = ((64, 256, "zipf"), (64, 256, "hot"), (64, 256, "one_group"))
 STAGES = ["load", "quotas", "split", "layout", "pieces"]
+# policy cost: (name, warp-stamp row) in the order they run (its level quotas are in "quotas")
+COST_STAGES = [("load", 0), ("quotas", 1), ("c.split", 5), ("c.choice", 6), ("split", 2),
+               ("layout", 3), ("pieces", 4)]
 
 
 def load_lib() -> ctypes.CDLL:
@@ -93,14 +103,18 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1
+    cost = "--cost" in sys.argv[1:]
     lib = load_lib()
     st = torch.zeros(8, dtype=torch.int64, device="cuda")
-    ws = torch.zeros(5 * 32, dtype=torch.int64, device="cuda")
+    ws = torch.zeros(7 * 32, dtype=torch.int64, device="cuda")
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    s, K, tp, rank = 8192, 8, 128, 1
-    for R, E, kind in CASES:
+    s, K, tp, rank = (1024 if cost else 8192), 8, 128, 1
+    for R, E, kind, ppm in ([c + (p,) for c in COST_CASES for p in (0, 50000)] if cost
+                            else [c + (0,) for c in CASES]):
         B = E // R
-        NvS = (s * K + (tp - 1) * 2 * B + tp - 1) // tp * tp
+        rc = 1500 if ppm else 0
+        cap = -(-s * K * (1_000_000 + ppm) // 1_000_000)         # geometry.slack_cap(S*K)
+        NvS = (cap + (tp - 1) * 2 * B + tp - 1) // tp * tp
         hist = hist_rx(routing(kind, R, E, s, K), E, s).cuda()
         new = lambda *shape: torch.empty(shape, dtype=torch.int32, device="cuda")  # noqa: E731
         cu, etc, zf, stats, err = new(2 * B), new(R, B), new(2 * B, 2), new(2), new(1)
@@ -110,11 +124,11 @@ def main() -> int:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
         def launch():
-            rc = lib.moonep_plan_group(hist.data_ptr(), s, K, rank, R, E, s, tp, NvS, 0, 0,
+            rv = lib.moonep_plan_group(hist.data_ptr(), s, K, rank, R, E, s, tp, NvS, ppm, rc,
                                        cu.data_ptr(), etc.data_ptr(), zf.data_ptr(),
                                        stats.data_ptr(), work.data_ptr(), nws, err.data_ptr(),
                                        stream)
-            if rc:
+            if rv:
                 raise RuntimeError(lib.moonep_ep_last_error().decode())
         runs = []
         for _ in range(9):
@@ -129,25 +143,30 @@ def main() -> int:
                 launch()
             lib.moonep_plan_debug_stamps(None)
             lib.moonep_plan_debug_warp_stamps(None)
-            runs.append((st.tolist(), ws.view(5, 32).tolist()))
+            runs.append((st.tolist(), ws.view(7, 32).tolist()))
         if int(err.item()):
             print(f"  error word {int(err.item())} (invalid histogram?)")
-        print(f"== R={R} E={E} {kind}: stage cycles (to the last warp's arrival; thread 0's "
+        pol = f"policy cost (eps {ppm / 1e6}, rc {rc})" if ppm else "policy moonep"
+        print(f"== R={R} E={E} {kind} {pol}: stage cycles (to the last warp's arrival; thread 0's "
               "stamps) | the five last warps, warp@cycles after the stage's start | the first "
               "and the last warp")
         # the block has 16 warps at R <= 12 (kSmallGroupThreads): the others' stamps stay -1
         nw = sum(1 for w in range(32) if runs[0][1][0][w] != -1)
 
-        def start(r, i):         # stage i starts when barrier i-1 completes: its last arrival
-            return r[0][1] if i == 0 else max(r[1][i - 1][:nw])
+        order = COST_STAGES if ppm else list(zip(STAGES, range(5)))
+
+        def start(r, k):         # stage k starts when the barrier before it completes
+            return r[0][1] if k == 0 else max(r[1][order[k - 1][1]][:nw])
         total = 0.0
-        for i, name in enumerate(STAGES):
-            dur = statistics.median(max(r[1][i][:nw]) - start(r, i) for r in runs)
-            t0 = statistics.median(r[0][i + 2] - r[0][i + 1] for r in runs)
-            per = [statistics.median(r[1][i][w] - start(r, i) for r in runs) for w in range(nw)]
+        for k, (name, i) in enumerate(order):
+            dur = statistics.median(max(r[1][i][:nw]) - start(r, k) for r in runs)
+            # thread 0's stamps: the moonep stages only (the search has none)
+            t0 = (statistics.median(r[0][i + 2] - r[0][i + 1] for r in runs)
+                  if not ppm or i < 2 else float("nan"))
+            per = [statistics.median(r[1][i][w] - start(r, k) for r in runs) for w in range(nw)]
             last = sorted(range(nw), key=lambda w: -per[w])[:5]
             total += dur
-            print(f"  {name:7s} {dur:6.0f} {t0:6.0f} | "
+            print(f"  {name:9s} {dur:6.0f} {t0:6.0f} | "
                   + " ".join(f"w{w}@{per[w]:.0f}" for w in last)
                   + f" | w0@{per[0]:.0f} w{nw - 1}@{per[nw - 1]:.0f}")
         print(f"  total   {total:6.0f}")

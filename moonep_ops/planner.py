@@ -290,12 +290,13 @@ def _leanest(cnt_E: Tensor, balance_R: Tensor) -> tuple[Tensor, Tensor]:
 # Score (int64, in token copies): max_r load_r + replica_cost * max_r links_r, links_r =
 # max(replicas of r's experts on other ranks, slots on r): the slowest rank's grouped-GEMM time
 # (linear in its copies) plus the weights and grads on the busiest link, both in units of one
-# copy's GEMM time.  Search: COST_LEVELS levels evenly over the range, then COST_LEVELS more
-# between the best one's neighbours; the lowest score wins, ties to the earliest candidate
-# (MoonEP first).  Fixed trip counts, masked updates, no host reads.
+# copy's GEMM time.  Search: COST_LEVELS levels evenly over the range, all independent of each
+# other (so the device planner runs every level's quotas at once, during MoonEP's own step 1);
+# the lowest score wins, ties to the earliest candidate (MoonEP first).  Fixed trip counts,
+# masked updates, no host reads.
 # ---------------------------------------------------------------------------------------------
 
-COST_LEVELS = 8        # candidate levels per search stage (2 stages)
+COST_LEVELS = 16       # candidate levels of the search (docs/planner.md, "Search")
 _INFEASIBLE = 1 << 62  # score of a level whose excess does not fit
 
 
@@ -386,24 +387,14 @@ def cost_plan(cnt_E: Tensor, caps_R: Tensor, even: int, limit: int, replica_cost
     hi = group_R.amax().clamp(min=even, max=limit).view(1)   # above the max group nothing moves
     k = torch.arange(levels, device=dev)
     span = max(levels - 1, 1)
-    lv1 = even + ((hi - even) * k + span - 1) // span          # [n]: even .. hi
-
-    def scored(lv):
-        z, ok = level_quotas(group_R, lv)
-        a = split_quotas_batched(cnt_E, z)
-        s = torch.where(ok, plan_scores(a, replica_cost), torch.full_like(lv, _INFEASIBLE))
-        return z, a, s
-
-    z1, a1, s1 = scored(lv1)
-    kb = torch.argmin(s1).view(1)                              # the best level of stage 1
-    lo = lv1.gather(0, (kb - 1).clamp(min=0))
-    top = lv1.gather(0, (kb + 1).clamp(max=levels - 1))
-    lv2 = lo + ((top - lo) * (k + 1) + levels) // (levels + 1)  # between the neighbours
-    z2, a2, s2 = scored(lv2)
+    lv = even + ((hi - even) * k + span - 1) // span           # [n]: even .. hi
+    z1, ok = level_quotas(group_R, lv)
+    a1 = split_quotas_batched(cnt_E, z1)
+    s1 = torch.where(ok, plan_scores(a1, replica_cost), torch.full_like(lv, _INFEASIBLE))
     s0 = plan_scores(a0[None], replica_cost)
-    best = torch.argmin(torch.cat([s0, s1, s2])).view(1)       # first minimum: MoonEP on ties
-    z = torch.cat([z0[None], z1, z2]).index_select(0, best).squeeze(0)
-    alloc = torch.cat([a0[None], a1, a2]).index_select(0, best).squeeze(0)
+    best = torch.argmin(torch.cat([s0, s1])).view(1)           # first minimum: MoonEP on ties
+    z = torch.cat([z0[None], z1]).index_select(0, best).squeeze(0)
+    alloc = torch.cat([a0[None], a1]).index_select(0, best).squeeze(0)
     return z, alloc
 
 

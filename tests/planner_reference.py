@@ -48,7 +48,7 @@ def _steps_1_2(cnt, R, B, cap):
 
 
 # policy "cost" (docs/planner.md): levels per search stage
-COST_LEVELS = 8
+COST_LEVELS = 16
 
 
 def _cdiv(a, b):
@@ -133,13 +133,9 @@ def _cost_steps_1_2(cnt, R, B, cap, T, slack_ppm, X):
         alloc = _split(cnt, R, B, z)
         return z, alloc, _score(alloc, R, B, X)
 
-    levels1 = [even + _cdiv((hi - even) * k, n - 1) for k in range(n)]
-    stage1 = [level(L) for L in levels1]
-    kb = min(range(n), key=lambda k: (stage1[k][2], k))
-    lo, top = levels1[max(kb - 1, 0)], levels1[min(kb + 1, n - 1)]
-    levels2 = [lo + _cdiv((top - lo) * (j + 1), n + 1) for j in range(n)]
+    levels = [even + _cdiv((hi - even) * k, n - 1) for k in range(n)]
     z0, a0 = _steps_1_2(cnt, R, B, cap)
-    cands = [(z0, a0, _score(a0, R, B, X))] + stage1 + [level(L) for L in levels2]
+    cands = [(z0, a0, _score(a0, R, B, X))] + [level(L) for L in levels]
     best = min(range(len(cands)), key=lambda i: (cands[i][2], i))
     return cands[best][0], cands[best][1]
 

@@ -57,6 +57,59 @@ def test_levels_match_the_reference():
     assert P.COST_LEVELS == REF_LEVELS
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_score_from_quotas_equals_the_alloc_score(seed):
+    """What the device planner's score relies on, on every candidate of random plans: one donor
+    per receiver, max load = min(L, max group) (levels) or ceil(T/R) (MoonEP), a donor's
+    out-links = nrecv + X with 0 <= X <= B - 1, so the critical donors' largest out-link count
+    is the plan's max links and the two scores agree.  (In MoonEP's plan a donor can also
+    receive: the "max" rule refills a whole deficit, which may overdraw the donor.)"""
+    rng = random.Random(seed)
+    checked = 0
+    for _ in range(40):
+        R = rng.choice([2, 3, 4, 8, 13, 16, 33, 64])
+        B = rng.choice([1, 2, 3, 4, 8, 16])
+        E = R * B
+        K = rng.choice([1, 2, 4, 8])
+        kind = rng.choice(KINDS)
+        if kind in ("uniform", "zipf"):
+            K = min(K, E)
+        tk = make_routing(kind, R, E, rng.choice([8, 64, 256]), K, seed=rng.randrange(1 << 30),
+                          hot_factor=rng.choice([2.0, 11.0]))
+        cnt = histogram(tk, E).long().sum(0)
+        g = cnt.view(R, B).sum(1)
+        T = int(g.sum())
+        even = ceil_div(T, R)
+        caps = torch.full((R,), T // R, dtype=torch.long)
+        caps[: T % R] += 1
+        hi = min(max(int(g.max()), even), slack_cap(even, rng.choice([20000, 50000, 100000])))
+        span = P.COST_LEVELS - 1
+        lv = torch.tensor([even + ((hi - even) * k + span - 1) // span
+                           for k in range(P.COST_LEVELS)])
+        z1, ok = P.level_quotas(g, lv)
+        a1 = P.split_quotas_batched(cnt, z1)
+        z0 = P.rank_quotas(g - caps, "max")
+        cands = [(z0, P.split_quotas(cnt, z0, "max"), int(caps.max()))]
+        cands += [(z1[c], a1[c], min(int(lv[c]), int(g.max())))
+                  for c in range(P.COST_LEVELS) if ok[c]]
+        home = torch.arange(E) // B
+        for z, alloc, max_load in cands:
+            rc = rng.choice([0, 16, 1500, 10**5])
+            assert int((z > 0).sum(0).max()) <= 1                         # one donor each
+            donors = (z > 0).any(1)
+            assert int(alloc.sum(0).max()) == max_load                  # [E, R]: per rank
+            away = ((alloc > 0) & (home[:, None] != torch.arange(R)[None, :])).long()
+            out_R = away.view(R, B * R).sum(1)
+            nrecv = (z > 0).sum(1)
+            x = (out_R - nrecv)[donors]
+            assert bool(((x >= 0) & (x <= B - 1)).all())
+            crit = donors & (nrecv + B - 1 >= nrecv.max())
+            links = int(out_R[crit].max()) if bool(crit.any()) else 0
+            assert max_load + rc * links == int(P.plan_scores(alloc[None], rc)[0])
+            checked += 1
+    assert checked > 200
+
+
 @pytest.mark.parametrize("chunk", range(4))
 def test_matches_loop_reference(chunk):
     """The vectorised policy equals the loop transcription of tests/planner_reference.py."""
