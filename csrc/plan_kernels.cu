@@ -140,8 +140,8 @@ inline WsLayout ws_layout(int R, int E, int s, int K) {
   return L;
 }
 
-// The group kernel's shared memory without policy "cost"'s area (16-byte multiple: that area,
-// which holds int64 scores, starts right after it).
+// The group kernel's shared memory without policy "cost"'s area (a 16-byte multiple: that
+// area starts right after it).
 __host__ __device__ inline size_t group_smem_base(int R, int E) {
   const size_t RW = (R + 31) / 32;
   return (4 * (7 * static_cast<size_t>(E) + 1 + 10 * static_cast<size_t>(R) +
