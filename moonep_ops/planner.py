@@ -388,13 +388,13 @@ def cost_plan(cnt_E: Tensor, caps_R: Tensor, even: int, limit: int, replica_cost
     k = torch.arange(levels, device=dev)
     span = max(levels - 1, 1)
     lv = even + ((hi - even) * k + span - 1) // span           # [n]: even .. hi
-    z1, ok = level_quotas(group_R, lv)
-    a1 = split_quotas_batched(cnt_E, z1)
-    s1 = torch.where(ok, plan_scores(a1, replica_cost), torch.full_like(lv, _INFEASIBLE))
+    z_lv, ok = level_quotas(group_R, lv)
+    a_lv = split_quotas_batched(cnt_E, z_lv)
+    s_lv = torch.where(ok, plan_scores(a_lv, replica_cost), torch.full_like(lv, _INFEASIBLE))
     s0 = plan_scores(a0[None], replica_cost)
-    best = torch.argmin(torch.cat([s0, s1])).view(1)           # first minimum: MoonEP on ties
-    z = torch.cat([z0[None], z1]).index_select(0, best).squeeze(0)
-    alloc = torch.cat([a0[None], a1]).index_select(0, best).squeeze(0)
+    best = torch.argmin(torch.cat([s0, s_lv])).view(1)         # first minimum: MoonEP on ties
+    z = torch.cat([z0[None], z_lv]).index_select(0, best).squeeze(0)
+    alloc = torch.cat([a0[None], a_lv]).index_select(0, best).squeeze(0)
     return z, alloc
 
 

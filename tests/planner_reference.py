@@ -47,7 +47,7 @@ def _steps_1_2(cnt, R, B, cap):
     return z, _split(cnt, R, B, z)                  # step 2
 
 
-# policy "cost" (docs/planner.md): levels per search stage
+# policy "cost" (docs/planner.md): levels of its one-stage search
 COST_LEVELS = 16
 
 
