@@ -4,6 +4,8 @@
     python benchmarks/bench_gemm_zoo.py --estimate         # case count and time estimate (CPU)
     python benchmarks/bench_gemm_zoo.py --dry-run --out D  # CPU, reference backend, tiny sizes
     python benchmarks/bench_gemm_zoo.py --report-from DIR/gemm_zoo.json   # tables again (CPU)
+    python benchmarks/bench_gemm_zoo.py --env-ab MOONEP_GEMM_PDL=0 --tokens 2048 --no-calib
+        # A/B of a library switch: "ours" with the variable set, interleaved with the rest
 
 What it measures (benchmarks/gemm_zoo_cases.py defines the zoo): the expert GEMMs of Qwen3-30B-A3B,
 Qwen3-235B-A22B, DeepSeek-V3, Kimi-K2, Mixtral-8x22B and gpt-oss-120b at EP 8 / 16 / 64 where E
@@ -189,20 +191,25 @@ class WeightGroup:
 
 
 PDL_AB = False      # --pdl-ab: also time "ours_pdl" / "ours_nopdl" (MOONEP_GEMM_PDL=1 / 0)
+ENV_AB = None       # --env-ab NAME=VALUE: also time "ours_env", ours with that variable set
 
 
-def _with_pdl(fn, value: str):
+def _with_env(fn, name: str, value: str):
     def call():
-        old = os.environ.get("MOONEP_GEMM_PDL")
-        os.environ["MOONEP_GEMM_PDL"] = value
+        old = os.environ.get(name)
+        os.environ[name] = value
         try:
             return fn()
         finally:
             if old is None:
-                os.environ.pop("MOONEP_GEMM_PDL")
+                os.environ.pop(name)
             else:
-                os.environ["MOONEP_GEMM_PDL"] = old
+                os.environ[name] = old
     return call
+
+
+def _with_pdl(fn, value: str):
+    return _with_env(fn, "MOONEP_GEMM_PDL", value)
 
 
 def contenders(mods, wg: WeightGroup, kind: str, counts, M: int) -> dict:
@@ -228,6 +235,8 @@ def contenders(mods, wg: WeightGroup, kind: str, counts, M: int) -> dict:
     if PDL_AB:
         fns["ours_pdl"] = _with_pdl(fns["ours"], "1")
         fns["ours_nopdl"] = _with_pdl(fns["ours"], "0")
+    if ENV_AB:
+        fns["ours_env"] = _with_env(fns["ours"], *ENV_AB)
     if kind == "fwd":
         wt = wcat.transpose(-2, -1)
         fns["torch"] = lambda: torch._grouped_mm(x, wt, offs=cu)
@@ -464,6 +473,17 @@ def targets(ms: list[dict], kinds) -> list[tuple[str, bool, str]]:
                          f"{min(a for a, _ in pd):.3f}); ours_pdl/torch gm "
                          f"{common.gmean([b for _, b in pd]):.3f}, min {min(b for _, b in pd):.3f}, "
                          f"{sum(b < 0.98 for _, b in pd)} of {len(pd)} below 0.98"))
+        ea = [(u["ours"] / u["ours_env"], u["torch"] / u["ours"], u["torch"] / u["ours_env"])
+              for u in u_ if u.get("ours_env")]
+        if ea:                                    # --env-ab: ours with one variable set
+            rows.append((f"{kind}: A/B, ours with the --env-ab variable (ours_env) vs without",
+                         common.gmean([a for a, _, _ in ea]) > 1.0,
+                         f"ours/ours_env gm {common.gmean([a for a, _, _ in ea]):.3f} (min "
+                         f"{min(a for a, _, _ in ea):.3f}, max {max(a for a, _, _ in ea):.3f}); "
+                         f"vs torch: ours gm {common.gmean([b for _, b, _ in ea]):.3f}, "
+                         f"{sum(b < 0.98 for _, b, _ in ea)} of {len(ea)} below 0.98; ours_env gm "
+                         f"{common.gmean([c for _, _, c in ea]):.3f}, "
+                         f"{sum(c < 0.98 for _, _, c in ea)} below 0.98"))
     # selector cost: ours (auto) minus the same config forced, per case
     d = [m["case"]["us"]["ours"] - m["case"]["us"][m["case"]["pick"]] for m in ms
          if m["case"].get("pick") in m["case"]["us"]]
@@ -583,6 +603,7 @@ def environment(mods, device: str, args) -> dict:
                 sm_count=(torch.cuda.get_device_properties(0).multi_processor_count
                           if device == "cuda" else None),
                 git=common.git_commit(), lib=str(lib) if lib else None, lib_md5=common.file_md5(lib),
+                env_ab=args.env_ab,
                 backend=None, tuning_source=getattr(mods.tuning, "CALIBRATION_SOURCE", None),
                 tuning_file=getattr(mods.tuning, "__file__", None),
                 tuning_peak_tflops=float(mods.tuning.PEAK_TFLOPS),
@@ -626,9 +647,16 @@ def main(argv=None):
                     help="also time ours with the GEMM launched as a programmatic dependent of "
                          "the prep kernel and after it (MOONEP_GEMM_PDL=1 / 0), interleaved with "
                          "the rest")
+    ap.add_argument("--env-ab", default=None, metavar="NAME=VALUE",
+                    help="also time ours with the environment variable NAME=VALUE (a switch of "
+                         "the library, e.g. MOONEP_GEMM_PDL=0), interleaved with the rest")
     args = ap.parse_args(argv)
-    global PDL_AB
+    global PDL_AB, ENV_AB
     PDL_AB = args.pdl_ab
+    if args.env_ab:
+        if "=" not in args.env_ab:
+            ap.error("--env-ab takes NAME=VALUE")
+        ENV_AB = tuple(args.env_ab.split("=", 1))
     args.kinds = tuple(k for k in args.kinds.split(",") if k)
 
     if args.report_from:

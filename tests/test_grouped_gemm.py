@@ -5,7 +5,6 @@ cu_seqlens and multiplies with that group's weight in float64.
 """
 from __future__ import annotations
 
-import importlib
 import re
 from pathlib import Path
 
