@@ -194,22 +194,8 @@ PDL_AB = False      # --pdl-ab: also time "ours_pdl" / "ours_nopdl" (MOONEP_GEMM
 ENV_AB = None       # --env-ab NAME=VALUE: also time "ours_env", ours with that variable set
 
 
-def _with_env(fn, name: str, value: str):
-    def call():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return fn()
-        finally:
-            if old is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = old
-    return call
-
-
 def _with_pdl(fn, value: str):
-    return _with_env(fn, "MOONEP_GEMM_PDL", value)
+    return common.with_env(fn, MOONEP_GEMM_PDL=value)
 
 
 def contenders(mods, wg: WeightGroup, kind: str, counts, M: int) -> dict:
@@ -236,7 +222,7 @@ def contenders(mods, wg: WeightGroup, kind: str, counts, M: int) -> dict:
         fns["ours_pdl"] = _with_pdl(fns["ours"], "1")
         fns["ours_nopdl"] = _with_pdl(fns["ours"], "0")
     if ENV_AB:
-        fns["ours_env"] = _with_env(fns["ours"], *ENV_AB)
+        fns["ours_env"] = common.with_env(fns["ours"], **{ENV_AB[0]: ENV_AB[1]})
     if kind == "fwd":
         wt = wcat.transpose(-2, -1)
         fns["torch"] = lambda: torch._grouped_mm(x, wt, offs=cu)

@@ -71,6 +71,23 @@ def gmean(xs) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
+def with_env(fn: Callable[[], object], **env: str) -> Callable[[], object]:
+    """``fn`` called with the environment variables ``env`` set (and restored after): an A/B
+    contender for a switch the library reads per call (MOONEP_GEMM_PDL, ...)."""
+    def call():
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
+    return call
+
+
 # ------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------

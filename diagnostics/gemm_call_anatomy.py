@@ -42,23 +42,6 @@ CASES = [  # (hist id, proj, kind); None: the fixed-cost probe
 ]
 
 
-def _with_env(fn, **env):
-    import os
-
-    def call():
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            return fn()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k)
-                else:
-                    os.environ[k] = v
-    return call
-
-
 def contenders(kind, counts, M, O, I, gen):
     import moonep_ops as mo
     from moonep_ops.gemm import cost_model as cm
@@ -81,7 +64,7 @@ def contenders(kind, counts, M, O, I, gen):
         ours = lambda cfg=None: mo.grouped_mm_wgrad(dy, x, cu, epn, config=cfg,
                                                     out_dtype=torch.bfloat16)
         torch_fn = lambda: torch._grouped_mm(dy.t(), x, offs=cu)
-    fns = {"ours": ours, "ours_nopdl": _with_env(ours, MOONEP_GEMM_PDL="0"),
+    fns = {"ours": ours, "ours_nopdl": common.with_env(ours, MOONEP_GEMM_PDL="0"),
            f"forced[{pick}]": lambda: ours(pick)}
     if tcfg:
         fns[f"forced[{tcfg}]"] = lambda: ours(tcfg)
