@@ -21,16 +21,18 @@ Per contender and case:
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_gemm_zoo as zoo_bench  # noqa: E402
 import gemm_bench_common as common  # noqa: E402
 
 CASES = [  # (hist id, proj, kind); None: the fixed-cost probe
@@ -42,33 +44,19 @@ CASES = [  # (hist id, proj, kind); None: the fixed-cost probe
 ]
 
 
-def contenders(kind, counts, M, O, I, gen):
-    import moonep_ops as mo
-    from moonep_ops.gemm import cost_model as cm
-    epn = len(counts) // 2
-    r = lambda *s: (torch.randn(*s, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
-    wl, ws = r(epn, O, I), r(epn, O, I)
-    wcat = torch.cat([wl, ws])
-    x, dy = r(M, I), r(M, O)
-    cu = torch.tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
+def contenders(kind, counts, M, O, I, seed):
+    """The zoo benchmark's own calls of ours and torch (bench_gemm_zoo.contenders), a subset."""
+    mods = common.gemm_modules()
+    cm = mods.cost_model
+    wg = zoo_bench.WeightGroup(len(counts) // 2, O, I, "cuda", seed=seed)
+    zoo, _ = zoo_bench.contenders(mods, wg, kind, counts, M)
     pick = cm.select(counts, O, I, kind, rows=M)
     tcfg = cm.torch_config(kind, M, len(counts), O, I)
-    if kind == "fwd":
-        ours = lambda cfg=None: mo.grouped_mm(x, wl, ws, cu, config=cfg)
-        wt = wcat.transpose(-2, -1)
-        torch_fn = lambda: torch._grouped_mm(x, wt, offs=cu)
-    elif kind == "dgrad":
-        ours = lambda cfg=None: mo.grouped_mm_dgrad(dy, wl, ws, cu, config=cfg)
-        torch_fn = lambda: torch._grouped_mm(dy, wcat, offs=cu)
-    else:
-        ours = lambda cfg=None: mo.grouped_mm_wgrad(dy, x, cu, epn, config=cfg,
-                                                    out_dtype=torch.bfloat16)
-        torch_fn = lambda: torch._grouped_mm(dy.t(), x, offs=cu)
-    fns = {"ours": ours, "ours_nopdl": common.with_env(ours, MOONEP_GEMM_PDL="0"),
-           f"forced[{pick}]": lambda: ours(pick)}
+    fns = {"ours": zoo["ours"], "ours_nopdl": common.with_env(zoo["ours"], MOONEP_GEMM_PDL="0"),
+           f"forced[{pick}]": zoo[pick]}
     if tcfg:
-        fns[f"forced[{tcfg}]"] = lambda: ours(tcfg)
-    fns["torch"] = torch_fn
+        fns[f"forced[{tcfg}]"] = zoo[tcfg]
+    fns["torch"] = zoo["torch"]
     return fns
 
 
@@ -107,8 +95,6 @@ def profile_calls(fn, calls: int):
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    import json
-    import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
@@ -133,9 +119,9 @@ def profile_calls(fn, calls: int):
 
 
 def short(name: str) -> str:
-    for key in ("prep_kernel", "fused_grouped_gemm", "prepare_grouped_gemm", "Kernel", "kernel"):
+    for key in ("prep_kernel", "fused_grouped_gemm", "prepare_grouped_gemm"):
         if key in name:
-            return key if key not in ("Kernel", "kernel") else name[:28]
+            return key
     return name[:28]
 
 
@@ -146,10 +132,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1
-    import json
     hists = {h["id"]: h for h in json.loads((ROOT / "benchmarks" / "data" /
                                              "gemm_zoo_cases.json").read_text())["hists"]}
-    gen = torch.Generator(device="cuda").manual_seed(5)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per call")
     print("| case | contender | eager | graph | period | kernels (us) | gap |")
     print("|---|---|---|---|---|---|---|")
@@ -161,7 +145,7 @@ def main(argv=None) -> int:
             D, F = h["D"], h["F"]
             O, I = (F, D) if proj == "gate_up" else (D, F)
             counts, M, label = h["counts"], h["M"], f"{hid} {proj} {kind}"
-        fns = contenders(kind, counts, M, O, I, gen)
+        fns = contenders(kind, counts, M, O, I, seed=5)
         eager = common.time_interleaved(fns, rounds=7)
         eager.pop("_meta")
         for n, fn in fns.items():
