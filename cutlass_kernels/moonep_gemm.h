@@ -32,8 +32,11 @@ extern "C" {
 // MOONEP_GEMM_PDL flag.  9: every ABI 8 export unchanged plus the FP8 grouped GEMM
 // (moonep_grouped_gemm_fp8, moonep_gemm_fp8_workspace_bytes); native.py loads either version
 // (GEMM_ABI_VERSION 8, GEMM_FP8_ABI_VERSION 9) and calls the FP8 exports only from a library
-// that reports 9.
-#define MOONEP_GEMM_ABI_VERSION 9
+// that reports 9.  10: the FP8 GEMM has several configs fused in one kernel, chosen on the
+// device by its own cost model or forced (moonep_grouped_gemm_fp8 gains config, tuning and
+// flags; moonep_gemm_fp8_num_configs and moonep_gemm_fp8_config_info); native.py accepts 8 and
+// 10 and calls the FP8 exports only from a library that reports 10.
+#define MOONEP_GEMM_ABI_VERSION 10
 #define MOONEP_API __attribute__((visibility("default")))
 
 // kind: 0 fwd (y = x W^T), 1 dgrad (dx = dy W), 2 wgrad (dW += dy^T x, fp32),
@@ -161,10 +164,29 @@ MOONEP_API int moonep_grouped_gemm(int kind, int config, int raster,
 
 // =============================================================================================
 // FP8 grouped GEMM with blockwise scaling (kernel_fp8_fwd.cu; the DeepSeek-V3 recipe).
-// One config: tile 128 x 128 x 128, cluster 1 x 2, CUTLASS's cooperative FP8 blockwise-scaled
-// mainloop: each 128-deep K block is accumulated by the tensor cores in fp32 and then promoted
-// (times its two scales) into an fp32 accumulator; no FP8 fast accumulation.  Output bf16.
+// Configs (cluster 1 x 2, CUTLASS's FP8 blockwise-scaled mainloops: each 128-deep K block is
+// accumulated by the tensor cores in fp32 and then promoted, times its two scales, into an fp32
+// accumulator; no FP8 fast accumulation; bf16 output), in config-index order:
+//   0 c128x128  cooperative 128 x 128 x 128;   1 p64x128  ping-pong 64 x 128 x 128.
 // =============================================================================================
+
+// Most configs the FP8 GEMM will ever list (the tuning table's stride).
+#define MOONEP_GEMM_FP8_MAX_CONFIGS 8
+// The FP8 tuning table: floats, for c in [0, MOONEP_GEMM_FP8_MAX_CONFIGS):
+//   [c] fixed_us, [MAX + c] per_round_us, [2 MAX + c] per_kblock_us, then [3 MAX] mem_bytes_per_us
+//   and [3 MAX + 1] tie_tol (see the cost model in kernel_fp8_fwd.cu; moonep_ops/gemm/tuning.py).
+#define MOONEP_GEMM_FP8_TUNING_LEN (3 * MOONEP_GEMM_FP8_MAX_CONFIGS + 2)
+
+/**
+ * Number of FP8 configs compiled into this library (config indices 0 .. n-1).
+ */
+MOONEP_API int moonep_gemm_fp8_num_configs(void);
+
+/**
+ * Geometry of FP8 config `config` into out8[8]: BM, BN, BK, cluster_m, cluster_n, pingpong,
+ * epilogue width (0: CUTLASS's), swap-AB (0).  Returns 0, or -1 for an index out of range.
+ */
+MOONEP_API int moonep_gemm_fp8_config_info(int config, int* out8);
 
 /**
  * Bytes of device workspace one moonep_grouped_gemm_fp8 call of (G, sm_count) needs (the
@@ -175,8 +197,9 @@ MOONEP_API size_t moonep_gemm_fp8_workspace_bytes(int G, int sm_count);
 
 /**
  * D = A . B_g^T per group, on `stream`, with e4m3 operands and fp32 scales: a prep kernel (reads
- * cu_seqlens on the device, writes the problem arrays into the workspace, zeroes the padding rows
- * of D), then one CUTLASS grouped launch.  Never synchronises the host; capturable.  With C =
+ * cu_seqlens on the device, writes the problem arrays into the workspace, chooses the config,
+ * zeroes the padding rows of D), then one launch of the fused CUTLASS kernel, which runs the
+ * chosen config.  Never synchronises the host; capturable.  With C =
  * ceil(k/128) and P = ceil(n/128), the real values are A[m, j] * a_scale[m, j/128] and
  * B_g[o, j] * b_scale_g[o/128, j/128]; a last tile cut short by n or k is scaled like a full one.
  * Group g owns rows [cu_seqlens[g-1], cu_seqlens[g]) (cu_seqlens[-1] := 0), clamped to [0, M] on
@@ -198,6 +221,12 @@ MOONEP_API size_t moonep_gemm_fp8_workspace_bytes(int G, int sm_count);
  * @param M              rows of a and d (M == 0: nothing is launched, returns 0).
  * @param n              output features O (multiple of 16).
  * @param k              input features I, the reduction (multiple of 16).
+ * @param config         -1: the prep kernel chooses the config from the group sizes with the
+ *                       cost model (needs `tuning`); 0 .. num_configs-1: that config.
+ * @param tuning         host float[MOONEP_GEMM_FP8_TUNING_LEN], copied into the launch (NULL
+ *                       allowed when config >= 0).
+ * @param flags          0 or MOONEP_GEMM_PDL (the GEMM as a programmatic dependent launch of
+ *                       the prep kernel; results identical).
  * @param workspace      device scratch of at least moonep_gemm_fp8_workspace_bytes(G, sm_count)
  *                       bytes, 256-byte aligned (any torch allocation is), no initialisation
  *                       needed; one per concurrent
@@ -212,6 +241,7 @@ MOONEP_API int moonep_grouped_gemm_fp8(const void* a, const float* a_scale, cons
                                        const float* b_local_scale, const void* b_slot,
                                        const float* b_slot_scale, void* d,
                                        const int* cu_seqlens, int G, int epn, int M, int n, int k,
+                                       int config, const float* tuning, int flags,
                                        void* workspace, size_t workspace_bytes, int sm_count,
                                        void* stream);
 

@@ -30,16 +30,17 @@ from typing import Optional
 
 # Bumped with every exported signature change; the library reports its own value, and a mismatch
 # makes the library "not loadable" rather than risking a call with the wrong arguments.
-GEMM_ABI_VERSION = 8       # cutlass_kernels/moonep_gemm.h
+GEMM_ABI_VERSION = 8       # cutlass_kernels/moonep_gemm.h (the bf16 exports' ABI)
 EP_ABI_VERSION = 5         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 
 # The FP8 grouped GEMM (moonep_ops/ops/grouped_mm_fp8.py) is a later ABI of libmoonep_gemm.so:
-# ABI 9 = every ABI 8 export unchanged plus GEMM_FP8_PROTOTYPES.  So a library of either version
+# ABI 10 = every ABI 8 export unchanged plus GEMM_FP8_PROTOTYPES (ABI 9 had a one-config FP8
+# GEMM with another signature: such a library is refused, rebuild it).  So a library of either
 # loads and serves the bf16 GEMMs, and the FP8 ops use the kernel only when the library reports
 # ABI >= GEMM_FP8_ABI_VERSION and exports both functions (``gemm_fp8()``); otherwise they run
 # their reference.  The decision reads the version the library reports, never ``hasattr``
 # alone, so an ABI 8 library that happens to carry a same-named symbol is not called.
-GEMM_FP8_ABI_VERSION = 9
+GEMM_FP8_ABI_VERSION = 10
 GEMM_ABI_VERSIONS = (GEMM_ABI_VERSION, GEMM_FP8_ABI_VERSION)   # what _GEMM accepts
 
 _vpp = POINTER(c_void_p)
@@ -65,8 +66,11 @@ GEMM_PROTOTYPES: dict[str, tuple] = {
     ]),
 }
 
-# ABI >= 9 only.  Argument order: the call in grouped_mm_fp8._launch (the kernel's contract).
+# ABI >= 10 only.  Argument order: the call in grouped_mm_fp8._launch (the kernel's contract).
 GEMM_FP8_PROTOTYPES: dict[str, tuple] = {
+    "moonep_gemm_fp8_num_configs": (c_int, []),
+    # config, int[8] out: BM, BN, BK, cluster_m, cluster_n, pingpong, epilogue width, swap-AB
+    "moonep_gemm_fp8_config_info": (c_int, [c_int, POINTER(c_int)]),
     "moonep_gemm_fp8_workspace_bytes": (c_size_t, [c_int, c_int]),     # G, sm_count
     "moonep_grouped_gemm_fp8": (c_int, [
         c_void_p, c_void_p,              # A [m, k] e4m3, A scales [m, ceil(k/128)] fp32
@@ -75,6 +79,7 @@ GEMM_FP8_PROTOTYPES: dict[str, tuple] = {
         c_void_p,                        # D [m, n] bf16
         c_void_p,                        # cu_seqlens [G] int32 (device)
         c_int, c_int, c_int, c_int, c_int,   # G, epn, m, n, k
+        c_int, POINTER(c_float), c_int,  # config (-1: device choice), tuning table (host), flags
         c_void_p, c_size_t, c_int,       # workspace (device), its bytes, sm_count
         c_void_p,                        # cudaStream_t
     ]),

@@ -36,7 +36,7 @@ LIBS = {  # library file -> its public header
     "libmoonep_gemm.so": ROOT / "cutlass_kernels" / "moonep_gemm.h",
 }
 VERSIONS = {  # header macro -> the moonep_ops/native.py constants it may equal (native.py
-    # accepts a libmoonep_gemm.so of ABI 8, the bf16 GEMMs, or 9, those plus the FP8 GEMM)
+    # accepts a libmoonep_gemm.so of ABI 8, the bf16 GEMMs, or 10, those plus the FP8 GEMM)
     "MOONEP_EP_ABI_VERSION": ("EP_ABI_VERSION",),
     "MOONEP_GEMM_ABI_VERSION": ("GEMM_ABI_VERSION", "GEMM_FP8_ABI_VERSION"),
 }

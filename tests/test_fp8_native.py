@@ -1,8 +1,9 @@
 """The FP8 GEMM's backend choice against the library's declared ABI (CPU: stub libraries).
 
-native.py accepts libmoonep_gemm.so of ABI 8 (bf16 GEMMs) or 9 (ABI 8 + the FP8 grouped GEMM),
-and grouped_mm_fp8 calls the kernel only when the library *reports* ABI >= 9 and exports both
-FP8 functions; every other case runs the reference.  The stubs below are tiny C libraries
+native.py accepts libmoonep_gemm.so of ABI 8 (bf16 GEMMs) or 10 (ABI 8 + the FP8 grouped GEMM;
+ABI 9's FP8 export had another signature and is refused), and grouped_mm_fp8 calls the kernel
+only when the library *reports* ABI >= 10 and exports every FP8 function; every other case runs
+the reference.  The stubs below are tiny C libraries
 (gcc) that export the right names and report a chosen version: nothing is ever called but the
 version function.
 """
@@ -43,14 +44,16 @@ CUDA_LIKE = SimpleNamespace(device=torch.device("cuda"))   # backend_for_fp8 rea
 
 @pytest.mark.skipif(CC is None, reason="needs a C compiler for the stub library")
 @pytest.mark.parametrize("abi,fp8,loads,has_fp8,why", [
-    (8, False, True, False, "ABI version 8 (< 9)"),
-    (8, True, True, False, "ABI version 8 (< 9)"),     # the version decides, not the symbol
-    (9, False, True, False, "lacks moonep_gemm_fp8_workspace_bytes, moonep_grouped_gemm_fp8"),
-    (9, True, True, True, None),
-    (10, True, False, False, "expects 8 or 9"),
-    (7, False, False, False, "expects 8 or 9"),
+    (8, False, True, False, "ABI version 8 (< 10)"),
+    (8, True, True, False, "ABI version 8 (< 10)"),     # the version decides, not the symbol
+    (10, False, True, False, "lacks moonep_gemm_fp8_num_configs, moonep_gemm_fp8_config_info, "
+                             "moonep_gemm_fp8_workspace_bytes, moonep_grouped_gemm_fp8"),
+    (10, True, True, True, None),
+    (9, True, False, False, "expects 8 or 10"),        # the one-config FP8 signature
+    (11, True, False, False, "expects 8 or 10"),
+    (7, False, False, False, "expects 8 or 10"),
 ])
-def test_fp8_kernel_only_from_an_abi9_library(tmp_path, monkeypatch, abi, fp8, loads, has_fp8,
+def test_fp8_kernel_only_from_an_abi10_library(tmp_path, monkeypatch, abi, fp8, loads, has_fp8,
                                               why):
     monkeypatch.setenv("MOONEP_LIB_DIR", str(tmp_path))
     monkeypatch.delenv("MOONEP_DISABLE_NATIVE", raising=False)

@@ -2,7 +2,9 @@
 through moonep_ops/native.py's ctypes table directly (no op layer).
 
 Skips without CUDA, on a device other than sm90 (the library is built for sm_90a only), and
-without a loaded libmoonep_gemm.so of GEMM ABI >= 9 (the one that exports the FP8 entry).
+without a loaded libmoonep_gemm.so of GEMM ABI >= native.GEMM_FP8_ABI_VERSION (the one that
+exports the FP8 entry).  Every config is tested forced and the device's own choice (config -1)
+against the host mirror of its cost model (moonep_ops/gemm/fp8_cost.py).
 
 Every case draws fresh random bf16-range inputs whose magnitude varies per 1 x 128 tile and per
 128 x 128 block (so a scale read from the wrong tile, or a transposed scale grid, changes the
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from moonep_ops import native
+from moonep_ops.gemm import fp8_cost
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -36,7 +39,7 @@ def _lib_or_reason():
         return None, "needs CUDA"
     if torch.cuda.get_device_capability() != (9, 0):
         return None, "libmoonep_gemm.so is built for sm_90a"
-    lib = native.gemm_fp8()         # ABI >= 9 and both FP8 exports, by the reported version
+    lib = native.gemm_fp8()         # the FP8 ABI and every FP8 export, by the reported version
     if lib is None:
         return None, f"FP8 grouped GEMM not available: {native.gemm_fp8_unavailable()}"
     return lib, ""
@@ -134,23 +137,43 @@ def workspace(G):
     return torch.empty(nbytes, dtype=torch.uint8, device="cuda"), nbytes, sms
 
 
-def call(aq, as_, blq, bls, bsq, bss, cu, d, ws=None):
+PDL = 2                 # moonep_gemm.h MOONEP_GEMM_PDL
+_TABLE = None
+
+
+def table():
+    global _TABLE
+    if _TABLE is None:
+        from moonep_ops.ops import grouped_mm_fp8 as g8
+        _TABLE = g8._tuning_table()
+    return _TABLE
+
+
+def call(aq, as_, blq, bls, bsq, bss, cu, d, ws=None, config=-1, flags=PDL):
     """The C entry on the current stream; returns its rc (0 or -1)."""
     epn, n, k = blq.shape
     G = 2 * epn
     buf, nbytes, sms = ws if ws is not None else workspace(G)
     return _LIB.grouped_gemm_fp8(aq.data_ptr(), as_.data_ptr(), blq.data_ptr(), bls.data_ptr(),
                                  bsq.data_ptr(), bss.data_ptr(), d.data_ptr(), cu.data_ptr(),
-                                 G, epn, aq.shape[0], n, k, buf.data_ptr(), nbytes, sms,
+                                 G, epn, aq.shape[0], n, k, config, table(), flags,
+                                 buf.data_ptr(), nbytes, sms,
                                  torch.cuda.current_stream().cuda_stream)
 
 
-def run(inputs):
+def run(inputs, config=-1, flags=PDL, ws=None):
     aq, blq = inputs[0], inputs[2]
     d = torch.full((aq.shape[0], blq.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
-    native.gemm_check(call(*inputs, d), "moonep_grouped_gemm_fp8")
+    native.gemm_check(call(*inputs, d, ws=ws, config=config, flags=flags),
+                      "moonep_grouped_gemm_fp8")
     torch.cuda.synchronize()
     return d
+
+
+def chosen(ws) -> int:
+    """The config the last call on workspace ``ws`` ran: the workspace's first int (the prep
+    kernel writes it there, kernel_fp8_fwd.cu Layout.chosen)."""
+    return int(ws[0][:4].view(torch.int32).item())
 
 
 def check(out, ref, cu):
@@ -187,13 +210,83 @@ CASES = {
 }
 
 
+CONFIGS = ["auto"] + list(fp8_cost.NAMES)
+
+
 @needs_fp8
+def test_config_table_matches_the_library():
+    assert _LIB.gemm_fp8_num_configs() == len(fp8_cost.FP8_CONFIGS)
+    import ctypes
+    for i, cfg in enumerate(fp8_cost.FP8_CONFIGS):
+        out = (ctypes.c_int * 8)()
+        assert _LIB.gemm_fp8_config_info(i, out) == 0
+        assert tuple(out) == cfg.geometry(), cfg.name
+    assert _LIB.gemm_fp8_config_info(len(fp8_cost.FP8_CONFIGS), (ctypes.c_int * 8)()) == -1
+
+
+@needs_fp8
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_fp8_grouped_gemm_matches_reference(name):
+def test_fp8_grouped_gemm_matches_reference(name, config):
     counts, n, k, pad = CASES[name]
     inputs = make(counts, n, k, pad)
-    out = run(inputs)
+    out = run(inputs, config=fp8_cost.config_index(config))
     check(out, reference(*inputs), inputs[-1])
+
+
+@needs_fp8
+def test_pdl_and_forced_pick_are_bitwise_the_same():
+    """The same config with and without PDL, and auto against its chosen config forced: bitwise
+    equal (the launch mode and the choice change no arithmetic)."""
+    inputs = make([300, 0, 129, 64, 0, 500, 7, 200], 512, 1024, 40)
+    ws = workspace(8)
+    auto = run(inputs, ws=ws)
+    c = chosen(ws)
+    assert torch.equal(auto, run(inputs, config=c, flags=0))
+    for i in range(len(fp8_cost.NAMES)):
+        assert torch.equal(run(inputs, config=i), run(inputs, config=i, flags=0)), i
+
+
+_pick_rng = np.random.default_rng(5)
+
+
+def _pick_cases():
+    out = []
+    for epn, n, k in ((8, 2048, 7168), (8, 7168, 2048), (16, 768, 2048), (2, 2048, 768),
+                      (4, 2880, 2880), (1, 6144, 16384)):
+        for kind in ("uniform", "one_hot", "random", "small"):
+            G = 2 * epn
+            if kind == "uniform":
+                c = [1024] * epn + [0] * epn
+            elif kind == "one_hot":
+                c = [0] * G
+                c[1] = 8192
+            elif kind == "random":
+                c = [int(v) * 128 for v in _pick_rng.integers(0, 24, G)]
+            else:
+                c = [int(v) for v in _pick_rng.integers(0, 96, G)]
+            out.append((f"{epn}x{n}x{k}_{kind}", c, n, k))
+    return out
+
+
+@needs_fp8
+@pytest.mark.parametrize("case", _pick_cases(), ids=lambda c: c[0])
+def test_device_pick_is_the_host_models(case):
+    """The prep kernel's choice (the workspace's chosen word) is fp8_cost.select on the same
+    counts: the device evaluates the model the host documents and fits."""
+    _, counts, n, k = case
+    epn = len(counts) // 2
+    M = sum(counts) + 64
+    aq = torch.zeros(M, k, dtype=FP8, device="cuda")
+    as_ = torch.ones(M, math.ceil(k / TILE), device="cuda")
+    bq = torch.zeros(epn, n, k, dtype=FP8, device="cuda")
+    bs = torch.ones(epn, math.ceil(n / TILE), math.ceil(k / TILE), device="cuda")
+    cu = torch.tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
+    ws = workspace(2 * epn)
+    d = torch.empty(M, n, dtype=torch.bfloat16, device="cuda")
+    native.gemm_check(call(aq, as_, bq, bs, bq, bs, cu, d, ws=ws), "auto")
+    torch.cuda.synchronize()
+    assert fp8_cost.NAMES[chosen(ws)] == fp8_cost.select(counts, n, k, ws[2])
 
 
 @needs_fp8
@@ -231,15 +324,25 @@ def test_fp8_argument_errors():
     d = torch.empty(aq.shape[0], 128, dtype=torch.bfloat16, device="cuda")
     s = torch.cuda.current_stream().cuda_stream
     p = [t.data_ptr() for t in (aq, as_, blq, bls, bsq, bss, d, cu)]
+    M, t, nc = aq.shape[0], table(), len(fp8_cost.NAMES)
     bad = {
-        "G != 2 epn": (*p, 3, 1, aq.shape[0], 128, 256, buf.data_ptr(), nbytes, sms, s),
-        "k % 16": (*p, 2, 1, aq.shape[0], 128, 200, buf.data_ptr(), nbytes, sms, s),
-        "small workspace": (*p, 2, 1, aq.shape[0], 128, 256, buf.data_ptr(), nbytes - 1, sms, s),
+        "G != 2 epn": (*p, 3, 1, M, 128, 256, -1, t, PDL, buf.data_ptr(), nbytes, sms, s),
+        "k % 16": (*p, 2, 1, M, 128, 200, -1, t, PDL, buf.data_ptr(), nbytes, sms, s),
+        "small workspace": (*p, 2, 1, M, 128, 256, -1, t, PDL, buf.data_ptr(), nbytes - 1, sms,
+                            s),
+        "config out of range": (*p, 2, 1, M, 128, 256, nc, t, PDL, buf.data_ptr(), nbytes, sms,
+                                s),
+        "config < -1": (*p, 2, 1, M, 128, 256, -2, t, PDL, buf.data_ptr(), nbytes, sms, s),
+        "auto without a table": (*p, 2, 1, M, 128, 256, -1, None, PDL, buf.data_ptr(), nbytes,
+                                 sms, s),
+        "unknown flag": (*p, 2, 1, M, 128, 256, -1, t, 4, buf.data_ptr(), nbytes, sms, s),
     }
     for what, args in bad.items():
         assert _LIB.grouped_gemm_fp8(*args) == -1, what
         assert _LIB.gemm_last_error(), what
-    assert _LIB.grouped_gemm_fp8(*p, 2, 1, aq.shape[0], 128, 256, buf.data_ptr(), nbytes, sms,
+    assert _LIB.grouped_gemm_fp8(*p, 2, 1, M, 128, 256, 0, None, 0, buf.data_ptr(), nbytes, sms,
+                                 s) == 0      # a forced config needs no table
+    assert _LIB.grouped_gemm_fp8(*p, 2, 1, M, 128, 256, -1, t, PDL, buf.data_ptr(), nbytes, sms,
                                  s) == 0
     assert _LIB.gemm_last_error() in (b"", None)      # a good call clears the message
     assert _LIB.gemm_fp8_workspace_bytes(0, sms) == 0

@@ -29,19 +29,22 @@ grouped_linear_fp8 (e4m3 inputs carry no gradient).
 
 Backends (from device only, never from data):
   CUDA, and native.gemm_fp8() is not None (libmoonep_gemm.so reports ABI >=
-      native.GEMM_FP8_ABI_VERSION = 9 and exports moonep_grouped_gemm_fp8 and
-      moonep_gemm_fp8_workspace_bytes) -> that CUTLASS sm90 FP8 grouped GEMM with blockwise
-      scaling, called exactly as in ``_launch`` (the kernel is written separately and is not in
-      this tree yet; until a library of ABI 9 is built every device runs the reference); dgrad
-      runs the same kernel on transposed copies of the weights and scales (B*O*I + 4*B*P*C
-      bytes per call: the sm90 FP8 MMA takes K-major operands only; the FP8 layer avoids it
-      by running grouped_mm_fp8 on weights quantised transposed, moe_experts_fp8.py);
+      native.GEMM_FP8_ABI_VERSION and exports native.GEMM_FP8_PROTOTYPES) -> the CUTLASS sm90
+      FP8 grouped GEMM with blockwise scaling (cutlass_kernels/kernel_fp8_fwd.cu), called as in
+      ``_launch``: its prep kernel picks the config on the device from the group sizes
+      (moonep_ops/gemm/fp8_cost.py, the host mirror); dgrad runs the same kernel on transposed
+      copies of the weights and scales (B*O*I + 4*B*P*C bytes per call: the sm90 FP8 MMA takes
+      K-major operands only; the FP8 layer avoids it by running grouped_mm_fp8 on weights
+      quantised transposed, moe_experts_fp8.py);
   anything else -> the reference below: dequantise to fp32, fp32 matmul per group (reads
       cu_seqlens on the host: a sync on CUDA).
-Env MOONEP_GEMM_BACKEND=reference forces the reference on CUDA.
+Env MOONEP_GEMM_BACKEND=reference forces the reference on CUDA; MOONEP_GEMM_FP8_CONFIG=name
+(moonep_ops.gemm.fp8_cost.NAMES) forces one kernel config, MOONEP_GEMM_PDL=0 launches the GEMM
+after the prep kernel instead of as its programmatic dependent (the same results).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -49,6 +52,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from ..gemm import fp8_cost
 from ..runtime import sm_count
 from .grouped_mm import _bounds, _check_cu
 from . import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm_wgrad)
@@ -152,9 +156,29 @@ def _workspace_bytes(G: int, sms: int) -> int:
     return native.require_gemm_fp8().gemm_fp8_workspace_bytes(G, sms)
 
 
-def _launch(aq, as_, bl, bls, bs, bss, cu, epn, M, n, k) -> Tensor:
-    """D [M, n] bf16 = A [M, k] x B_g [n, k]^T per group, on the current stream."""
+_PDL = 2                   # moonep_gemm.h MOONEP_GEMM_PDL
+
+
+@functools.lru_cache(maxsize=None)
+def _tuning_table():
+    # built once per process from gemm/tuning_fp8.py (the file the FP8 fit rewrites)
+    vals = fp8_cost.tuning_table()
+    return (ctypes.c_float * len(vals))(*vals)
+
+
+def _config_from_env() -> int:
+    return fp8_cost.config_index(os.environ.get("MOONEP_GEMM_FP8_CONFIG") or None)
+
+
+def _pdl_flag() -> int:
+    return _PDL if os.environ.get("MOONEP_GEMM_PDL", "1") not in ("", "0") else 0
+
+
+def _launch(aq, as_, bl, bls, bs, bss, cu, epn, M, n, k, config=None) -> Tensor:
+    """D [M, n] bf16 = A [M, k] x B_g [n, k]^T per group, on the current stream.  ``config``:
+    None (MOONEP_GEMM_FP8_CONFIG, else chosen on the device), a name or an index."""
     lib = native.require_gemm_fp8()
+    cfg = _config_from_env() if config is None else fp8_cost.config_index(config)
     dev = aq.device
     out = torch.empty(M, n, dtype=OUT_DTYPE, device=dev)
     if M == 0:
@@ -167,7 +191,8 @@ def _launch(aq, as_, bl, bls, bs, bss, cu, epn, M, n, k) -> Tensor:
     with torch.cuda.device(dev):
         rc = lib.grouped_gemm_fp8(aq.data_ptr(), as_.data_ptr(), bl.data_ptr(), bls.data_ptr(),
                                   bs.data_ptr(), bss.data_ptr(), out.data_ptr(), cu.data_ptr(),
-                                  G, epn, M, n, k, workspace.data_ptr(), nbytes, sms, stream)
+                                  G, epn, M, n, k, cfg, _tuning_table(), _pdl_flag(),
+                                  workspace.data_ptr(), nbytes, sms, stream)
     native.gemm_check(rc, "moonep FP8 grouped GEMM")
     return out
 
