@@ -81,7 +81,7 @@ stage dataplane 300 bash -c "$PY benchmarks/bench_plan_device.py --skip-torch-gr
 stage moe 200 $PY benchmarks/bench_moe_step.py
 stage costterms 200 $PY benchmarks/cost_terms_cuda.py
 stage fp8 420 bash -c "$PY -m pytest -q -rs tests/test_grouped_mm_fp8_cuda.py -p no:cacheprovider && \
-  $PY benchmarks/bench_fp8_gemm.py && $PY benchmarks/fp8_training.py --steps 200 && \
+  $PY benchmarks/bench_fp8_gemm.py --out "$OUT" && $PY benchmarks/fp8_training.py --steps 200 && \
   for p in bf16 fp8; do $PY benchmarks/bench_moe_step.py --dim 7168 --hidden 2048 --experts 32 \
     --precision \$p --modes reduce-overhead --iters 10 || exit 1; done"
 stage soak 300 $PY benchmarks/soak_cuda.py --steps 2000 --nan-every 100

@@ -514,7 +514,7 @@ def test_families_are_contiguous_and_share_a_cluster():
 
 def test_abi_version_matches_header():
     text = (ROOT / "cutlass_kernels" / "moonep_gemm.h").read_text()
-    # ABI 9 = ABI 8 plus the FP8 GEMM: native.py loads either (native.GEMM_ABI_VERSIONS)
+    # ABI 10 = ABI 8 plus the FP8 GEMM: native.py loads either (native.GEMM_ABI_VERSIONS)
     assert int(re.search(r"#define MOONEP_GEMM_ABI_VERSION (\d+)", text).group(1)) in \
         native.GEMM_ABI_VERSIONS
     for flag, value in (("KEEP_EMPTY_SLOTS", gg._KEEP_EMPTY_SLOTS), ("PDL", gg._PDL)):
@@ -560,7 +560,7 @@ def test_cxx_config_table_matches_python():
     unit = {"moonep": "kernel_{}.cu", "torch": "kernel_{}_2x1.cu"}
     want = sorted({unit[c.family].format(k) for k, cfgs in gemm_cost_model.CONFIGS.items()
                    for c in cfgs})
-    # kernel_fp8_*.cu: the FP8 grouped GEMM, one config outside this table (moonep_gemm.h)
+    # kernel_fp8_*.cu: the FP8 grouped GEMM, its configs in fp8_cost.py (tests/test_fp8_cost.py)
     units = sorted(p.name for p in (ROOT / "cutlass_kernels").glob("kernel_*.cu")
                    if not p.name.startswith("kernel_fp8"))
     assert units == want

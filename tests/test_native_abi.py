@@ -49,7 +49,7 @@ def _gemm_header_abi() -> int:
     return int(re.search(r"MOONEP_GEMM_ABI_VERSION\s+(\d+)", text).group(1))
 
 
-# A header of ABI >= 9 adds the FP8 grouped GEMM (native.GEMM_FP8_PROTOTYPES) to ABI 8's table.
+# A header of the FP8 ABI (native.GEMM_FP8_ABI_VERSION) adds the FP8 grouped GEMM (native.GEMM_FP8_PROTOTYPES) to ABI 8's table.
 _GEMM_TABLE = {**native.GEMM_PROTOTYPES,
                **(native.GEMM_FP8_PROTOTYPES
                   if _gemm_header_abi() >= native.GEMM_FP8_ABI_VERSION else {})}
