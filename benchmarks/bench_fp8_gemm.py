@@ -11,10 +11,13 @@ and adversarial routings; gemm_zoo_cases.py) with both weight shapes (gate_up O 
 down O = D, I = F), plus small batches of 128 and 512 tokens per rank (small_hists; --no-small
 leaves them out).  Contenders (gemm_bench_common.time_interleaved: interleaved rounds, CUDA
 events, warm-up, k back-to-back launches per sample behind a GPU spin, median):
-  fp8          ours, the config chosen on the device (the C entry through native.py with a
-               preallocated output and workspace: what the op does minus allocation);
+  fp8          ours, the config chosen on the device, launched as the op launches it (PDL as
+               grouped_mm_fp8._pdl_flag: on unless MOONEP_GEMM_PDL=0; the C entry through
+               native.py with a preallocated output and workspace: what the op does minus
+               allocation);
   fp8_<cfg>    ours with each config forced (the fit's measurements and the oracle);
-  fp8_nopdl    ours, the GEMM launched after the prep kernel instead of as its PDL dependent;
+  fp8_nopdl    ours, the GEMM launched after the prep kernel instead of as its PDL dependent
+               (the forced configs launch as the op does);
   bf16         ours: moonep_ops.ops.grouped_mm (the CUTLASS bf16 grouped GEMM, automatic);
   scaled       torch._scaled_grouped_mm, rowwise scales (one per row of A, one per output
                column of each W_g), e4m3, bf16 out, use_fast_accum=False ('n/a' if unsupported);
@@ -63,12 +66,13 @@ def quant_rowwise(t):
 class Fp8Call:
     """The C entry with preallocated output and workspace (what the op does minus allocation)."""
 
-    def __init__(self, aq, as_, blq, bls, bsq, bss, cu, config: int = -1, pdl: bool = True):
+    def __init__(self, aq, as_, blq, bls, bsq, bss, cu, config: int = -1, pdl: bool | None = None):
         self.lib = native.require_gemm_fp8()
         self.t = (aq, as_, blq, bls, bsq, bss, cu)
         self.epn, self.n, self.k = blq.shape
         self.M = aq.shape[0]
-        self.config, self.flags = config, PDL if pdl else 0
+        self.config = config
+        self.flags = g8._pdl_flag() if pdl is None else (PDL if pdl else 0)
         self.sms = torch.cuda.get_device_properties(aq.device).multi_processor_count
         self.nbytes = self.lib.gemm_fp8_workspace_bytes(2 * self.epn, self.sms)
         self.ws = torch.empty(self.nbytes, dtype=torch.uint8, device=aq.device)
