@@ -262,6 +262,37 @@ __global__ void __launch_bounds__(FirstKernel<Ks...>::type::MaxThreadsPerBlock,
   run_chosen(fp, smem, *fp.chosen - fp.first, std::make_index_sequence<sizeof...(Ks)>{});
 }
 
+// One launch of a fused kernel (FusedKind's, or the FP8 GEMM's in kernel_fp8_fwd.cu): cluster
+// cm x cn, `smem` bytes of dynamic shared memory, and with `pdl` as a programmatic dependent of
+// the kernel launched just before on `stream` (the prep kernel, which triggers at its start;
+// fused_grouped_gemm waits for its grid before reading anything it wrote).  The shared-memory
+// attribute is set on every call, as CUTLASS's adapter does: it belongs to the current device's
+// context, so a once-per-process static would miss the second GPU of a multi-GPU process.  On
+// failure *step names the call that failed.
+template <class Params>
+cudaError_t launch_fused(void (*kernel)(Params), const Params& fp, dim3 grid, dim3 block, int smem,
+                         int cm, int cn, cudaStream_t stream, bool pdl, const char** step) {
+  *step = "cudaFuncSetAttribute";
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = cm;
+  attrs[0].val.clusterDim.y = cn;
+  attrs[0].val.clusterDim.z = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs = pdl ? 2 : 1;
+  *step = "launch";
+  return cudaLaunchKernelEx(&cfg, kernel, fp);
+}
+
 // All configs of one kind (Gs = GroupedGemm<...> types), launched as one kernel.
 template <class... Gs>
 struct FusedKind {
@@ -326,36 +357,13 @@ struct FusedKind {
     }
     fp.chosen = chosen;
     fp.first = first;
-    auto kernel = &fused_grouped_gemm<typename Gs::Kernel...>;
-    // Every call, as CUTLASS's adapter does: the attribute belongs to the current device's
-    // context, so a once-per-process static would miss the second GPU of a multi-GPU process.
-    const cudaError_t attr =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (attr != cudaSuccess) {
-      snprintf(err, err_len, "cudaFuncSetAttribute(smem %d) failed: %s", kSmem,
-               cudaGetErrorString(attr));
-      return -1;
-    }
     using G0 = typename FirstKernel<Gs...>::type;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = K0::get_block_shape();
-    cfg.dynamicSmemBytes = kSmem;
-    cfg.stream = reinterpret_cast<cudaStream_t>(r[0].stream);
-    cudaLaunchAttribute attrs[2];
-    attrs[0].id = cudaLaunchAttributeClusterDimension;
-    attrs[0].val.clusterDim.x = G0::cm;
-    attrs[0].val.clusterDim.y = G0::cn;
-    attrs[0].val.clusterDim.z = 1;
-    // pdl: the CTAs may start while the prep kernel (launched just before on this stream, which
-    // triggers at its start) still runs; fused_grouped_gemm waits for its grid first.
-    attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[1].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attrs;
-    cfg.numAttrs = pdl ? 2 : 1;
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, fp);
+    const char* step = "";
+    const cudaError_t e = launch_fused(&fused_grouped_gemm<typename Gs::Kernel...>, fp, grid,
+                                       K0::get_block_shape(), kSmem, G0::cm, G0::cn,
+                                       reinterpret_cast<cudaStream_t>(r[0].stream), pdl, &step);
     if (e != cudaSuccess) {
-      snprintf(err, err_len, "fused grouped GEMM launch failed: %s (grid %u x %u x %u, smem %d)",
+      snprintf(err, err_len, "fused grouped GEMM %s failed: %s (grid %u x %u x %u, smem %d)", step,
                cudaGetErrorString(e), grid.x, grid.y, grid.z, kSmem);
       return -1;
     }

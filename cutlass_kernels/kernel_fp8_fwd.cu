@@ -479,30 +479,10 @@ struct Family {
     return st;
   }
 
-  static cudaError_t launch(const FP& fp, dim3 grid, cudaStream_t s, bool pdl) {
-    auto kernel = &fused_grouped_gemm<typename Cfg<First + I>::Kernel...>;
-    constexpr int kSmem = smem();
-    // every call: the attribute belongs to the current device's context (gemm_kernel.cuh)
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         kSmem);
-    if (e != cudaSuccess) return e;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = C0::Kernel::get_block_shape();
-    cfg.dynamicSmemBytes = kSmem;
-    cfg.stream = s;
-    cudaLaunchAttribute attrs[2];
-    attrs[0].id = cudaLaunchAttributeClusterDimension;
-    attrs[0].val.clusterDim.x = C0::cm;
-    attrs[0].val.clusterDim.y = C0::cn;
-    attrs[0].val.clusterDim.z = 1;
-    // pdl: the CTAs may start while the prep kernel (launched just before on this stream, which
-    // triggers at its start) still runs; fused_grouped_gemm waits for its grid first.
-    attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[1].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attrs;
-    cfg.numAttrs = pdl ? 2 : 1;
-    return cudaLaunchKernelEx(&cfg, kernel, fp);
+  static cudaError_t launch(const FP& fp, dim3 grid, cudaStream_t s, bool pdl,
+                            const char** step) {
+    return launch_fused(&fused_grouped_gemm<typename Cfg<First + I>::Kernel...>, fp, grid,
+                        C0::Kernel::get_block_shape(), smem(), C0::cm, C0::cn, s, pdl, step);
   }
 };
 
@@ -530,10 +510,11 @@ int run_family(const PrepParams& p, int G, int sm_count, char* ws, const Layout&
              cudaGetErrorString(e));
     return gemm_fail(msg);
   }
-  e = F::launch(fp, grid, s, pdl);
+  const char* step = "";
+  e = F::launch(fp, grid, s, pdl, &step);
   if (e != cudaSuccess) {
     char msg[256];
-    snprintf(msg, sizeof(msg), "moonep_grouped_gemm_fp8: launch failed: %s (grid %u x %u)",
+    snprintf(msg, sizeof(msg), "moonep_grouped_gemm_fp8: %s failed: %s (grid %u x %u)", step,
              cudaGetErrorString(e), grid.x, grid.y);
     return gemm_fail(msg);
   }
