@@ -1,25 +1,28 @@
 // The FP8 grouped GEMM with blockwise scaling (the DeepSeek-V3 recipe), sm90a:
 //   D[rows of g] (bf16) = (A * SA)[rows of g] . (B_g * SB_g)^T, fp32 accumulation,
 // over the G = 2*epn groups of a receive buffer, in one CUTLASS ptr-array launch.  The exports
-// moonep_grouped_gemm_fp8 and moonep_gemm_fp8_workspace_bytes are documented in moonep_gemm.h.
+// (moonep_grouped_gemm_fp8, moonep_gemm_fp8_workspace_bytes, moonep_gemm_fp8_num_configs,
+// moonep_gemm_fp8_config_info) are documented in moonep_gemm.h.
 //
 // As the bf16 path (prep.cu + gemm_kernel.cuh), a small prep kernel reads cu_seqlens on the
 // device and writes the per-group problem shapes and pointers into the caller's workspace, so no
 // group size reaches the host (no sync; capturable in a CUDA graph), then one persistent grouped
-// CUTLASS kernel reads them.  The configs (C0, C1 below) are branches of ONE fused kernel
-// (gemm_kernel.cuh's fused_grouped_gemm, as a bf16 family): the prep kernel's block 0 chooses
-// one from the group sizes with the FP8 cost model (fp8_cost below; its constants come from the
-// host's tuning table, moonep_ops/gemm/tuning.py) or takes the caller's forced index, and
+// CUTLASS kernel reads them.  The configs (`Configs` below) are branches of ONE fused kernel
+// (gemm_kernel.cuh's fused_grouped_gemm, as a bf16 family): warp 0 of the prep kernel's block 0
+// chooses one from the group sizes with the FP8 cost model (below; its constants come from the
+// host's tuning table, moonep_ops/gemm/tuning_fp8.py) or takes the caller's forced index, and
 // writes it to the workspace; the fused kernel reads it after griddepcontrol.wait.  Every
 // config: cluster 1 x 2 (the two CTAs of a cluster share, by TMA multicast, the A tile of one
-// group's rows and take neighbouring 128-column slices of the weight) and CUTLASS's
-// warp-specialised FP8 blockwise mainloop: the tensor cores accumulate one 128-deep K block in
-// fp32 registers, which are then multiplied by SA[row, kb] * SB[nb, kb] and added into a
-// separate fp32 accumulator (promotion every K block; FP8 "fast accumulation" is off by
+// group's rows and take neighbouring 128-column slices of the weight), raster along N, and
+// CUTLASS's warp-specialised FP8 blockwise mainloop: the tensor cores accumulate one 128-deep K
+// block in fp32 registers, which are then multiplied by SA[row, kb] * SB[nb, kb] and added into
+// a separate fp32 accumulator (promotion every K block; FP8 "fast accumulation" is off by
 // construction).
-//   c128x128  cooperative 128 x 128 x 128: both consumer warpgroups on one tile (64 rows each);
+//   c128x128  cooperative 128 x 128 x 128, 64-column epilogue subtiles (the cooperative
+//             epilogue does not overlap the MMAs; half as many subtile rounds as CUTLASS's 32);
 //   p64x128   ping-pong 64 x 128 x 128: each consumer warpgroup on its own tile, so one
-//             warpgroup's promotion and epilogue overlap the other's MMAs.
+//             warpgroup's promotion and epilogue overlap the other's MMAs; twice the weight-tile
+//             loads, so it wins only on small groups.
 // Tile N must be a multiple of the 128-column scale block, and a consumer warpgroup holds two
 // fp32 accumulators (the block's and the promoted one): 64 x 256 per warpgroup would need 256
 // registers a thread, so 128-column tiles are the widest that fit.
@@ -273,18 +276,18 @@ Layout layout(int G, int sm_count) {
   return L;
 }
 
-// ---- the FP8 cost model (block 0 of the prep kernel) -----------------------------------------
+// ---- the FP8 cost model (warp 0 of the prep kernel's block 0) -------------------------------
 //
 // Predicted time of config c on the call's group sizes, from the host's tuning table
-// (moonep_ops/gemm/tuning.py FP8_TUNING, fitted by benchmarks/fit_fp8_cost_model.py on committed
-// measurements; laid out as moonep_gemm.h MOONEP_GEMM_FP8_TUNING_LEN says):
-//   tiles_c = sum over non-empty groups of ceil(M_g / BM_c) * (N tiles rounded up to the
-//             cluster's 2), the output tiles the persistent scheduler walks;
+// (moonep_ops/gemm/tuning_fp8.py CONSTANTS, fitted by benchmarks/fit_fp8_cost_model.py on
+// committed measurements; laid out as moonep_gemm.h MOONEP_GEMM_FP8_TUNING_LEN says; the host
+// mirror is moonep_ops/gemm/fp8_cost.py):
+//   tiles_c = sum over non-empty groups of (ceil(M_g / BM_c) rounded up to CM) * (ceil(N / BN_c)
+//             rounded up to CN), the output tiles the persistent scheduler walks;
 //   rounds_c = ceil(tiles_c / (sm_count * tiles in flight per CTA: 1 cooperative, 2 ping-pong));
-//   t_c = fixed_c + rounds_c * (per_round_c + per_kblock_c * ceil(K / 128)),
-// and the call cannot run faster than its compulsory bytes (every non-empty group's weight, A,
-// D) at mem_bw.  The cheapest wins; a prediction within tie_tol of the cheapest ties and goes to
-// the lower index.
+//   t_c = fixed_c + max(rounds_c * (per_round_c + per_kblock_c * ceil(K / 128)), bytes / mem_bw)
+// with the compulsory bytes (every non-empty group's weight, A, D).  The cheapest wins; a
+// prediction within tie_tol of the cheapest ties and goes to the lower index.
 struct Fp8Tuning {
   float fixed[MOONEP_GEMM_FP8_MAX_CONFIGS], per_round[MOONEP_GEMM_FP8_MAX_CONFIGS],
       per_kblock[MOONEP_GEMM_FP8_MAX_CONFIGS];

@@ -174,7 +174,7 @@ MOONEP_API int moonep_grouped_gemm(int kind, int config, int raster,
 #define MOONEP_GEMM_FP8_MAX_CONFIGS 8
 // The FP8 tuning table: floats, for c in [0, MOONEP_GEMM_FP8_MAX_CONFIGS):
 //   [c] fixed_us, [MAX + c] per_round_us, [2 MAX + c] per_kblock_us, then [3 MAX] mem_bytes_per_us
-//   and [3 MAX + 1] tie_tol (see the cost model in kernel_fp8_fwd.cu; moonep_ops/gemm/tuning.py).
+//   and [3 MAX + 1] tie_tol (see the cost model in kernel_fp8_fwd.cu; moonep_ops/gemm/tuning_fp8.py).
 #define MOONEP_GEMM_FP8_TUNING_LEN (3 * MOONEP_GEMM_FP8_MAX_CONFIGS + 2)
 
 /**

@@ -37,7 +37,7 @@ EP_ABI_VERSION = 5         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 # ABI 10 = every ABI 8 export unchanged plus GEMM_FP8_PROTOTYPES (ABI 9 had a one-config FP8
 # GEMM with another signature: such a library is refused, rebuild it).  So a library of either
 # loads and serves the bf16 GEMMs, and the FP8 ops use the kernel only when the library reports
-# ABI >= GEMM_FP8_ABI_VERSION and exports both functions (``gemm_fp8()``); otherwise they run
+# ABI >= GEMM_FP8_ABI_VERSION and exports every one of them (``gemm_fp8()``); otherwise they run
 # their reference.  The decision reads the version the library reports, never ``hasattr``
 # alone, so an ABI 8 library that happens to carry a same-named symbol is not called.
 GEMM_FP8_ABI_VERSION = 10

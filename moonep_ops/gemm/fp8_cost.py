@@ -26,8 +26,7 @@ import numpy as np
 
 from . import tuning_fp8
 
-TILE = 128          # the scale block: K tile and N tile of every config
-CLUSTER_N = 2
+TILE = 128          # the scale block: K tile of every config, and the widest N tile
 MAX_CONFIGS = 8     # moonep_gemm.h MOONEP_GEMM_FP8_MAX_CONFIGS (the tuning table's stride)
 
 
@@ -49,7 +48,9 @@ class Fp8Config:
 
 
 # Config-index order of the library (kernel_fp8_fwd.cu Configs).  The device chooses among the
-# first AUTO_CONFIGS (one fused kernel: one cluster shape); the others run only when forced.
+# first AUTO_CONFIGS (one fused kernel: one cluster shape and one persistent grid); a config
+# listed after them would run only when forced.  Both are cluster 1 x 2 with raster along N; why
+# these two and what was measured against them: docs/fp8.md, "The FP8 grouped GEMM kernel".
 FP8_CONFIGS: tuple[Fp8Config, ...] = (
     Fp8Config("c128x128", 128, 128, False, EN=64, raster_n=True),
     Fp8Config("p64x128", 64, 128, True, raster_n=True),
@@ -86,8 +87,9 @@ def tiles(counts: Sequence[int], n: int, cfg: Fp8Config) -> int:
 
 def predict(counts: Sequence[int], n: int, k: int, sm_count: int,
             constants: dict | None = None, mem_bytes_per_us: float | None = None) -> dict:
-    """Predicted µs per candidate config (the first AUTO_CONFIGS), in float32 in the device's order of operations (the
-    device may contract a multiply-add into an FMA: the tie window absorbs that ulp)."""
+    """Predicted µs per candidate config (the first AUTO_CONFIGS), in float32 in the device's
+    order of operations (the device may contract a multiply-add into an FMA: the tie window
+    absorbs that ulp)."""
     constants = tuning_fp8.CONSTANTS if constants is None else constants
     bw = np.float32(tuning_fp8.MEM_BYTES_PER_US if mem_bytes_per_us is None else mem_bytes_per_us)
     f = np.float32
