@@ -101,9 +101,8 @@ using Fusion = cutlass::epilogue::fusion::LinearCombination<ElementD, float, Ele
 
 // One config: tile BM x BN x 128, cluster CM x CN, cooperative or ping-pong, epilogue subtile
 // width EN (0: CUTLASS's), the persistent scheduler's raster order (0 along M: co-resident CTAs
-// share a weight slice; 1 along N) and swizzle.
-template <int BM, int BN, bool Pingpong, int CM, int CN, int EN = 0, int RasterN = 0,
-          int Swizzle = 1>
+// share a weight slice; 1 along N).
+template <int BM, int BN, bool Pingpong, int CM, int CN, int EN = 0, int RasterN = 0>
 struct Fp8Config {
   using TileShape = Shape<Int<BM>, Int<BN>, Int<kScaleTile>>;
   using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
@@ -132,7 +131,7 @@ struct Fp8Config {
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static constexpr int cm = CM, cn = CN, raster_n = RasterN, swizzle = Swizzle;
+  static constexpr int cm = CM, cn = CN, raster_n = RasterN;
   __host__ __device__ static constexpr ConfigGeom geom() {
     return {BM, BN, kScaleTile, CM, CN, Pingpong ? 1 : 0, EN, 0};
   }
@@ -238,7 +237,6 @@ typename C::Gemm::Arguments arguments(int G, int sm_count, char* base, const Lay
   using Raster = typename cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90GroupParams<
       UShape>::RasterOrderOptions;
   args.scheduler.raster_order = C::raster_n ? Raster::AlongN : Raster::AlongM;
-  args.scheduler.max_swizzle_size = C::swizzle;
   return args;
 }
 

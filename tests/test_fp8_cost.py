@@ -17,7 +17,7 @@ HDR = (ROOT / "cutlass_kernels" / "moonep_gemm.h").read_text()
 
 
 def _cxx_configs():
-    """(BM, BN, pingpong, CM, CN, EN, raster_n, swizzle) of every Fp8Config<...> of the Configs
+    """(BM, BN, pingpong, CM, CN, EN, raster_n) of every Fp8Config<...> of the Configs
     tuple, in order, with the name in the trailing comment."""
     block = SRC[SRC.index("using Configs = std::tuple<"):]
     block = block[:block.index("constexpr int kNumConfigs")]
@@ -25,7 +25,7 @@ def _cxx_configs():
     for m in re.finditer(r"Fp8Config<([^>]*)>[,>;]*\s*//\s*(\S+)", block):
         vals = [v.strip() for v in m.group(1).split(",")]
         nums = [int(v) if v not in ("true", "false") else int(v == "true") for v in vals]
-        nums += [0, 0, 1][len(nums) - 5:] if len(nums) < 8 else []
+        nums += [0, 0][len(nums) - 5:] if len(nums) < 7 else []
         out.append((m.group(2), tuple(nums)))
     return out
 
@@ -35,7 +35,7 @@ def test_python_table_mirrors_the_kernel_source():
     assert [n for n, _ in cxx] == list(fp8_cost.NAMES)
     for (name, v), cfg in zip(cxx, fp8_cost.FP8_CONFIGS):
         assert v == (cfg.BM, cfg.BN, int(cfg.pingpong), cfg.CM, cfg.CN, cfg.EN,
-                     int(cfg.raster_n), cfg.swizzle), name
+                     int(cfg.raster_n)), name
     m = re.search(r"constexpr int kAutoConfigs = (\w+);", SRC).group(1)
     auto = len(cxx) if m == "kNumConfigs" else int(m)
     assert auto == fp8_cost.AUTO_CONFIGS

@@ -40,7 +40,6 @@ class Fp8Config:
     CN: int = 2
     EN: int = 0             # epilogue subtile width (0: CUTLASS's)
     raster_n: bool = False  # the persistent scheduler's order (False: along M)
-    swizzle: int = 1
 
     def geometry(self) -> tuple[int, ...]:
         """moonep_gemm_fp8_config_info's 8 ints: BM, BN, BK, CM, CN, pingpong, EN, swap."""
