@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from moonep_ops.gemm import fp8_cost, tuning, tuning_fp8  # noqa: E402
 
 TUNING_PATH = ROOT / "moonep_ops" / "gemm" / "tuning_fp8.py"
+MEM = float(tuning.HBM_TBPS) * 1e6          # bytes per microsecond
 
 
 def load(paths) -> tuple[list[dict], int]:
@@ -110,9 +111,8 @@ def report(rows, sms, consts):
 
 
 def write(path: Path, consts, sources):
-    lines = TUNING_PATH.read_text().splitlines(keepends=True)
-    head = "".join(lines[:lines.index('CALIBRATED = False\n') if 'CALIBRATED = False\n' in lines
-                         else next(i for i, ln in enumerate(lines) if ln.startswith("CALIBRATED"))])
+    text = TUNING_PATH.read_text()
+    head = text[:text.index("\nCALIBRATED") + 1]          # the docstring, kept as it is
     body = ["CALIBRATED = True\n",
             f"CALIBRATION_SOURCE = {sources!r}\n\n",
             "CONSTANTS = {\n"] + [f"    {n!r}: {tuple(v)!r},\n" for n, v in consts.items()] + [
@@ -120,9 +120,6 @@ def write(path: Path, consts, sources):
             f"MEM_BYTES_PER_US = {MEM!r}   # gemm/tuning.py HBM_TBPS (not fitted)\n",
             f"TIE_TOL = {tuning_fp8.TIE_TOL!r}\n"]
     path.write_text(head + "".join(body))
-
-
-MEM = float(tuning.HBM_TBPS) * 1e6          # bytes per microsecond
 
 
 def main(argv=None) -> int:
