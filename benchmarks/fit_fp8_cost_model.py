@@ -51,8 +51,7 @@ def load(paths) -> tuple[list[dict], int]:
 
 def features(r, cfg, sms):
     counts = r["counts"]
-    slots = sms * (2 if cfg.pingpong else 1)
-    rounds = -(-fp8_cost.tiles(counts, r["O"], cfg) // slots)
+    rounds = fp8_cost.rounds(counts, r["O"], cfg, sms)
     kblocks = -(-r["I"] // fp8_cost.TILE)
     rows = sum(counts)
     nonempty = sum(1 for c in counts if c > 0)

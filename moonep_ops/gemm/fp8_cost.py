@@ -84,6 +84,11 @@ def tiles(counts: Sequence[int], n: int, cfg: Fp8Config) -> int:
     return sum(_round_up(-(-int(c) // cfg.BM), cfg.CM) * n_tiles for c in counts if c > 0)
 
 
+def rounds(counts: Sequence[int], n: int, cfg: Fp8Config, sm_count: int) -> int:
+    """Rounds of output tiles over the SMs (two tiles in flight per SM for ping-pong)."""
+    return -(-tiles(counts, n, cfg) // (sm_count * (2 if cfg.pingpong else 1)))
+
+
 def predict(counts: Sequence[int], n: int, k: int, sm_count: int,
             constants: dict | None = None, mem_bytes_per_us: float | None = None) -> dict:
     """Predicted µs per candidate config (the first AUTO_CONFIGS), in float32 in the device's
@@ -99,9 +104,8 @@ def predict(counts: Sequence[int], n: int, k: int, sm_count: int,
     out = {}
     for cfg in FP8_CONFIGS[:AUTO_CONFIGS]:
         fixed, per_round, per_kb = (f(v) for v in constants[cfg.name])
-        slots = sm_count * (2 if cfg.pingpong else 1)
-        rounds = f(-(-tiles(counts, n, cfg) // slots))
-        out[cfg.name] = float(fixed + max(rounds * (per_round + per_kb * kblocks), t_mem))
+        r = f(rounds(counts, n, cfg, sm_count))
+        out[cfg.name] = float(fixed + max(r * (per_round + per_kb * kblocks), t_mem))
     return out
 
 

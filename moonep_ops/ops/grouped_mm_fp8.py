@@ -54,7 +54,8 @@ from torch import Tensor
 from .. import native
 from ..gemm import fp8_cost
 from ..runtime import sm_count
-from .grouped_mm import _bounds, _check_cu
+# _pdl_flag: the bf16 ops' MOONEP_GEMM_PDL switch, on by default here too (1.020 gm, fp8.md)
+from .grouped_mm import _bounds, _check_cu, _pdl_flag
 from . import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm_wgrad)
 from . import quantize_fp8 as qf
 
@@ -156,9 +157,6 @@ def _workspace_bytes(G: int, sms: int) -> int:
     return native.require_gemm_fp8().gemm_fp8_workspace_bytes(G, sms)
 
 
-_PDL = 2                   # moonep_gemm.h MOONEP_GEMM_PDL
-
-
 @functools.lru_cache(maxsize=None)
 def _tuning_table():
     # built once per process from gemm/tuning_fp8.py (the file the FP8 fit rewrites)
@@ -168,12 +166,6 @@ def _tuning_table():
 
 def _config_from_env() -> int:
     return fp8_cost.config_index(os.environ.get("MOONEP_GEMM_FP8_CONFIG") or None)
-
-
-def _pdl_flag() -> int:
-    # on by default, as for the bf16 GEMM: 1.020 gm over the plain launch on the 460 cases of
-    # benchmarks/bench_fp8_gemm.py (docs/fp8.md, "Measured on GPU")
-    return _PDL if os.environ.get("MOONEP_GEMM_PDL", "1") not in ("", "0") else 0
 
 
 def _launch(aq, as_, bl, bls, bs, bss, cu, epn, M, n, k, config=None) -> Tensor:
