@@ -34,8 +34,8 @@ experts of one rank in FP8 (the DeepSeek-V3 recipe), fed by ``moonep::dispatch_f
     Elementwise passes fused (quantize_fp8.py's ops, one Triton kernel each on CUDA, bitwise
     the torch formulation written above; the torch formulation itself elsewhere):
       z                    moonep::scale_rows(y, w_M)
-      dy, q(dy), dz * y    moonep::scale_rows_backward_fp8(dz, w_M, y)  (dw_M = its .sum(-1)
-                           in torch: torch's reduction order, bitwise)
+      dy, q(dy), dw_M      moonep::scale_rows_backward_fp8(dz, w_M, y)  (dw_M summed in the
+                           kernel: the [M, D] fp32 products never reach memory)
       h_bf16               moonep::dequantize_fp8_rows(h, h_scale)
 
 Why one node carries dispatch's transpose: the rows reach the experts as e4m3 tensors, and an
@@ -232,12 +232,10 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     t1, ts1, t3, ts3, t2, ts2 = _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2],
                                           transposed=True)
     cu = cu_seqlens
-    # One pass over dz and y: dy = bf16(fp32(dz) * w_M), its 1 x 128 tiles, and the fp32
-    # products fp32(dz) * fp32(y), summed by torch so that d_rows is its reduction bitwise.
-    dy, dyq, dys, dz_y = torch.ops.moonep.scale_rows_backward_fp8(dz, row_weights, y,
-                                                                  pow2_scales)
-    d_rows = dz_y.sum(-1)                                       # grad of row_weights, fp32
-    del dz_y
+    # One pass over dz and y: dy = bf16(fp32(dz) * w_M), its 1 x 128 tiles, and the grad of
+    # row_weights d_rows = sum_D fp32(dz) * fp32(y) (fp32, summed in the kernel).
+    dy, dyq, dys, d_rows = torch.ops.moonep.scale_rows_backward_fp8(dz, row_weights, y,
+                                                                    pow2_scales)
     quant = torch.ops.moonep.quantize_fp8_rows
     mm = torch.ops.moonep.grouped_mm_fp8
     da = mm(dyq, dys, q2, s2, t2, ts2, cu)                      # dy @ w2_g  [M, F]

@@ -36,12 +36,13 @@ one Triton kernel each, bit-identical with the reference: quantize_fp8_triton.py
       a = silu(g) * u in fp32 (moonep::swiglu's formula), quantised per 1 x 128 tile straight
       from fp32: the SwiGLU output that feeds the down projection is never rounded to bf16.
 The FP8 layer's fused elementwise passes (moe_experts_fp8.py; on CUDA one Triton kernel each,
-bitwise the reference, which is the torch formulation they replaced; docs/fp8.md):
+bitwise the reference, which is the torch formulation they replaced, but for d_rows' summation
+order; docs/fp8.md):
   scale_rows(x [M, I] bf16, row_weights [M] fp32) -> z = bf16(fp32(x) * w[:, None])
   scale_rows_backward_fp8(dz [M, I] bf16, row_weights [M] fp32, y [M, I] bf16, pow2_scales)
       -> (dy = bf16(fp32(dz) * w[:, None]), dy_q e4m3, dy_scale [M, C] fp32 (quantize_fp8_rows
-          of dy), dz_y = fp32(dz) * fp32(y) fp32 [M, I]); the grad of w is dz_y.sum(-1), left
-          to torch so that it is torch's reduction bitwise on every device
+          of dy), d_rows = sum_I fp32(dz) * fp32(y) fp32 [M], the grad of w); dy and its tiles
+          bitwise the reference, d_rows within fp32 reassociation (the kernel sums per tile)
   dequantize_fp8_rows(q [M, I] e4m3, scale [M, C] fp32) -> bf16(dequantize_rows(q, scale))
 Python helpers: ``dequantize_rows``, ``dequantize_blocks`` (fp32 results), ``scale_cols``.
 None of the ops is differentiable: quantisation sits inside the FP8 ops' own backward
@@ -354,15 +355,18 @@ def scale_rows(x_MI: Tensor, w_M: Tensor) -> Tensor:
 
 def scale_rows_backward(dz_MI: Tensor, w_M: Tensor, y_MI: Tensor, pow2_scales: bool = False
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Reference of moonep::scale_rows_backward_fp8: (dy, dy_q, dy_scale, dz_y) with
+    """Reference of moonep::scale_rows_backward_fp8: (dy, dy_q, dy_scale, d_rows) with
     dy = bf16(fp32(dz) * w[:, None]), (dy_q, dy_scale) = quantize_rows(dy) and
-    dz_y = fp32(dz) * fp32(y) (the caller's .sum(-1) of it is the grad of w)."""
+    d_rows = sum_I fp32(dz) * fp32(y), the grad of w [M] fp32.  The CUDA kernel sums each
+    1 x 128 tile in registers and then the tiles: the same terms in another order (fp32
+    reassociation, ~1e-6 of sum |dz * y|; tests/test_fp8_quant_cuda.py), never the [M, I]
+    products in memory."""
     _check_rows_bf16("scale_rows_backward_fp8", w_M, dz=dz_MI, y=y_MI)
     _check_bool("scale_rows_backward_fp8", pow2_scales)
     dzf = dz_MI.float()
     dy = (dzf * w_M[:, None]).to(BF16)
     q, s = quantize_rows_from_fp32(dy, pow2_scales)
-    return dy, q, s, dzf * y_MI.float()
+    return dy, q, s, (dzf * y_MI.float()).sum(-1)
 
 
 def dequantize_rows_bf16(q_MI: Tensor, scale_MC: Tensor) -> Tensor:
@@ -469,7 +473,7 @@ def _(dz, row_weights, y, pow2_scales=False):
     _check_bool("scale_rows_backward_fp8", pow2_scales)
     return (dz.new_empty((M, I), dtype=BF16), dz.new_empty((M, I), dtype=FP8_DTYPE),
             dz.new_empty((M, scale_cols(I)), dtype=torch.float32),
-            dz.new_empty((M, I), dtype=torch.float32))
+            dz.new_empty((M,), dtype=torch.float32))
 
 
 @torch.library.custom_op("moonep::dequantize_fp8_rows", mutates_args=(),
