@@ -106,12 +106,17 @@ def main_both():
         for reload in (False, True):
             for warps in (8, 16):
                 got = run_both(w, reload, warps)
-                same = all(torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
-                                       b.view(torch.uint8) if b.dtype != torch.float32 else b)
-                           for a, b in zip(got, ref))
+                same = bitwise(got, ref)
                 t = timed(lambda: run_both(w, reload, warps))
                 print(f"{name:24s} both reload={int(reload)} w={warps:2d} {t * 1e3:7.3f} ms "
                       f"x{t0 / t:4.2f} {'bitwise' if same else 'DIFFERS'}")
+
+
+def bitwise(got, ref) -> bool:
+    """Every tensor of ``got`` equals ``ref``'s bit for bit (e4m3 compared as bytes)."""
+    return all(torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b)
+               for a, b in zip(got, ref))
 
 
 def timed(fn, reps=10):
@@ -142,9 +147,7 @@ def main():
                   f"{nbytes / t0 / 1e12:5.2f} TB/s")
             for cpb, warps, stages in variants:
                 got = run(w, trans, cpb, warps, stages)
-                same = all(torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
-                                       b.view(torch.uint8) if b.dtype != torch.float32 else b)
-                           for a, b in zip(got, ref))
+                same = bitwise(got, ref)
                 t = timed(lambda: run(w, trans, cpb, warps, stages))
                 print(f"{name:24s} trans={int(trans)} cpb={cpb} w={warps:2d} st={stages} "
                       f"{t * 1e3:7.3f} ms {nbytes / t / 1e12:5.2f} TB/s  x{t0 / t:4.2f} "
