@@ -562,8 +562,9 @@ int moonep_grouped_gemm_fp8(const void* a, const float* a_scale, const void* b_l
                      "[0, moonep_gemm_fp8_num_configs())");
   if (config == -1 && !tuning)
     return gemm_fail("moonep_grouped_gemm_fp8: config -1 needs the tuning table");
-  if (flags & ~MOONEP_GEMM_PDL)
-    return gemm_fail("moonep_grouped_gemm_fp8: flags other than MOONEP_GEMM_PDL");
+  if (flags & ~(MOONEP_GEMM_PDL | MOONEP_GEMM_KEEP_TAIL))
+    return gemm_fail("moonep_grouped_gemm_fp8: flags other than MOONEP_GEMM_PDL and "
+                     "MOONEP_GEMM_KEEP_TAIL");
   if (sm_count <= 0 || sm_count > fp8::kMaxSms)
     return gemm_fail("moonep_grouped_gemm_fp8: sm_count must be in [1, 1024]");
   const fp8::Layout L = fp8::layout(G, sm_count);
@@ -629,12 +630,13 @@ int moonep_grouped_gemm_fp8(const void* a, const float* a_scale, const void* b_l
   p.lay_sfb = reinterpret_cast<fp8::LayoutSFB*>(ws + L.lay_sfb);
 
   // 1 block for the arrays and the choice + zeroing blocks sized to M * n (the padding is only
-  // known on the device; at most kMaxTailBlocks, grid-strided)
+  // known on the device; at most kMaxTailBlocks, grid-strided); none with MOONEP_GEMM_KEEP_TAIL
   const long long vec = (long long)M * n / 8;
   long long tail = (vec + fp8::kPrepThreads - 1) / fp8::kPrepThreads;
   if (tail > fp8::kMaxTailBlocks) tail = fp8::kMaxTailBlocks;
   if (tail > sm_count - 1) tail = sm_count - 1;
   if (tail < 1) tail = 1;
+  if (flags & MOONEP_GEMM_KEEP_TAIL) tail = 0;
   const bool pdl = (flags & MOONEP_GEMM_PDL) != 0;
   return fp8::run_family<fp8::Family0>(p, G, sm_count, ws, L, s, (int)tail, pdl);
 }

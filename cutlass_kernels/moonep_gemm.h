@@ -35,8 +35,10 @@ extern "C" {
 // that reports 9.  10: the FP8 GEMM has several configs fused in one kernel, chosen on the
 // device by its own cost model or forced (moonep_grouped_gemm_fp8 gains config, tuning and
 // flags; moonep_gemm_fp8_num_configs and moonep_gemm_fp8_config_info); native.py accepts 8 and
-// 10 and calls the FP8 exports only from a library that reports 10.
-#define MOONEP_GEMM_ABI_VERSION 10
+// 10 and calls the FP8 exports only from a library that reports 10.  11: every ABI 10 export
+// unchanged plus the MOONEP_GEMM_KEEP_TAIL flag (bf16 fwd / dgrad and the FP8 GEMM); native.py
+// sends it only to a library that reports 11 (an older one zeroes the tail, which is allowed).
+#define MOONEP_GEMM_ABI_VERSION 11
 #define MOONEP_API __attribute__((visibility("default")))
 
 // kind: 0 fwd (y = x W^T), 1 dgrad (dx = dy W), 2 wgrad (dW += dy^T x, fp32),
@@ -52,6 +54,12 @@ extern "C" {
 //       and wait on the device for the prep grid's results before reading them.  Hides part of
 //       the per-call launch gap; results are identical.
 #define MOONEP_GEMM_PDL 2
+//   MOONEP_GEMM_KEEP_TAIL  fwd / dgrad (and the FP8 GEMM): the rows of D at or past
+//       cu_seqlens[G-1] are left as they are (torch._grouped_mm's contract) instead of zeroed.
+//       The zeroing runs before the GEMM (which waits for the whole prep grid), so it costs
+//       those rows' bytes in series, ~0.22 us per MB on the H200; callers that never read the
+//       tail (the MoE layer's intermediates) skip it.
+#define MOONEP_GEMM_KEEP_TAIL 4
 
 /**
  * The ABI version this library was built with (MOONEP_GEMM_ABI_VERSION).
@@ -142,7 +150,8 @@ MOONEP_API size_t moonep_gemm_workspace_bytes(int kind, int G, int sm_count);
  *                         one family (else -1); at most 6 fwd/dgrad candidates (the op passes
  *                         at most 5: the prep kernel's cost grows with each).
  * @param flags            MOONEP_GEMM_* bits (MOONEP_GEMM_KEEP_EMPTY_SLOTS: wgrad_lp only;
- *                         MOONEP_GEMM_PDL: any kind); an unknown bit fails.
+ *                         MOONEP_GEMM_KEEP_TAIL: fwd / dgrad only; MOONEP_GEMM_PDL: any
+ *                         kind); an unknown bit fails.
  * @param workspace        device scratch of at least moonep_gemm_workspace_bytes(kind, G,
  *                         sm_count) bytes, no initialisation needed; one per concurrent call.
  *                         Bytes 0-3 (int32) receive the index of the config that ran (written
@@ -225,8 +234,9 @@ MOONEP_API size_t moonep_gemm_fp8_workspace_bytes(int G, int sm_count);
  *                       cost model (needs `tuning`); 0 .. num_configs-1: that config.
  * @param tuning         host float[MOONEP_GEMM_FP8_TUNING_LEN], copied into the launch (NULL
  *                       allowed when config >= 0).
- * @param flags          0 or MOONEP_GEMM_PDL (the GEMM as a programmatic dependent launch of
- *                       the prep kernel; results identical).
+ * @param flags          MOONEP_GEMM_PDL (the GEMM as a programmatic dependent launch of
+ *                       the prep kernel; results identical) and / or MOONEP_GEMM_KEEP_TAIL
+ *                       (rows at or past cu_seqlens[G-1] left as they are, not zeroed).
  * @param workspace      device scratch of at least moonep_gemm_fp8_workspace_bytes(G, sm_count)
  *                       bytes, 256-byte aligned (any torch allocation is), no initialisation
  *                       needed; one per concurrent

@@ -751,9 +751,12 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
 
   PrepParams p{};
   p.kind = kind; p.G = G; p.epn = epn; p.M = M; p.N = N; p.K = K; p.P = sm_count;
-  if (flags & ~(MOONEP_GEMM_KEEP_EMPTY_SLOTS | MOONEP_GEMM_PDL)) return fail("unknown flags");
+  if (flags & ~(MOONEP_GEMM_KEEP_EMPTY_SLOTS | MOONEP_GEMM_PDL | MOONEP_GEMM_KEEP_TAIL))
+    return fail("unknown flags");
   if ((flags & MOONEP_GEMM_KEEP_EMPTY_SLOTS) && kind != 3)
     return fail("MOONEP_GEMM_KEEP_EMPTY_SLOTS applies to wgrad_lp only");
+  if ((flags & MOONEP_GEMM_KEEP_TAIL) && kind >= 2)
+    return fail("MOONEP_GEMM_KEEP_TAIL applies to fwd and dgrad only");
   p.zero_groups = (flags & MOONEP_GEMM_KEEP_EMPTY_SLOTS) ? epn : G;
   p.nconf = nconf;
   // One call runs one family (one fused kernel): the forced config's, or that of every
@@ -873,16 +876,18 @@ int moonep_grouped_gemm(int kind, int config, int raster, const void* A, const v
   // block 0: choice; block 1: problem arrays; blocks >= 2: zeroing (fwd/dgrad padding rows,
   // wgrad_lp empty groups).  At most 32 zeroing blocks of 1024 threads or 128 of 256 (as many
   // threads as the 132 x 256 before): more blocks made the prep kernel ~0.5-1 us longer on the
-  // H200 with nothing to zero.
+  // H200 with nothing to zero.  The GEMM waits for the whole prep grid, so the rows past
+  // cu_seqlens[G-1] cost their bytes in series with it (~0.22 us per MB on the H200):
+  // MOONEP_GEMM_KEEP_TAIL launches no zeroing block for callers that never read those rows.
   const int max_tail = 32 * (kPrepThreads / nt);  // as many zeroing threads at either size
   int tail_blocks = kind == 3 ? (sm_count - 2 < max_tail ? sm_count - 2 : max_tail) : 0;
-  if (kind < 2) {
+  if (kind < 2 && !(flags & MOONEP_GEMM_KEEP_TAIL)) {
     const long long vec = (long long)M * (kind == 0 ? N : K) / 8;
     tail_blocks = (int)((vec + nt - 1) / nt);
     if (tail_blocks > sm_count - 2) tail_blocks = sm_count - 2;
     if (tail_blocks > max_tail) tail_blocks = max_tail;
   }
-  if (kind != 2 && tail_blocks < 1) tail_blocks = 1;
+  if (kind != 2 && !(flags & MOONEP_GEMM_KEEP_TAIL) && tail_blocks < 1) tail_blocks = 1;
   if (nt == kPrepThreads) launch_prep<kPrepThreads>(kind < 2, ncand, 2 + tail_blocks, s, p);
   else launch_prep<kSmallPrepThreads>(kind < 2, ncand, 2 + tail_blocks, s, p);
   cudaError_t e = cudaGetLastError();

@@ -41,7 +41,11 @@ EP_ABI_VERSION = 5         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 # their reference.  The decision reads the version the library reports, never ``hasattr``
 # alone, so an ABI 8 library that happens to carry a same-named symbol is not called.
 GEMM_FP8_ABI_VERSION = 10
-GEMM_ABI_VERSIONS = (GEMM_ABI_VERSION, GEMM_FP8_ABI_VERSION)   # what _GEMM accepts
+# ABI 11 = ABI 10 plus the MOONEP_GEMM_KEEP_TAIL flag (no new export): the ops send it only to a
+# library that reports 11 (``gemm_keep_tail``); an older one zeroes the tail, which the
+# "undefined tail" contract allows.
+GEMM_KEEP_TAIL_ABI_VERSION = 11
+GEMM_ABI_VERSIONS = (GEMM_ABI_VERSION, GEMM_FP8_ABI_VERSION, GEMM_KEEP_TAIL_ABI_VERSION)
 
 _vpp = POINTER(c_void_p)
 _i64p = POINTER(c_int64)
@@ -84,6 +88,9 @@ GEMM_FP8_PROTOTYPES: dict[str, tuple] = {
         c_void_p,                        # cudaStream_t
     ]),
 }
+
+# {ABI: exports it added}: what _GEMM declares only from a library of at least that ABI.
+GEMM_SINCE = {GEMM_FP8_ABI_VERSION: GEMM_FP8_PROTOTYPES, GEMM_KEEP_TAIL_ABI_VERSION: {}}
 
 EP_PROTOTYPES: dict[str, tuple] = {
     "moonep_ep_abi_version": (c_int, []),
@@ -225,7 +232,7 @@ class _Lib:
 
 
 _GEMM = _Lib("libmoonep_gemm.so", "moonep_gemm_abi_version", GEMM_ABI_VERSION, GEMM_PROTOTYPES, {},
-             versions=GEMM_ABI_VERSIONS, since={GEMM_FP8_ABI_VERSION: GEMM_FP8_PROTOTYPES})
+             versions=GEMM_ABI_VERSIONS, since=GEMM_SINCE)
 _EP = _Lib("libmoonep_ep.so", "moonep_ep_abi_version", EP_ABI_VERSION, EP_PROTOTYPES, EP_DIAGNOSTICS)
 
 
@@ -238,6 +245,13 @@ def gemm_fp8() -> Optional[SimpleNamespace]:
     """libmoonep_gemm.so's functions when it has the FP8 grouped GEMM (ABI >=
     GEMM_FP8_ABI_VERSION, both GEMM_FP8_PROTOTYPES exported), else None."""
     return _GEMM.feature(GEMM_FP8_ABI_VERSION)
+
+
+def gemm_keep_tail() -> bool:
+    """Whether the loaded libmoonep_gemm.so takes MOONEP_GEMM_KEEP_TAIL (ABI >=
+    GEMM_KEEP_TAIL_ABI_VERSION): the fwd / dgrad / FP8 GEMMs may then leave the rows past
+    cu_seqlens[-1] unwritten."""
+    return _GEMM.feature(GEMM_KEEP_TAIL_ABI_VERSION) is not None
 
 
 def gemm_fp8_unavailable() -> Optional[str]:

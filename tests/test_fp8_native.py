@@ -36,7 +36,7 @@ def _stub(tmp_path: Path, abi: int, fp8: bool) -> native._Lib:
                     str(tmp_path / "stub.c")], check=True)
     return native._Lib("libmoonep_gemm.so", "moonep_gemm_abi_version", native.GEMM_ABI_VERSION,
                        native.GEMM_PROTOTYPES, {}, versions=native.GEMM_ABI_VERSIONS,
-                       since={native.GEMM_FP8_ABI_VERSION: native.GEMM_FP8_PROTOTYPES})
+                       since=native.GEMM_SINCE)
 
 
 CUDA_LIKE = SimpleNamespace(device=torch.device("cuda"))   # backend_for_fp8 reads .device only
@@ -49,9 +49,10 @@ CUDA_LIKE = SimpleNamespace(device=torch.device("cuda"))   # backend_for_fp8 rea
     (10, False, True, False, "lacks moonep_gemm_fp8_num_configs, moonep_gemm_fp8_config_info, "
                              "moonep_gemm_fp8_workspace_bytes, moonep_grouped_gemm_fp8"),
     (10, True, True, True, None),
-    (9, True, False, False, "expects 8 or 10"),        # the one-config FP8 signature
-    (11, True, False, False, "expects 8 or 10"),
-    (7, False, False, False, "expects 8 or 10"),
+    (11, True, True, True, None),                      # ABI 10 + MOONEP_GEMM_KEEP_TAIL
+    (9, True, False, False, "expects 8 or 10 or 11"),  # the one-config FP8 signature
+    (12, True, False, False, "expects 8 or 10 or 11"),
+    (7, False, False, False, "expects 8 or 10 or 11"),
 ])
 def test_fp8_kernel_only_from_an_abi10_library(tmp_path, monkeypatch, abi, fp8, loads, has_fp8,
                                               why):
@@ -62,6 +63,7 @@ def test_fp8_kernel_only_from_an_abi10_library(tmp_path, monkeypatch, abi, fp8, 
     monkeypatch.setattr(native, "_GEMM", lib)
     assert (native.gemm() is not None) == loads
     assert (native.gemm_fp8() is not None) == has_fp8
+    assert native.gemm_keep_tail() == (loads and abi >= native.GEMM_KEEP_TAIL_ABI_VERSION)
     if has_fp8:
         assert native.gemm_fp8_unavailable() is None
         assert g8.backend_for_fp8(CUDA_LIKE) == "cutlass"
@@ -80,7 +82,7 @@ def test_missing_library_means_reference(tmp_path, monkeypatch):
     monkeypatch.delenv("MOONEP_DISABLE_NATIVE", raising=False)
     lib = native._Lib("libmoonep_gemm.so", "moonep_gemm_abi_version", native.GEMM_ABI_VERSION,
                       native.GEMM_PROTOTYPES, {}, versions=native.GEMM_ABI_VERSIONS,
-                      since={native.GEMM_FP8_ABI_VERSION: native.GEMM_FP8_PROTOTYPES})
+                      since=native.GEMM_SINCE)
     monkeypatch.setattr(native, "_GEMM", lib)
     assert native.gemm_fp8() is None and "not found" in native.gemm_fp8_unavailable()
     assert g8.backend_for_fp8(CUDA_LIKE) == "reference"

@@ -238,9 +238,33 @@ def test_partial_requires_grad():
 
 @pytest.mark.parametrize("case", ["skewed", "all_empty"])
 @pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck_forward(case, requires_grad):
+@pytest.mark.parametrize("zero_tail", [True, False])
+def test_opcheck_forward(case, requires_grad, zero_tail):
+    # (zero_tail=False only here: the CPU reference writes zeros, which "undefined" allows; a
+    # kernel's undefined rows would differ between opcheck's runs)
     x, wl, ws, cu = inputs(COUNTS[case], seed=8, requires_grad=requires_grad)
-    opcheck(torch.ops.moonep.grouped_mm.default, (x, wl, ws, cu, -1))
+    opcheck(torch.ops.moonep.grouped_mm.default, (x, wl, ws, cu, -1, zero_tail))
+
+
+def test_zero_tail_false_keeps_group_rows_and_grads():
+    # The option changes only the rows past cu[-1]: group rows and every gradient (x's tail
+    # included, its true value 0) are those of the default.
+    x, wl, ws, cu = inputs(COUNTS["skewed"], seed=12, requires_grad=True)
+    end = int(cu[-1])
+    assert end < x.shape[0]                      # the case has a tail
+    outs = []
+    for zt in (True, False):
+        for t in (x, wl, ws):
+            t.grad = None
+        y = gg.grouped_mm(x, wl, ws, cu, zero_tail=zt)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+        y.backward(dy)
+        dx = gg.grouped_mm_dgrad(dy, wl.detach(), ws.detach(), cu, zero_tail=zt)
+        outs.append((y[:end].detach().clone(), x.grad.clone(), wl.grad.clone(),
+                     ws.grad.clone(), dx[:end].clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert torch.all(outs[1][1][end:] == 0)      # autograd's dx tail: zero either way
 
 
 def test_opcheck_backward_ops():
@@ -249,6 +273,7 @@ def test_opcheck_backward_ops():
     x, wl, ws, cu = inputs(counts, seed=9)
     dy = torch.randn(x.shape[0], wl.shape[1])
     opcheck(torch.ops.moonep.grouped_mm_dgrad.default, (dy, wl, ws, cu, -1))
+    opcheck(torch.ops.moonep.grouped_mm_dgrad.default, (dy, wl, ws, cu, -1, False))
     opcheck(torch.ops.moonep.grouped_mm_wgrad.default, (dy, x, cu, epn, -1))
     gl = torch.zeros(epn, wl.shape[1], wl.shape[2])
     opcheck(torch.ops.moonep.grouped_mm_wgrad_accumulate.default,
@@ -341,6 +366,10 @@ def test_bad_input_other_ops():
         gg.grouped_mm(x, wl, ws, cu, config=99)
     with pytest.raises(ValueError, match="unknown"):
         gg.grouped_mm(x, wl, ws, cu, config="nope")
+    with pytest.raises(TypeError, match="zero_tail must be a bool"):
+        gg.grouped_mm(x, wl, ws, cu, zero_tail=0)
+    with pytest.raises(TypeError, match="zero_tail must be a bool"):
+        gg.grouped_mm_dgrad(dy, wl, ws, cu, zero_tail=None)
     with pytest.raises(ValueError, match="length"):   # also from the fake (meta) path
         gg.grouped_mm(x.to("meta"), wl.to("meta"), ws.to("meta"), cu[:-1].to("meta"))
 
@@ -514,10 +543,12 @@ def test_families_are_contiguous_and_share_a_cluster():
 
 def test_abi_version_matches_header():
     text = (ROOT / "cutlass_kernels" / "moonep_gemm.h").read_text()
-    # ABI 10 = ABI 8 plus the FP8 GEMM: native.py loads either (native.GEMM_ABI_VERSIONS)
+    # ABI 10 = ABI 8 plus the FP8 GEMM, 11 = 10 plus MOONEP_GEMM_KEEP_TAIL: native.py loads
+    # any of them (native.GEMM_ABI_VERSIONS)
     assert int(re.search(r"#define MOONEP_GEMM_ABI_VERSION (\d+)", text).group(1)) in \
         native.GEMM_ABI_VERSIONS
-    for flag, value in (("KEEP_EMPTY_SLOTS", gg._KEEP_EMPTY_SLOTS), ("PDL", gg._PDL)):
+    for flag, value in (("KEEP_EMPTY_SLOTS", gg._KEEP_EMPTY_SLOTS), ("PDL", gg._PDL),
+                        ("KEEP_TAIL", gg._KEEP_TAIL)):
         assert int(re.search(rf"#define MOONEP_GEMM_{flag} (\d+)", text).group(1)) == value
 
 

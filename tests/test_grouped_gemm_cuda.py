@@ -87,6 +87,37 @@ def _configs(kind):
 
 
 @needs_lib
+@pytest.mark.skipif(not native.gemm_keep_tail(), reason="library ABI < 11 (rebuild it)")
+@pytest.mark.parametrize("case", ["skewed_empty", "all_empty", "g256"])
+@pytest.mark.parametrize("kind", ["fwd", "dgrad"])
+@pytest.mark.parametrize("config", [-1, 1, 5, 6])
+def test_keep_tail_leaves_the_tail_and_nothing_else(case, kind, config):
+    # MOONEP_GEMM_KEEP_TAIL: the rows past cu[-1] keep what they held (here NaN), the group
+    # rows are bitwise those of the zeroing call; config 5 / 6: a swap-AB and a torch-family one
+    counts = COUNTS[case]
+    epn = len(counts) // 2
+    N, K = 384, 512
+    x, wl, ws, cu = make(counts, N, K, pad=200)
+    M, end = x.shape[0], int(sum(counts))
+    a, cols = (x, N) if kind == "fwd" else (torch.randn(M, N, device="cuda",
+                                                          generator=fresh_gen()).to(x.dtype), K)
+    outs = []
+    for flags in (0, gg._KEEP_TAIL):
+        out = poisoned(M, cols, dtype=torch.bfloat16)
+        gg._launch(kind, config, a, wl, ws, out, None, cu, epn, M, N, K, flags=flags)
+        outs.append(out)
+    assert torch.all(outs[0][end:] == 0)
+    assert torch.isnan(outs[1][end:]).all()
+    assert torch.equal(outs[0][:end], outs[1][:end])
+    if kind == "fwd" and case == "skewed_empty" and config == -1:   # wgrad kinds refuse it
+        dy = torch.randn(M, N, device="cuda", generator=fresh_gen()).to(x.dtype)
+        gl = torch.zeros(epn, N, K, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(RuntimeError, match="KEEP_TAIL applies to fwd and dgrad only"):
+            gg._launch("wgrad_lp", -1, dy, x, None, gl, torch.zeros_like(gl), cu, epn, M, N, K,
+                       flags=gg._KEEP_TAIL)
+
+
+@needs_lib
 @pytest.mark.parametrize("case", list(COUNTS))
 @pytest.mark.parametrize("config", _configs("fwd"))
 @pytest.mark.parametrize("raster", [0, 1])
@@ -433,6 +464,8 @@ def test_public_ops_autograd(backend, case, monkeypatch):
     end = int(sum(counts))
     assert torch.all(y[end:] == 0)
     assert rel_err(y, ref_fwd(x.detach(), wl.detach(), ws.detach(), cu)) < TOL
+    with torch.no_grad():                      # zero_tail=False: the same group rows
+        assert torch.equal(gg.grouped_mm(x, wl, ws, cu, zero_tail=False)[:end], y[:end])
     dy = torch.randn_like(y)
     _poison_allocator()
     y.backward(dy)

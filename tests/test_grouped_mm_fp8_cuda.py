@@ -247,6 +247,20 @@ def test_pdl_and_forced_pick_are_bitwise_the_same():
         assert torch.equal(run(inputs, config=i), run(inputs, config=i, flags=0)), i
 
 
+@needs_fp8
+@pytest.mark.skipif(not native.gemm_keep_tail(), reason="library ABI < 11 (rebuild it)")
+@pytest.mark.parametrize("config", [-1] + list(range(len(fp8_cost.NAMES))))
+def test_keep_tail_leaves_the_tail_and_nothing_else(config):
+    """MOONEP_GEMM_KEEP_TAIL (4): the rows past cu[-1] keep their NaN, the group rows are
+    bitwise those of the zeroing call."""
+    inputs = make([300, 0, 129, 64, 0, 500, 7, 200], 512, 1024, 300)
+    end = int(inputs[-1][-1])
+    zeroed, kept = run(inputs, config=config), run(inputs, config=config, flags=PDL | 4)
+    assert (zeroed[end:].float() == 0).all()
+    assert torch.isnan(kept[end:].float()).all()
+    assert torch.equal(zeroed[:end], kept[:end])
+
+
 _pick_rng = np.random.default_rng(5)
 
 
@@ -335,7 +349,7 @@ def test_fp8_argument_errors():
         "config < -1": (*p, 2, 1, M, 128, 256, -2, t, PDL, buf.data_ptr(), nbytes, sms, s),
         "auto without a table": (*p, 2, 1, M, 128, 256, -1, None, PDL, buf.data_ptr(), nbytes,
                                  sms, s),
-        "unknown flag": (*p, 2, 1, M, 128, 256, -1, t, 4, buf.data_ptr(), nbytes, sms, s),
+        "unknown flag": (*p, 2, 1, M, 128, 256, -1, t, 8, buf.data_ptr(), nbytes, sms, s),
     }
     for what, args in bad.items():
         assert _LIB.grouped_gemm_fp8(*args) == -1, what

@@ -250,8 +250,8 @@ moonep::dispatch_with_plan(Tensor x, Tensor? route_weights, Tensor dst, str buff
 moonep::combine(Tensor h, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens) -> (Tensor, Tensor)
 moonep::prefetch_weight(Tensor experts_to_copy, Tensor[] local_weights, Tensor(a2!)[] slot_weights, str buffer) -> ()
 moonep::reduce_grad(Tensor experts_to_copy, Tensor(a1!)[] local_grads, Tensor(a2!)[] slot_grads, str buffer) -> ()
-moonep::grouped_mm(Tensor x, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1) -> Tensor
-moonep::grouped_mm_dgrad(Tensor dy, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1) -> Tensor
+moonep::grouped_mm(Tensor x, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, bool zero_tail=True) -> Tensor
+moonep::grouped_mm_dgrad(Tensor dy, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, bool zero_tail=True) -> Tensor
 moonep::grouped_mm_wgrad(Tensor dy, Tensor x, Tensor cu_seqlens, int epn, int config=-1, ScalarType? out_dtype=None) -> (Tensor, Tensor)
 moonep::grouped_mm_wgrad_accumulate(Tensor dy, Tensor x, Tensor cu_seqlens, Tensor(a!) grad_local, Tensor(b!) grad_slot, int config=-1) -> ()
 moonep::moe_experts(Tensor h, Tensor cu_seqlens, Tensor experts_to_copy, Tensor w1, Tensor w3, Tensor w2, str pool) -> (Tensor, Tensor, Tensor)

@@ -7,7 +7,11 @@ Legend (shape suffixes):
 
   cu_seqlens_G  int32 inclusive END offsets (torch._grouped_mm's ``offs``): group g owns rows
                 [cu_seqlens_G[g-1], cu_seqlens_G[g]) (start 0 for g = 0).  Rows at or past
-                cu_seqlens_G[-1] are padding: the outputs there are ZERO.
+                cu_seqlens_G[-1] are padding: the outputs there are ZERO, or, with
+                ``zero_tail=False``, left undefined as torch._grouped_mm leaves them (the
+                zeroing writes those rows' bytes in series with the GEMM, ~0.22 us per MB on
+                the H200; the MoE layer's intermediates, which nothing reads past the last
+                group, skip it).  Autograd's dx always has a zero tail (its true gradient).
 
   forward  y_MO[rows g]  = x_MI[rows g] @ W_g^T        bf16 in, fp32 accumulate, bf16 out
   dgrad    dx_MI[rows g] = dy_MO[rows g] @ W_g
@@ -15,8 +19,8 @@ Legend (shape suffixes):
 
 Ops (namespace ``moonep``; schemas, fakes and autograd are pure Python, so they exist without the
 compiled library):
-  grouped_mm(x, w_local, w_slot, cu_seqlens, config=-1) -> y            (differentiable)
-  grouped_mm_dgrad(dy, w_local, w_slot, cu_seqlens, config=-1) -> dx
+  grouped_mm(x, w_local, w_slot, cu_seqlens, config=-1, zero_tail=True) -> y  (differentiable)
+  grouped_mm_dgrad(dy, w_local, w_slot, cu_seqlens, config=-1, zero_tail=True) -> dx
   grouped_mm_wgrad(dy, x, cu_seqlens, epn, config=-1, out_dtype=None) -> (dW_local, dW_slot)
       fp32 by default; out_dtype=bf16 writes bf16 directly (4x fewer output bytes than fp32
       read-modify-write; what autograd uses for bf16 weights, like torch._grouped_mm does);
@@ -279,16 +283,16 @@ def _zero_tail_rows(out: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     return out.masked_fill_((rows >= cu[-1])[:, None], 0)
 
 
-def _torch_fwd(x, w_local, w_slot, cu):
+def _torch_fwd(x, w_local, w_slot, cu, zero_tail=True):
     w = torch.cat([w_local, w_slot])                       # [G, O, I]
     y = torch._grouped_mm(x, w.transpose(-2, -1), offs=cu)
-    return _zero_tail_rows(y, cu)
+    return _zero_tail_rows(y, cu) if zero_tail else y
 
 
-def _torch_dgrad(dy, w_local, w_slot, cu):
+def _torch_dgrad(dy, w_local, w_slot, cu, zero_tail=True):
     w = torch.cat([w_local, w_slot])
     dx = torch._grouped_mm(dy, w, offs=cu)
-    return _zero_tail_rows(dx, cu)
+    return _zero_tail_rows(dx, cu) if zero_tail else dx
 
 
 def _ref_wgrad_into(dy, x, cu, grad_local, grad_slot):
@@ -383,6 +387,13 @@ def clear_plan_cache() -> None:
 
 _KEEP_EMPTY_SLOTS = 1      # moonep_gemm.h MOONEP_GEMM_KEEP_EMPTY_SLOTS
 _PDL = 2                   # moonep_gemm.h MOONEP_GEMM_PDL
+_KEEP_TAIL = 4             # moonep_gemm.h MOONEP_GEMM_KEEP_TAIL (library ABI >= 11)
+
+
+def tail_flags(zero_tail: bool) -> int:
+    """MOONEP_GEMM_KEEP_TAIL when the caller leaves the rows past cu_seqlens[-1] undefined and
+    the library takes the flag (an older library zeroes them: also within the contract)."""
+    return 0 if zero_tail or not native.gemm_keep_tail() else _KEEP_TAIL
 
 
 def _pdl_flag() -> int:
@@ -416,23 +427,23 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,
     return workspace
 
 
-def _cutlass_fwd(x, w_local, w_slot, cu, config):
+def _cutlass_fwd(x, w_local, w_slot, cu, config, zero_tail=True):
     M, I = x.shape
     epn, O, _ = w_local.shape
     y = torch.empty(M, O, dtype=x.dtype, device=x.device)
     if M:
         _launch("fwd", config, x.contiguous(), w_local.contiguous(), w_slot.contiguous(),
-                y, None, cu.contiguous(), epn, M, O, I)
+                y, None, cu.contiguous(), epn, M, O, I, flags=tail_flags(zero_tail))
     return y
 
 
-def _cutlass_dgrad(dy, w_local, w_slot, cu, config):
+def _cutlass_dgrad(dy, w_local, w_slot, cu, config, zero_tail=True):
     M, O = dy.shape
     epn, _, I = w_local.shape
     dx = torch.empty(M, I, dtype=dy.dtype, device=dy.device)
     if M:
         _launch("dgrad", config, dy.contiguous(), w_local.contiguous(), w_slot.contiguous(),
-                dx, None, cu.contiguous(), epn, M, O, I)
+                dx, None, cu.contiguous(), epn, M, O, I, flags=tail_flags(zero_tail))
     return dx
 
 
@@ -475,40 +486,44 @@ def _cutlass_wgrad_lp(dy, x, cu, epn, config):
 # Explicit schemas: `int` (not the inferred SymInt) so epn and config are static in traces.
 @torch.library.custom_op(
     "moonep::grouped_mm", mutates_args=(),
-    schema="(Tensor x, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1) -> Tensor")
+    schema="(Tensor x, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, "
+           "bool zero_tail=True) -> Tensor")
 def _grouped_mm_op(x: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
-                   cu_seqlens: torch.Tensor, config: int = -1) -> torch.Tensor:
+                   cu_seqlens: torch.Tensor, config: int = -1,
+                   zero_tail: bool = True) -> torch.Tensor:
     epn, O, I = _check_fwd(x, w_local, w_slot, cu_seqlens, config)
     backend = backend_for(x, O, I)
     if backend == "cutlass":
-        return _cutlass_fwd(x, w_local, w_slot, cu_seqlens, config)
+        return _cutlass_fwd(x, w_local, w_slot, cu_seqlens, config, zero_tail)
     if backend == "torch":
-        return _torch_fwd(x, w_local, w_slot, cu_seqlens)
+        return _torch_fwd(x, w_local, w_slot, cu_seqlens, zero_tail)
     return _ref_fwd(x, w_local, w_slot, cu_seqlens)
 
 
 @_grouped_mm_op.register_fake
-def _(x, w_local, w_slot, cu_seqlens, config=-1):
+def _(x, w_local, w_slot, cu_seqlens, config=-1, zero_tail=True):
     _, O, _ = _check_fwd(x, w_local, w_slot, cu_seqlens, config, values=False)
     return x.new_empty(x.shape[0], O)
 
 
 @torch.library.custom_op(
     "moonep::grouped_mm_dgrad", mutates_args=(),
-    schema="(Tensor dy, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1) -> Tensor")
+    schema="(Tensor dy, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, "
+           "bool zero_tail=True) -> Tensor")
 def _grouped_mm_dgrad_op(dy: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
-                         cu_seqlens: torch.Tensor, config: int = -1) -> torch.Tensor:
+                         cu_seqlens: torch.Tensor, config: int = -1,
+                         zero_tail: bool = True) -> torch.Tensor:
     epn, O, I = _check_dgrad(dy, w_local, w_slot, cu_seqlens, config)
     backend = backend_for(dy, O, I)
     if backend == "cutlass":
-        return _cutlass_dgrad(dy, w_local, w_slot, cu_seqlens, config)
+        return _cutlass_dgrad(dy, w_local, w_slot, cu_seqlens, config, zero_tail)
     if backend == "torch":
-        return _torch_dgrad(dy, w_local, w_slot, cu_seqlens)
+        return _torch_dgrad(dy, w_local, w_slot, cu_seqlens, zero_tail)
     return _ref_dgrad(dy, w_local, w_slot, cu_seqlens)
 
 
 @_grouped_mm_dgrad_op.register_fake
-def _(dy, w_local, w_slot, cu_seqlens, config=-1):
+def _(dy, w_local, w_slot, cu_seqlens, config=-1, zero_tail=True):
     _, _, I = _check_dgrad(dy, w_local, w_slot, cu_seqlens, config, values=False)
     return dy.new_empty(dy.shape[0], I)
 
@@ -638,7 +653,7 @@ def _(dy, x, cu_seqlens, epn, config=-1, out_dtype=None):
 
 
 def _setup_context(ctx, inputs, output):
-    x, w_local, w_slot, cu_seqlens, config = inputs
+    x, w_local, w_slot, cu_seqlens, config, zero_tail = inputs
     ctx.save_for_backward(x, w_local, w_slot, cu_seqlens)
 
 
@@ -647,6 +662,7 @@ def _backward(ctx, dy):
     dy = dy.contiguous()
     dx = dwl = dws = None
     if ctx.needs_input_grad[0]:
+        # zero tail whatever the forward's zero_tail: it is x's true gradient there
         dx = torch.ops.moonep.grouped_mm_dgrad(dy, w_local, w_slot, cu)
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         # Written straight in the weights' dtype (bf16: one bf16 store per element instead of an
@@ -663,7 +679,7 @@ def _backward(ctx, dy):
             torch.ops.moonep.grouped_mm_wgrad_into(dy, x, cu, gl, gs)
         dwl = gl if ctx.needs_input_grad[1] else None
         dws = gs if ctx.needs_input_grad[2] else None
-    return dx, dwl, dws, None, None
+    return dx, dwl, dws, None, None, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -688,25 +704,38 @@ def _config_arg(config, kind: str) -> int:
     return config
 
 
+def _check_zero_tail(zero_tail) -> bool:
+    if not isinstance(zero_tail, bool):
+        raise TypeError(f"zero_tail must be a bool, got {type(zero_tail).__name__}")
+    return zero_tail
+
+
 def grouped_mm(x_MI: torch.Tensor, w_local_BOI: torch.Tensor, w_slot_BOI: torch.Tensor,
-               cu_seqlens_G: torch.Tensor, *, config: int | str | None = None) -> torch.Tensor:
-    """y_MO[rows of g] = x_MI[rows of g] @ W_g^T; padding rows of y are zero.  Differentiable
-    in x and both weight tensors (weight grads come back in the weights' dtype).
+               cu_seqlens_G: torch.Tensor, *, config: int | str | None = None,
+               zero_tail: bool = True) -> torch.Tensor:
+    """y_MO[rows of g] = x_MI[rows of g] @ W_g^T.  Differentiable in x and both weight tensors
+    (weight grads come back in the weights' dtype; x's grad has a zero tail).
 
     ``config``: None (automatic) or a name / index from gemm_cost_model.CONFIGS["fwd"].
+    ``zero_tail``: True: the rows of y at or past cu_seqlens_G[-1] are zero; False: they are
+    undefined, as torch._grouped_mm leaves them (saves writing them: (M - cu_seqlens_G[-1]) * O
+    * 2 bytes, in series with the GEMM).
     """
     _require_tensors(x_MI=x_MI, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
                      cu_seqlens_G=cu_seqlens_G)
     return torch.ops.moonep.grouped_mm(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G,
-                                       _config_arg(config, "fwd"))
+                                       _config_arg(config, "fwd"), _check_zero_tail(zero_tail))
 
 
-def grouped_mm_dgrad(dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G, *, config=None):
-    """dx_MI[rows of g] = dy_MO[rows of g] @ W_g; padding rows are zero."""
+def grouped_mm_dgrad(dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G, *, config=None,
+                     zero_tail: bool = True):
+    """dx_MI[rows of g] = dy_MO[rows of g] @ W_g; rows at or past cu_seqlens_G[-1] zero
+    (``zero_tail=False``: undefined, as in `grouped_mm`)."""
     _require_tensors(dy_MO=dy_MO, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
                      cu_seqlens_G=cu_seqlens_G)
     return torch.ops.moonep.grouped_mm_dgrad(dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G,
-                                             _config_arg(config, "dgrad"))
+                                             _config_arg(config, "dgrad"),
+                                             _check_zero_tail(zero_tail))
 
 
 def grouped_mm_wgrad(dy_MO, x_MI, cu_seqlens_G, epn: int, *, config=None, out_dtype=None):

@@ -22,7 +22,8 @@ C = ceil(I/128), P = ceil(O/128) the scale tiles along I and O (moonep_ops/ops/q
       x kept by the forward (grouped_mm_wgrad: fp32 accumulation, one rounding).
 
 cu_seqlens is read as by the bf16 ops (moonep_ops/ops/grouped_mm.py): inclusive END offsets,
-rows at or past cu_seqlens[-1] are padding and their outputs are zero.  O and I must be
+rows at or past cu_seqlens[-1] are padding and their outputs are zero (``zero_tail=False``:
+undefined, not written, as in the bf16 ops).  O and I must be
 multiples of 16 on every device (the kernel's 16-byte TMA rows of e4m3; checked on the CPU too,
 so a shape that runs here runs on the GPU).  Nothing here is differentiable but
 grouped_linear_fp8 (e4m3 inputs carry no gradient).
@@ -55,7 +56,7 @@ from .. import native
 from ..gemm import fp8_cost
 from ..runtime import sm_count
 # _pdl_flag: the bf16 ops' MOONEP_GEMM_PDL switch, on by default here too (1.020 gm, fp8.md)
-from .grouped_mm import _bounds, _check_cu, _pdl_flag
+from .grouped_mm import _bounds, _check_cu, _pdl_flag, tail_flags
 from . import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm_wgrad)
 from . import quantize_fp8 as qf
 
@@ -168,9 +169,11 @@ def _config_from_env() -> int:
     return fp8_cost.config_index(os.environ.get("MOONEP_GEMM_FP8_CONFIG") or None)
 
 
-def _launch(aq, as_, bl, bls, bs, bss, cu, epn, M, n, k, config=None) -> Tensor:
+def _launch(aq, as_, bl, bls, bs, bss, cu, epn, M, n, k, config=None,
+            zero_tail: bool = True) -> Tensor:
     """D [M, n] bf16 = A [M, k] x B_g [n, k]^T per group, on the current stream.  ``config``:
-    None (MOONEP_GEMM_FP8_CONFIG, else chosen on the device), a name or an index."""
+    None (MOONEP_GEMM_FP8_CONFIG, else chosen on the device), a name or an index;
+    ``zero_tail=False``: the rows past cu[-1] are not written."""
     lib = native.require_gemm_fp8()
     cfg = _config_from_env() if config is None else fp8_cost.config_index(config)
     dev = aq.device
@@ -185,7 +188,8 @@ def _launch(aq, as_, bl, bls, bs, bss, cu, epn, M, n, k, config=None) -> Tensor:
     with torch.cuda.device(dev):
         rc = lib.grouped_gemm_fp8(aq.data_ptr(), as_.data_ptr(), bl.data_ptr(), bls.data_ptr(),
                                   bs.data_ptr(), bss.data_ptr(), out.data_ptr(), cu.data_ptr(),
-                                  G, epn, M, n, k, cfg, _tuning_table(), _pdl_flag(),
+                                  G, epn, M, n, k, cfg, _tuning_table(),
+                                  _pdl_flag() | tail_flags(zero_tail),
                                   workspace.data_ptr(), nbytes, sms, stream)
     native.gemm_check(rc, "moonep FP8 grouped GEMM")
     return out
@@ -200,23 +204,25 @@ def _t(t: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 _FWD_SCHEMA = ("(Tensor x, Tensor x_scale, Tensor w_local, Tensor w_local_scale, Tensor w_slot, "
-               "Tensor w_slot_scale, Tensor cu_seqlens) -> Tensor")
+               "Tensor w_slot_scale, Tensor cu_seqlens, bool zero_tail=True) -> Tensor")
 _DGRAD_SCHEMA = ("(Tensor dy, Tensor dy_scale, Tensor w_local, Tensor w_local_scale, "
-                 "Tensor w_slot, Tensor w_slot_scale, Tensor cu_seqlens) -> Tensor")
+                 "Tensor w_slot, Tensor w_slot_scale, Tensor cu_seqlens, "
+                 "bool zero_tail=True) -> Tensor")
 
 
 @torch.library.custom_op("moonep::grouped_mm_fp8", mutates_args=(), schema=_FWD_SCHEMA)
-def _grouped_mm_fp8_op(x, x_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu_seqlens):
+def _grouped_mm_fp8_op(x, x_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu_seqlens,
+                       zero_tail=True):
     epn, O, I = _check_fwd("grouped_mm_fp8", x, x_scale, w_local, w_local_scale, w_slot,
                            w_slot_scale, cu_seqlens)
     if backend_for_fp8(x) == "cutlass":
         return _launch(x, x_scale, w_local, w_local_scale, w_slot, w_slot_scale,
-                       cu_seqlens.contiguous(), epn, x.shape[0], O, I)
+                       cu_seqlens.contiguous(), epn, x.shape[0], O, I, zero_tail=zero_tail)
     return _ref(x, x_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu_seqlens, False)
 
 
 @_grouped_mm_fp8_op.register_fake
-def _(x, x_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu_seqlens):
+def _(x, x_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu_seqlens, zero_tail=True):
     _, O, _ = _check_fwd("grouped_mm_fp8", x, x_scale, w_local, w_local_scale, w_slot,
                          w_slot_scale, cu_seqlens, values=False)
     return x.new_empty((x.shape[0], O), dtype=OUT_DTYPE)
@@ -224,18 +230,19 @@ def _(x, x_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu_seqlens):
 
 @torch.library.custom_op("moonep::grouped_mm_fp8_dgrad", mutates_args=(), schema=_DGRAD_SCHEMA)
 def _grouped_mm_fp8_dgrad_op(dy, dy_scale, w_local, w_local_scale, w_slot, w_slot_scale,
-                             cu_seqlens):
+                             cu_seqlens, zero_tail=True):
     epn, O, I = _check_fwd("grouped_mm_fp8_dgrad", dy, dy_scale, w_local, w_local_scale, w_slot,
                            w_slot_scale, cu_seqlens, rows_name="dy")
     if backend_for_fp8(dy) == "cutlass":
         # K-major operands only (sm90 FP8 wgmma): W_g^T [I, O] and its [C, P] scale grid
         return _launch(dy, dy_scale, _t(w_local), _t(w_local_scale), _t(w_slot),
-                       _t(w_slot_scale), cu_seqlens.contiguous(), epn, dy.shape[0], I, O)
+                       _t(w_slot_scale), cu_seqlens.contiguous(), epn, dy.shape[0], I, O,
+                       zero_tail=zero_tail)
     return _ref(dy, dy_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu_seqlens, True)
 
 
 @_grouped_mm_fp8_dgrad_op.register_fake
-def _(dy, dy_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu_seqlens):
+def _(dy, dy_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu_seqlens, zero_tail=True):
     _, _, I = _check_fwd("grouped_mm_fp8_dgrad", dy, dy_scale, w_local, w_local_scale, w_slot,
                          w_slot_scale, cu_seqlens, values=False, rows_name="dy")
     return dy.new_empty((dy.shape[0], I), dtype=OUT_DTYPE)
@@ -312,20 +319,23 @@ _grouped_linear_fp8_op.register_autograd(_linear_backward, setup_context=_linear
 
 def grouped_mm_fp8(x_MI: Tensor, x_scale_MC: Tensor, w_local_BOI: Tensor,
                    w_local_scale_BPC: Tensor, w_slot_BOI: Tensor, w_slot_scale_BPC: Tensor,
-                   cu_seqlens_G: Tensor) -> Tensor:
-    """y_MO (bf16) = dequant(x) @ dequant(W_g)^T per group; padding rows zero.  Not
-    differentiable (see grouped_linear_fp8)."""
+                   cu_seqlens_G: Tensor, *, zero_tail: bool = True) -> Tensor:
+    """y_MO (bf16) = dequant(x) @ dequant(W_g)^T per group; rows at or past cu_seqlens_G[-1]
+    zero (``zero_tail=False``: undefined, not written).  Not differentiable (see
+    grouped_linear_fp8)."""
     return torch.ops.moonep.grouped_mm_fp8(x_MI, x_scale_MC, w_local_BOI, w_local_scale_BPC,
-                                           w_slot_BOI, w_slot_scale_BPC, cu_seqlens_G)
+                                           w_slot_BOI, w_slot_scale_BPC, cu_seqlens_G,
+                                           _gm._check_zero_tail(zero_tail))
 
 
 def grouped_mm_fp8_dgrad(dy_MO: Tensor, dy_scale_MP: Tensor, w_local_BOI: Tensor,
                          w_local_scale_BPC: Tensor, w_slot_BOI: Tensor, w_slot_scale_BPC: Tensor,
-                         cu_seqlens_G: Tensor) -> Tensor:
-    """dx_MI (bf16) = dequant(dy) @ dequant(W_g) per group; padding rows zero."""
+                         cu_seqlens_G: Tensor, *, zero_tail: bool = True) -> Tensor:
+    """dx_MI (bf16) = dequant(dy) @ dequant(W_g) per group; rows at or past cu_seqlens_G[-1]
+    zero (``zero_tail=False``: undefined)."""
     return torch.ops.moonep.grouped_mm_fp8_dgrad(dy_MO, dy_scale_MP, w_local_BOI,
                                                  w_local_scale_BPC, w_slot_BOI, w_slot_scale_BPC,
-                                                 cu_seqlens_G)
+                                                 cu_seqlens_G, _gm._check_zero_tail(zero_tail))
 
 
 def grouped_linear_fp8(x_MI: Tensor, w_local_BOI: Tensor, w_slot_BOI: Tensor,

@@ -185,9 +185,11 @@ def _moe_experts(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Ten
     p = _pool(pool)
     _check_expert_args(h, cu_seqlens, experts_to_copy, w1, w3, w2, p)
     _prefetch(p, experts_to_copy, w1, w3, w2)
-    g = torch.ops.moonep.grouped_mm(h, w1, p.w1, cu_seqlens)
-    u = torch.ops.moonep.grouped_mm(h, w3, p.w3, cu_seqlens)
-    return torch.ops.moonep.grouped_mm(swiglu(g, u), w2, p.w2, cu_seqlens), g, u
+    # Rows past cu_seqlens[-1]: nothing reads them (combine gathers by the plan's rows, the
+    # GEMMs and their backward read group rows only), so g, u, y leave them unwritten.
+    g = torch.ops.moonep.grouped_mm(h, w1, p.w1, cu_seqlens, -1, False)
+    u = torch.ops.moonep.grouped_mm(h, w3, p.w3, cu_seqlens, -1, False)
+    return torch.ops.moonep.grouped_mm(swiglu(g, u), w2, p.w2, cu_seqlens, -1, False), g, u
 
 
 @_moe_experts.register_fake
@@ -207,9 +209,10 @@ def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlen
     _prefetch(p, experts_to_copy, w1, w3, w2)         # slots may hold another layer by now
     cu = cu_seqlens
     dy = dy.contiguous()
-    da = torch.ops.moonep.grouped_mm_dgrad(dy, w2, p.w2, cu)
+    da = torch.ops.moonep.grouped_mm_dgrad(dy, w2, p.w2, cu, -1, False)   # tail unread
     dg, du, a = swiglu_backward(g, u, da)
-    # One bf16 add (fp32 math, one rounding) of the two dgrads.
+    # One bf16 add (fp32 math, one rounding) of the two dgrads.  dh is h's gradient, zero past
+    # the last group (its true value), so these two keep the zero tail.
     dh = torch.ops.moonep.grouped_mm_dgrad(dg, w1, p.w1, cu) \
         + torch.ops.moonep.grouped_mm_dgrad(du, w3, p.w3, cu)
     # Weight grads written once in the weights' dtype (fp32 accumulation inside the GEMM); slot

@@ -199,10 +199,11 @@ def _moe_experts_fp8(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w
     _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2])
     cu = cu_seqlens
     mm = torch.ops.moonep.grouped_mm_fp8
-    g = mm(h, h_scale, q1, s1, p.w1, p.s1, cu)
-    u = mm(h, h_scale, q3, s3, p.w3, p.s3, cu)
+    # zero_tail=False: nothing reads the rows past cu[-1] (combine gathers the plan's rows)
+    g = mm(h, h_scale, q1, s1, p.w1, p.s1, cu, False)
+    u = mm(h, h_scale, q3, s3, p.w3, p.s3, cu, False)
     aq, as_ = torch.ops.moonep.swiglu_quantize_fp8(g, u, pow2_scales)
-    y = mm(aq, as_, q2, s2, p.w2, p.s2, cu)
+    y = mm(aq, as_, q2, s2, p.w2, p.s2, cu, False)
     z = torch.ops.moonep.scale_rows(y, row_weights)     # bf16(fp32(y) * w_M), one pass
     return z, y, g, u
 
@@ -238,10 +239,11 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
                                                                     pow2_scales)
     quant = torch.ops.moonep.quantize_fp8_rows
     mm = torch.ops.moonep.grouped_mm_fp8
-    da = mm(dyq, dys, q2, s2, t2, ts2, cu)                      # dy @ w2_g  [M, F]
+    # zero_tail=False: da and dh are read at the plan's rows only (dh by the combine below)
+    da = mm(dyq, dys, q2, s2, t2, ts2, cu, False)               # dy @ w2_g  [M, F]
     dg, du, a = swiglu_backward(g, u, da)
-    dh = mm(*quant(dg, pow2_scales), q1, s1, t1, ts1, cu) \
-        + mm(*quant(du, pow2_scales), q3, s3, t3, ts3, cu)      # [M, D]
+    dh = mm(*quant(dg, pow2_scales), q1, s1, t1, ts1, cu, False) \
+        + mm(*quant(du, pow2_scales), q3, s3, t3, ts3, cu, False)   # [M, D]
     h_bf = torch.ops.moonep.dequantize_fp8_rows(h, h_scale)     # bf16(h * h_scale), one pass:
                                                                 # the rows the forward used
     d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
