@@ -3,7 +3,7 @@ shapes; fit the never-lose rule's margin; write the constants file.  CPU only (n
 deterministic: the same JSON files give the same constants, whatever the tuning file held before.
 
     python benchmarks/fit_gemm_cost_model.py moonep_ops/gemm/calibration/zoo_<date>.json \
-        [--write PATH | --no-write] [--report-out FIT.json] [--kinds fwd,dgrad,wgrad_lp]
+        [--write PATH | --no-write] [--report-out FIT.json] [--kinds fwd,dgrad,wgrad_lp] [--keep-margins]
 
 Input: gemm_zoo.json files of benchmarks/bench_gemm_zoo.py (schema moonep-gemm-zoo/1: every config
 forced on every case, torch._grouped_mm, ``held_out`` per histogram case: the zoo's deterministic
@@ -481,8 +481,9 @@ def _replace_assign(src: str, name: str, new_text: str) -> str:
     tree = ast.parse(src)
     lines = src.splitlines(keepends=True)
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name
-                                                for t in node.targets):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             a, b = node.lineno - 1, node.end_lineno
             return "".join(lines[:a]) + new_text.rstrip("\n") + "\n" + "".join(lines[b:])
     return src.rstrip("\n") + "\n\n" + new_text.rstrip("\n") + "\n"
@@ -543,6 +544,9 @@ def main(argv=None):
     ap.add_argument("--report-out", default=None, help="JSON report of the fit and the checks")
     ap.add_argument("--holdout-every", type=int, default=4,
                     help="for calibration-format input (no held_out field): hold out every N-th")
+    ap.add_argument("--keep-margins", action="store_true",
+                    help="report the never-lose margin the fit finds, but write the tuning "
+                         "file's NEVER_LOSE_MARGIN unchanged")
     ap.add_argument("--loss-weight", type=float, default=LOSS_WEIGHT,
                     help="never-lose objective: weight of a shortfall below 0.98x torch")
     args = ap.parse_args(argv)
@@ -619,11 +623,12 @@ def main(argv=None):
         # the never-lose rule: margin fitted on the training cases, checked on the held-out ones
         rows_tr = rule_cases(lib, kind, train, consts, overhead)
         if rows_tr:
-            margins.pop(kind, None)
             w = args.loss_weight
             m, curve = fit_margin(rows_tr, w)
-            if m is not None:
-                margins[kind] = m
+            if not args.keep_margins:
+                margins.pop(kind, None)
+                if m is not None:
+                    margins[kind] = m
             ev["never_lose"] = dict(margin=m, loss_weight=w, curve=curve,
                                     train=rule_quality(rows_tr, m, w),
                                     train_off=rule_quality(rows_tr, None, w))

@@ -18,8 +18,8 @@ NEVER_LOSE_MARGIN[kind]: the margin of the never-lose rule (cost_model.family_fo
 CALIBRATED = True
 # Where each kind's constants come from (a partial refit, --kinds, keeps the others').
 CALIBRATION_SOURCES = {
-    'fwd': 'benchmarks/fit_gemm_cost_model.py on moonep_ops/gemm/calibration/zoo_2026-12-01_families.json (285 training cases, 91 held out)',
-    'dgrad': 'benchmarks/fit_gemm_cost_model.py on moonep_ops/gemm/calibration/zoo_2026-12-01_families.json (285 training cases, 91 held out)',
+    'fwd': 'benchmarks/fit_gemm_cost_model.py on moonep_ops/gemm/calibration/zoo_2026-12-04_no_tail.json + moonep_ops/gemm/calibration/zoo_2026-12-01_families.json (545 training cases, 175 held out)',
+    'dgrad': 'benchmarks/fit_gemm_cost_model.py on moonep_ops/gemm/calibration/zoo_2026-12-04_no_tail.json + moonep_ops/gemm/calibration/zoo_2026-12-01_families.json (545 training cases, 175 held out)',
     'wgrad': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s11.json, 2026-11-30',
     'wgrad_lp': 'benchmarks/fit_gemm_cost_model.py on moonep_ops/gemm/calibration/zoo_2026-12-01_families.json (285 training cases, 91 held out)',
 }
@@ -50,7 +50,10 @@ NEVER_LOSE_PROBE_TP = 128
 # 73 of 285 training calls to the torch family and lowered their gm against torch._grouped_mm
 # from 1.112 to 1.073 (against the best config: 0.957, min 0.543): the model cannot rank the two
 # families within a few percent, so the rule stays off there too (MOONEP_GEMM_FAMILY=torch forces
-# the torch family).
+# the torch family).  The pooled fit of zoo_2026-12-04_no_tail.json + zoo_2026-12-01_families.json
+# finds +0.005 for fwd and dgrad: held-out calls below 0.98x torch 25 -> 21 (fwd) and 18 -> 17
+# (dgrad) for a held-out gm of 1.060 -> 1.042 and 1.067 -> 1.038 against torch._grouped_mm (62
+# of 175 calls sent): the same trade, so that refit was written with --keep-margins.
 NEVER_LOSE_MARGIN: dict = {}
 
 # Configs without measurements of their own yet: their constants are seeds (refit them from a
@@ -60,24 +63,24 @@ SEEDED = {
 
 EFFICIENCY = {
     "fwd": {
-        "c128x256": (0.873, 0.9753, 0.2024, 2.2486, 1.268),
-        "p128x128": (0.8557, 1.0, 0.8395, 6.997, 0.0101),
-        "s256x80": (0.847, 0.8842, 0.0123, 0.0509, 1.8803),
-        "s256x96": (0.8592, 0.8129, 0.4366, 0.0, 1.1949),
-        "p64x256": (0.7219, 0.8961, 4.816, 0.0, 0.0),
-        "s256x128": (0.8891, 1.0, 0.0, 0.0, 1.5499),
-        "t128x256": (0.8892, 1.0, 0.0, 0.0, 1.7858),
-        "t64x128": (0.6199, 0.7946, 0.0, 4.9746, 0.0),
+        "c128x256": (0.8653, 0.9728, 0.3107, 0.0, 1.3038),
+        "p128x128": (0.8563, 0.9408, 0.7106, 5.6514, 0.09),
+        "s256x80": (0.8411, 0.893, 0.0, 0.0, 1.9047),
+        "s256x96": (0.8558, 0.9934, 0.3569, 0.0, 1.2389),
+        "p64x256": (0.7202, 0.8965, 4.4514, 0.0, 0.0),
+        "s256x128": (0.8799, 1.0, 0.0, 0.0, 1.5011),
+        "t128x256": (0.8811, 1.0, 0.0, 0.0, 1.7216),
+        "t64x128": (0.6163, 0.791, 0.0, 0.0, 0.0),
     },
     "dgrad": {
-        "c128x256": (0.9239, 1.0, 1.0492, 1.4802, 2.8806),
-        "p128x128": (0.9062, 1.0, 1.266, 7.392, 0.6571),
-        "s256x80": (0.8986, 1.0, 0.6251, 0.0, 2.7681),
-        "s256x96": (0.9122, 1.0, 1.0036, 0.0, 2.2352),
-        "p64x256": (0.7126, 1.0, 5.8413, 0.0, 0.0),
-        "s256x128": (0.9322, 1.0, 0.0, 0.0, 2.9484),
-        "t128x256": (0.8836, 1.0, 0.0, 0.0, 1.7643),
-        "t64x128": (0.6114, 0.7732, 0.0, 0.0, 0.0),
+        "c128x256": (0.8583, 1.0, 0.4046, 0.0, 1.5145),
+        "p128x128": (0.8515, 0.9468, 0.8392, 4.8194, 0.0498),
+        "s256x80": (0.8353, 0.9287, 0.0366, 0.0, 1.851),
+        "s256x96": (0.8493, 0.8767, 0.4523, 0.0, 1.1612),
+        "p64x256": (0.6902, 1.0, 3.7564, 0.0, 0.0),
+        "s256x128": (0.8652, 0.6896, 0.0, 0.0, 1.3251),
+        "t128x256": (0.8685, 0.8904, 0.0, 0.0, 1.5773),
+        "t64x128": (0.6122, 0.7739, 0.0, 0.001, 0.0047),
     },
     "wgrad": {
         "c128x256": (0.8394, 0.8219, 0.2747, 10.6539, 8.1877),
