@@ -545,8 +545,8 @@ def main(argv=None):
     ap.add_argument("--holdout-every", type=int, default=4,
                     help="for calibration-format input (no held_out field): hold out every N-th")
     ap.add_argument("--keep-margins", action="store_true",
-                    help="report the never-lose margin the fit finds, but write the tuning "
-                         "file's NEVER_LOSE_MARGIN unchanged")
+                    help="report the never-lose margin the fit finds, but write the "
+                         "NEVER_LOSE_MARGIN in force (the package's tuning module) unchanged")
     ap.add_argument("--loss-weight", type=float, default=LOSS_WEIGHT,
                     help="never-lose objective: weight of a shortfall below 0.98x torch")
     args = ap.parse_args(argv)

@@ -90,6 +90,32 @@ def test_fit_on_dry_run(dry_json, tmp_path):
         assert (kind in t.NEVER_LOSE_MARGIN) == (nl["margin"] is not None)
 
 
+def test_keep_margins_writes_the_rule_in_force(dry_json, tmp_path, monkeypatch):
+    # --keep-margins: the margins the fit finds are reported, those in force are written back,
+    # and the annotated assignment of the package's file is replaced, not followed by a second
+    mods = common.gemm_modules()
+    out = tmp_path / "tuning_kept.py"
+    out.write_text(Path(mods.tuning.__file__).read_text())
+    monkeypatch.setattr(mods.tuning, "NEVER_LOSE_MARGIN", {"wgrad_lp": 0.25})
+    rep = tmp_path / "fit.json"
+    assert fit.main([str(dry_json), "--write", str(out), "--report-out", str(rep),
+                     "--kinds", "fwd", "--keep-margins"]) == 0
+    assert "never_lose" in json.loads(rep.read_text())["kinds"]["fwd"]
+    text = out.read_text()
+    assert text.count("NEVER_LOSE_MARGIN =") + text.count("NEVER_LOSE_MARGIN: dict =") == 1
+    spec = importlib.util.spec_from_file_location("tuning_kept", out)
+    t = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(t)
+    assert t.NEVER_LOSE_MARGIN == {"wgrad_lp": 0.25}
+
+
+def test_replace_assign_handles_annotations():
+    src = "A = 1\nB: dict = {\n    1: 2,\n}\nC = 3\n"
+    out = fit._replace_assign(src, "B", "B = {}")
+    assert out == "A = 1\nB = {}\nC = 3\n"
+    assert fit._replace_assign(src, "D", "D = 4").endswith("C = 3\n\nD = 4\n")
+
+
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad", "wgrad_lp"])
 def test_fast_model_equals_library(kind):
     mods = common.gemm_modules()
