@@ -11,7 +11,8 @@ Legend (shape suffixes):
                 ``zero_tail=False``, left undefined as torch._grouped_mm leaves them (the
                 zeroing runs before the GEMM: +12.5 us median on the H200 for tails of
                 60-176 MB, ~0 below 20 MB, whose stores stay in L2; the MoE layer's
-                intermediates, which nothing reads past the last group, skip it).  Autograd's dx always has a zero tail (its true gradient).
+                intermediates, which nothing reads past the last group, skip it).
+                Autograd's dx always has a zero tail (its true gradient).
 
   forward  y_MO[rows g]  = x_MI[rows g] @ W_g^T        bf16 in, fp32 accumulate, bf16 out
   dgrad    dx_MI[rows g] = dy_MO[rows g] @ W_g

@@ -57,7 +57,7 @@ from ..gemm import fp8_cost
 from ..runtime import sm_count
 # _pdl_flag: the bf16 ops' MOONEP_GEMM_PDL switch, on by default here too (1.020 gm, fp8.md)
 from .grouped_mm import _bounds, _check_cu, _pdl_flag, tail_flags
-from . import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm_wgrad)
+from . import grouped_mm as _gm  # registers moonep::grouped_mm_wgrad; the bf16 ops' checks
 from . import quantize_fp8 as qf
 
 OUT_DTYPE = torch.bfloat16
