@@ -5,8 +5,9 @@ torch._grouped_mm, from the profiler's kernel records and from CUDA-graph replay
 
 Cases: the zoo's fixed-cost probe (one 128-row group of G = 16, O = I = 256, fwd) and 2048-token
 zoo calls where ours trailed torch in the last zoo run (benchmarks/data/gemm_zoo_cases.json).
-Contenders: ours automatic (PDL on and off), ours with the device's pick forced (no model), ours
-with torch's own config forced (the "torch" family: the same kernel as torch's), torch.
+Contenders: ours automatic (PDL on and off; fwd / dgrad under torch's contract, zero_tail=False,
+and "ours_zt" with the op's default zero tail), ours with the device's pick forced (no model),
+ours with torch's own config forced (the "torch" family: the same kernel as torch's), torch.
 
 Per contender and case:
   eager     device time per call, k back-to-back calls behind a GPU spin (gemm_bench_common)
@@ -54,6 +55,8 @@ def contenders(kind, counts, M, O, I, seed):
     tcfg = cm.torch_config(kind, M, len(counts), O, I)
     fns = {"ours": zoo["ours"], "ours_nopdl": common.with_env(zoo["ours"], MOONEP_GEMM_PDL="0"),
            f"forced[{pick}]": zoo[pick]}
+    if "ours_zt" in zoo:              # fwd / dgrad: the zero-tail default beside torch's contract
+        fns["ours_zt"] = zoo["ours_zt"]
     if tcfg:
         fns[f"forced[{tcfg}]"] = zoo[tcfg]
     fns["torch"] = zoo["torch"]
