@@ -1,266 +1,23 @@
-"""Hugging Face transformers sparse-MoE models on MoonEP: one call converts, checkpoints round-trip.
-
-    from moonep_ops.integrations import hf
-    model = AutoModelForCausalLM.from_pretrained(path)       # every rank: the same full model
-    hf.convert_model(model, group=ep_group, capacity=S)      # in place; collective over ep_group
-    loss = model(input_ids=ids_r, labels=ids_r).loss         # each rank its own batch, <= S tokens
-    loss.backward()
-    sd = hf.full_state_dict(model)                           # collective: the unconverted layout
-    if rank == 0:
-        model.save_pretrained(out_dir, state_dict=sd)        # plain transformers reloads it
-
-Supported (transformers 5.24): the sparse-MoE blocks of Qwen2-MoE (with its gated shared expert),
-Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 (Kimi-K2's architecture), and of Qwen3-Next, MiniMax,
-FlexOlmo, GLM-4.5 (glm4_moe), dots.llm1, DeepSeek-V3.2 and GLM-4.7-Flash (glm4_moe_lite), whose
-blocks are those families' code, GLM-4.5V's text model, Qwen3.5-MoE (Qwen3-Next's block, its router
-always renormalising), MiniMax-M2 (Mixtral's experts, a biased sigmoid router) and K-EXAONE
-(DeepSeek-V3's router in its own code) (``FAMILIES``). Each becomes a ``MoonEPBlock``: the HF
-block's forward signature and return value (``[B, T, D] -> [B, T, D]``) around a
-``moonep_ops.MoonEPMoE`` that holds this rank's home experts ``r*E/R .. (r+1)*E/R - 1`` (r, R: rank
-and size of ``group``; one rank when torch.distributed is not initialised), the shared expert(s),
-and a built-in ``Router`` configured by ``router_args(config)`` so that it computes what the
-family's HF router computes, op for op. Dense layers and every other module are untouched.
-
-Under expert parallelism each rank runs its own batch.  The outputs, the loss and the grads of the
-replicated parameters (dense layers, routers, shared experts) are those of the unconverted model on
-that rank's batch: reduce them as data parallelism does.  The expert weights' grads already hold
-the sum over the ranks of every rank's contribution: keep them out of the data-parallel reduction
-(``expert_parameter_names``).
-
-Checkpoints.  ``full_state_dict`` (collective) returns the unconverted model's ``state_dict()``:
-the same keys in the same order, shapes, dtypes and values, all experts gathered.  The converted
-model's own ``state_dict()`` holds this rank's shard (``<block>.moe.w1/w3 [E/R, F, D]``,
-``<block>.moe.w2 [E/R, D, F]``, ``<block>.moe.router.*``, ``<block>.moe.shared.*``) and loads back
-into the same converted model; its ``load_state_dict`` also takes the unconverted layout with all
-E experts (each rank keeps its slice).
-
-Router logits (``output_router_logits``, the aux loss): each converted block hands its router's
-logits ``[B*T, E]`` (not detached) to transformers' output collector, as the HF router's capturing
-hook does: exactly one record per sparse layer per forward, in eager mode and under
-``torch.compile(model)``.  A converted block compiled on its own (not inside the compiled model)
-cannot see the collector without a graph break; it raises if recording is requested there.
-
-docs/integrations.md has the whole story: how each family maps onto the Router's options, what is
-refused and why, the checkpoint round trip.
-"""
+"""Converting a transformers model in place: validation of every block, the converted block
+(``MoonEPBlock``), the router-logit hand-off to transformers' output collector, and the
+unconverted state dict gathered back (``full_state_dict``)."""
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-import transformers
 from torch import Tensor, nn
 from transformers.utils import output_capturing as _capture
 
-from ..geometry import slack_to_ppm
-from ..nn.moe import MoEArgs, MoonEPMoE, bind_moe
-from ..planner import POLICIES
-
-TESTED_TRANSFORMERS = "5.24"
-if not transformers.__version__.startswith(TESTED_TRANSFORMERS + "."):
-    warnings.warn(f"moonep_ops.integrations.hf was written against transformers "
-                  f"{TESTED_TRANSFORMERS}.x (block classes, weight layouts, the output collector); "
-                  f"found {transformers.__version__}", UserWarning, stacklevel=2)
+from ...geometry import slack_to_ppm
+from ...nn.moe import MoEArgs, MoonEPMoE, bind_moe
+from ...planner import POLICIES
+from .families import FAMILIES, Family, family_of, router_args
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-
-
-# ---------------------------------------------------------------------------------------------
-# Families: which HF block, which config fields, which router
-# ---------------------------------------------------------------------------------------------
-
-
-def _router_fields(**kw) -> dict:
-    fields = dict(score_func="softmax", topk_before_score=False, route_norm=False,
-                  route_norm_eps=0.0, route_scale=1.0, num_expert_groups=1, num_limited_groups=1,
-                  sorted_topk=True, router_dtype=None, round_weights=False, gate_bias=False)
-    fields.update(kw)
-    return fields
-
-
-def _softmax_rounded(config) -> dict:
-    # Qwen2-MoE, Qwen3-MoE, OLMoE: logits = x @ W^T in the model dtype, softmax(logits, fp32),
-    # top-k on the probabilities (sorted), optional renorm without eps, weights rounded back to
-    # the logits' dtype.
-    return _router_fields(route_norm=bool(config.norm_topk_prob), round_weights=True)
-
-
-def _softmax_rounded_renorm(config) -> dict:
-    # Qwen3.5-MoE: the same router with the renorm always on (no norm_topk_prob field).
-    return _router_fields(route_norm=True, round_weights=True)
-
-
-def _mixtral(config) -> dict:
-    # logits in the model dtype, softmax(logits.float()), top-k on the probabilities, always
-    # renormalised (no eps), fp32 weights.
-    return _router_fields(route_norm=True)
-
-
-def _minimax_m2(config) -> dict:
-    # logits in the router weight's dtype, sigmoid(logits.float()), the block's
-    # e_score_correction_bias for the choice only, top-k unsorted on the biased scores, weights =
-    # unbiased scores, always renormalised (no eps), no scale, fp32 weights; no groups.
-    return _router_fields(score_func="sigmoid", route_norm=True, sorted_topk=False)
-
-
-def _deepseek_v3(config) -> dict:
-    # fp32 logits (x and W cast to fp32), sigmoid scores, e_score_correction_bias for the choice
-    # only, group-limited top-k (group score = sum of the top-2 biased scores; sorted=False for
-    # both top-ks), weights = unbiased scores, renorm with + 1e-20, then * routed_scaling_factor
-    # (with or without renorm).  sigmoid and the "noaux_tc" choice are hard-coded in HF
-    # (scoring_func / topk_method in a config are ignored there, and here).
-    return _router_fields(score_func="sigmoid", route_norm=bool(config.norm_topk_prob),
-                          route_norm_eps=1e-20, route_scale=float(config.routed_scaling_factor),
-                          num_expert_groups=int(config.n_group),
-                          num_limited_groups=int(config.topk_group), sorted_topk=False,
-                          router_dtype=torch.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """One supported transformers sparse-MoE family.
-
-    ``experts_field`` / ``ffn_field``: the config fields of E and F.  ``shared`` / ``shared_gate``:
-    the block's shared-expert MLP and its sigmoid gate (None: none).  ``router_attrs``: (HF router
-    attribute, config field) pairs the HF router copied at construction (checked against the
-    config: the router's copy is what HF computes with).  ``biased_groups``: DeepSeek-V3's router
-    (an fp32 weight in any model dtype, ``gate.e_score_correction_bias``, group-limited top-k).
-    ``score_bias``: the block's state-dict key of a selection-only score bias (it becomes the
-    Router's ``expert_bias``; None: none).
-    ``jitter``: Mixtral's block (``router_jitter_noise``, refused when > 0).  ``package``: the
-    transformers model package when it is not ``model_type`` (a multimodal model's text config
-    has its own type, e.g. ``glm4v_moe_text`` in ``glm4v_moe``).  A family is added
-    only where its transformers block, router, experts and MLP classes are the same code as an
-    existing family's up to the class-name prefix (tests/test_integrations_hf.py checks it)."""
-    model_type: str
-    block_class: str
-    experts_field: str
-    ffn_field: str
-    router: Callable[[object], dict]
-    shared: Optional[str] = None
-    shared_gate: Optional[str] = None
-    router_attrs: tuple = ()
-    biased_groups: bool = False
-    score_bias: Optional[str] = None
-    jitter: bool = False
-    package: Optional[str] = None
-
-    @property
-    def module(self) -> str:
-        pkg = self.package or self.model_type
-        return f"transformers.models.{pkg}.modeling_{pkg}"
-
-    def key_map(self) -> dict[str, tuple[str, ...]]:
-        """HF block state-dict key -> the MoonEPMoE key(s) it maps to (two: gate_up_proj is the
-        concatenation [w1; w3] along dim 1)."""
-        m = {"gate.weight": ("router.gate.weight",),
-             "experts.gate_up_proj": ("w1", "w3"),
-             "experts.down_proj": ("w2",)}
-        if self.score_bias:
-            m[self.score_bias] = ("router.expert_bias",)
-        if self.shared:
-            for theirs, ours in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
-                m[f"{self.shared}.{theirs}.weight"] = (f"shared.{ours}.weight",)
-        if self.shared_gate:
-            m[f"{self.shared_gate}.weight"] = ("shared_gate.weight",)
-        return m
-
-
-_QWEN_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "num_experts"),
-               ("norm_topk_prob", "norm_topk_prob"))
-_QWEN3_5_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "num_experts"))
-_MIXTRAL_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "num_local_experts"))
-_DEEPSEEK_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "n_routed_experts"),
-                   ("norm_topk_prob", "norm_topk_prob"),
-                   ("routed_scaling_factor", "routed_scaling_factor"),
-                   ("num_group", "n_group"), ("topk_group", "topk_group"))
-_EXAONE_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "num_experts"),
-                 ("norm_topk_prob", "norm_topk_prob"),
-                 ("routed_scaling_factor", "routed_scaling_factor"),
-                 ("num_group", "n_group"), ("topk_group", "topk_group"))
-
-
-def _qwen2_like(model_type, block_class):          # softmax router, gated shared expert
-    return Family(model_type, block_class, "num_experts", "moe_intermediate_size",
-                  _softmax_rounded, shared="shared_expert", shared_gate="shared_expert_gate",
-                  router_attrs=_QWEN_ATTRS)
-
-
-def _olmoe_like(model_type, block_class):          # softmax router, F = intermediate_size
-    return Family(model_type, block_class, "num_experts", "intermediate_size", _softmax_rounded,
-                  router_attrs=_QWEN_ATTRS)
-
-
-def _mixtral_like(model_type, block_class):
-    return Family(model_type, block_class, "num_local_experts", "intermediate_size", _mixtral,
-                  router_attrs=_MIXTRAL_ATTRS, jitter=True)
-
-
-def _deepseek_like(model_type, block_class, package=None):   # noaux_tc router, shared experts
-    return Family(model_type, block_class, "n_routed_experts", "moe_intermediate_size",
-                  _deepseek_v3, shared="shared_experts", router_attrs=_DEEPSEEK_ATTRS,
-                  biased_groups=True, score_bias="gate.e_score_correction_bias", package=package)
-
-
-FAMILIES = (
-    _qwen2_like("qwen2_moe", "Qwen2MoeSparseMoeBlock"),
-    Family("qwen3_moe", "Qwen3MoeSparseMoeBlock", "num_experts", "moe_intermediate_size",
-           _softmax_rounded, router_attrs=_QWEN_ATTRS),
-    _mixtral_like("mixtral", "MixtralSparseMoeBlock"),
-    _olmoe_like("olmoe", "OlmoeSparseMoeBlock"),
-    _deepseek_like("deepseek_v3", "DeepseekV3MoE"),
-    # the same block, router, experts and MLP code as the family above them
-    _qwen2_like("qwen3_next", "Qwen3NextSparseMoeBlock"),          # Qwen3-Next
-    _mixtral_like("minimax", "MiniMaxSparseMoeBlock"),              # MiniMax-Text-01
-    _olmoe_like("flex_olmo", "FlexOlmoSparseMoeBlock"),             # FlexOlmo
-    _deepseek_like("glm4_moe", "Glm4MoeMoE"),                       # GLM-4.5 / 4.6
-    _deepseek_like("dots1", "Dots1MoE"),                            # dots.llm1
-    _deepseek_like("deepseek_v32", "DeepseekV32MoE"),               # DeepSeek-V3.2
-    _deepseek_like("glm4_moe_lite", "Glm4MoeLiteMoE"),              # GLM-4.7-Flash
-    # the text models of multimodal checkpoints (their text config's model_type)
-    _deepseek_like("glm4v_moe_text", "Glm4vMoeTextMoE", "glm4v_moe"),   # GLM-4.5V
-    # Mixtral's experts under a biased sigmoid router (the bias a buffer of the block)
-    Family("minimax_m2", "MiniMaxM2SparseMoeBlock", "num_local_experts", "intermediate_size",
-           _minimax_m2, router_attrs=_MIXTRAL_ATTRS, score_bias="e_score_correction_bias",
-           jitter=True),                                            # MiniMax-M2
-    # DeepSeek-V3's router and experts in its own code, E from num_experts
-    Family("exaone_moe", "ExaoneMoeSparseMoEBlock", "num_experts", "moe_intermediate_size",
-           _deepseek_v3, shared="shared_experts",
-           router_attrs=_EXAONE_ATTRS, biased_groups=True,
-           score_bias="gate.e_score_correction_bias"),                     # K-EXAONE
-    # Qwen3-Next's block whose router always renormalises (mapped on its own, not by table)
-    Family("qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", "num_experts", "moe_intermediate_size",
-           _softmax_rounded_renorm, shared="shared_expert", shared_gate="shared_expert_gate",
-           router_attrs=_QWEN3_5_ATTRS,
-           package="qwen3_5_moe"),                                  # Qwen3.5-MoE
-)
-_BY_CLASS = {(f.module, f.block_class): f for f in FAMILIES}
-FAMILIES_BY_TYPE = {f.model_type: f for f in FAMILIES}
-
-
-def family_of(module: nn.Module) -> Optional[Family]:
-    """The supported family whose sparse-MoE block class ``module`` is exactly (a subclass may
-    change the forward, so it does not count), or None."""
-    t = type(module)
-    return _BY_CLASS.get((t.__module__, t.__name__))
-
-
-def router_args(config) -> dict:
-    """The ``MoEArgs`` router fields (num_experts, top_k and every option of the built-in
-    ``Router``) that reproduce the HF router of ``config.model_type``."""
-    if (getattr(config, "model_type", None) not in FAMILIES_BY_TYPE
-            and hasattr(config, "get_text_config")):
-        config = config.get_text_config()              # a multimodal model's config
-    fam = FAMILIES_BY_TYPE.get(getattr(config, "model_type", None))
-    if fam is None:
-        raise NotImplementedError(f"no MoonEP router for model_type="
-                                  f"{getattr(config, 'model_type', None)!r} (supported: "
-                                  f"{sorted(FAMILIES_BY_TYPE)})")
-    return dict(num_experts=int(getattr(config, fam.experts_field)),
-                top_k=int(config.num_experts_per_tok), **fam.router(config))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -697,5 +454,5 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
     return [f"{name}.moe.{w}" for name in converted_blocks(model) for w in ("w1", "w3", "w2")]
 
 
-__all__ = ["FAMILIES", "Family", "MoonEPBlock", "convert_model", "converted_blocks",
-           "expert_parameter_names", "family_of", "full_state_dict", "router_args"]
+__all__ = ["MoonEPBlock", "convert_model", "converted_blocks", "expert_parameter_names",
+           "full_state_dict"]
