@@ -58,7 +58,8 @@ if not transformers.__version__.startswith(TESTED_TRANSFORMERS + "."):
 from .families import FAMILIES, FAMILIES_BY_TYPE, Family, family_of, router_args  # noqa: E402
 from .convert import (MoonEPBlock, convert_model, converted_blocks,  # noqa: E402
                       expert_parameter_names, full_state_dict)
+from .checkpoint import CheckpointError, LoadReport, load_pretrained, save_pretrained  # noqa: E402
 
-__all__ = ["FAMILIES", "FAMILIES_BY_TYPE", "Family", "MoonEPBlock", "convert_model",
-           "converted_blocks", "expert_parameter_names", "family_of", "full_state_dict",
-           "router_args"]
+__all__ = ["FAMILIES", "FAMILIES_BY_TYPE", "CheckpointError", "Family", "LoadReport",
+           "MoonEPBlock", "convert_model", "converted_blocks", "expert_parameter_names",
+           "family_of", "full_state_dict", "load_pretrained", "router_args", "save_pretrained"]

@@ -73,9 +73,11 @@ def _check_block(name: str, block: nn.Module, fam: Family, R: int) -> _Conversio
                                   "transformers (experts._is_expert_parallel=True, distributed_"
                                   f"config={getattr(config, 'distributed_config', None)!r})")
     tensors = list(block.state_dict().values())
-    if any(t.is_meta for t in tensors):
-        raise ValueError(f"{where}: the block has meta tensors; materialise the model (load its "
-                         "weights) before converting it")
+    metas = {t.is_meta for t in tensors}
+    if len(metas) > 1:
+        raise ValueError(f"{where}: some of the block's tensors are on the meta device and some "
+                         "are not; build the model wholly on the meta device (then "
+                         "hf.load_pretrained fills it) or wholly materialised")
     # The MoonEP experts are SwiGLU: act(gate) * up with act = SiLU, no biases, [gate; up] rows.
     acts = [ex.act_fn] + ([getattr(block, fam.shared).act_fn] if fam.shared else [])
     if not all(_is_silu(a) for a in acts):
@@ -327,8 +329,10 @@ def _build(c: _Conversion, capacity: int, token_padding: int, policy: str, slack
 
 @torch.no_grad()
 def _load_block(layer: MoonEPBlock, block: nn.Module) -> None:
-    """Copy the HF block's weights into the bound layer (this rank's experts only)."""
-    layer.moe.load_state_dict(layer.to_moe_keys(block.state_dict()), strict=True)
+    """Copy the HF block's weights into the bound layer (this rank's experts only); a block on
+    the meta device has none to copy (``hf.load_pretrained`` fills the layer later)."""
+    if not block.gate.weight.is_meta:
+        layer.moe.load_state_dict(layer.to_moe_keys(block.state_dict()), strict=True)
     params = dict(layer.moe.named_parameters())
     for key, p in block.named_parameters():
         for target in layer._key_map[key]:
@@ -344,13 +348,21 @@ def _load_block(layer: MoonEPBlock, block: nn.Module) -> None:
 def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None, capacity: int,
                   token_padding: int = 128, policy: str = "moonep", slack: float = 0.0,
                   link_gbps: Optional[float] = None, precision: str = "bf16",
-                  fp8_pow2_scales: bool = False) -> nn.Module:
+                  fp8_pow2_scales: bool = False, device=None) -> nn.Module:
     """Replace every supported sparse-MoE block of ``model`` by a ``MoonEPBlock``, in place.
 
     Collective over ``group`` (None: the default group when torch.distributed is initialised,
-    else one rank): every rank calls it on the same model (the same full weights).  Rank r keeps
-    experts ``r*E/R .. (r+1)*E/R - 1`` of each block; the converted layers share Buffers
-    (``bind_moe``: one per distinct setting).
+    else one rank): every rank calls it on the same model.  Rank r keeps experts
+    ``r*E/R .. (r+1)*E/R - 1`` of each block; the converted layers share Buffers (``bind_moe``:
+    one per distinct setting).
+
+    The model is either materialised (every rank the same full weights: each keeps its slice)
+    or built on the meta device (``with torch.device("meta"): AutoModelForCausalLM.from_config
+    (cfg)``, the at-scale recipe): then each rank allocates only its E/R home experts per block
+    (uninitialised), the blocks' routers and shared experts, the Buffer and the slot pool, on
+    ``device``; every other parameter stays on the meta device until ``hf.load_pretrained``
+    (or FSDP2 and ``to_empty``) materialises it.  ``device="meta"`` allocates nothing at all
+    (a shape-only model for memory planning: ``python -m moonep_ops.integrations.hf.memory``).
 
     Args:
       capacity: S, the most tokens a rank passes to one forward (B*T of its batch); every rank
@@ -364,6 +376,9 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
       precision: the routed experts' precision, "bf16" (default) or "fp8" (the DeepSeek-V3 FP8
         recipe, docs/fp8.md: a bf16 model whose hidden and expert FFN sizes are multiples of
         16); fp8_pow2_scales: power-of-two FP8 scales.
+      device: where a meta-built model's kept parts are allocated (None: the Buffer's default,
+        the current GPU for an NCCL group, else the CPU).  A materialised model's blocks stay
+        on their device; a different ``device`` is refused.
 
     Every block is validated before any is converted: an unsupported block or option raises
     NotImplementedError (bad arguments: ValueError) naming the block class and the config field,
@@ -403,11 +418,17 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
     if len(devices) != 1:
         raise ValueError(f"the sparse-MoE blocks lie on several devices {devices}; MoonEP "
                          "converts a model whose blocks share one device")
+    here = devices.pop()
+    if here.type != "meta":
+        if device is not None and torch.device(device) != here:
+            raise ValueError(f"device={device} was given but the model's blocks are materialised "
+                             f"on {here}; move the model, or build it on the meta device")
+        device = here
 
     layers = [_build(c, capacity, token_padding, policy, slack, link_gbps, precision,
                      fp8_pow2_scales) for c in todo]
     try:
-        bind_moe(nn.ModuleList(layers), group=group, device=devices.pop())   # collective
+        bind_moe(nn.ModuleList(layers), group=group, device=device)   # collective
         for layer, c in zip(layers, todo):
             _load_block(layer, c.block)
     except BaseException:
