@@ -280,6 +280,98 @@ def test_quantize_bad_input():
 
 
 # ------------------------------------------------------------------------------------------
+# non-finite input: the tile (block) holding it is NaN, every other one bitwise unchanged
+# ------------------------------------------------------------------------------------------
+
+NONFINITE = {"nan": float("nan"), "-nan": -float("nan"), "inf": float("inf"),
+             "-inf": -float("inf")}
+NAN_SCALE_BITS = 0x7FC00000             # fp32 quiet NaN: the scale of a non-finite tile
+NAN_E4M3_BITS = 0x7F                     # e4m3fn NaN: each of its elements
+
+
+def check_poisoned(q, s, q0, s0, bad, tile_of_element):
+    """q, s: quantisation of the poisoned input; q0, s0: of the clean one; bad: bool over the
+    scale grid (the tiles that hold a non-finite value); tile_of_element: bool over q's
+    elements, True inside a bad tile.  The bad tiles are all NaN (scale bits, element bytes,
+    dequantised values); everything else is bitwise the clean result."""
+    assert bad.any() and not bad.all()
+    sb, s0b = s.view(torch.int32), s0.view(torch.int32)
+    assert bool((sb[bad] == NAN_SCALE_BITS).all()), "a non-finite tile's scale is NaN"
+    assert torch.equal(sb[~bad], s0b[~bad]), "the other tiles' scales are unchanged"
+    qb, q0b = bits(q), bits(q0)
+    assert bool((qb[tile_of_element] == NAN_E4M3_BITS).all()), "its elements are e4m3 NaN"
+    assert torch.equal(qb[~tile_of_element], q0b[~tile_of_element]), "other elements unchanged"
+
+
+@pytest.mark.parametrize("kind", list(NONFINITE))
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_nonfinite_poisons_its_tile_only(kind, pow2, dtype):
+    gen = torch.Generator().manual_seed(5)
+    M, I = 9, 300                                      # 3 tiles a row, the last cut short
+    x0 = (torch.randn(M, I, generator=gen) * 3).to(dtype)
+    x = x0.clone()
+    hits = [(1, 0), (4, 200), (4, 250), (8, 299)]       # two in one tile; the short last tile
+    for r, c in hits:
+        x[r, c] = NONFINITE[kind]
+    bad = torch.zeros(M, qf.scale_cols(I), dtype=torch.bool)
+    for r, c in hits:
+        bad[r, c // 128] = True
+    in_bad = bad.repeat_interleave(128, 1)[:, :I]
+    for q, s in (qf.quantize_rows(x, pow2), torch.ops.moonep.quantize_fp8_rows(x, pow2)):
+        check_poisoned(q, s, *qf.quantize_rows(x0, pow2), bad, in_bad)
+        deq = qf.dequantize_rows(q, s)
+        assert bool(deq[in_bad].isnan().all()) and bool(deq[~in_bad].isfinite().all())
+        assert torch.equal(qf.dequantize_rows_bf16(q, s).isnan(), in_bad)
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_quantize_blocks_nonfinite_poisons_its_block_only(kind, pow2, transpose):
+    gen = torch.Generator().manual_seed(6)
+    w0 = (torch.randn(2, 200, 300, generator=gen) * 0.1).bfloat16()     # 2 x 3 blocks each
+    w = w0.clone()
+    hits = [(0, 5, 7), (1, 150, 290)]                   # the second: a cut-short corner block
+    for n, o, i in hits:
+        w[n, o, i] = NONFINITE[kind]
+    bad = torch.zeros(2, 2, 3, dtype=torch.bool)        # [n, P, C] of w
+    for n, o, i in hits:
+        bad[n, o // 128, i // 128] = True
+    in_bad = bad.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :200, :300]
+    if transpose:
+        bad, in_bad = bad.mT, in_bad.mT
+    for q, s in (qf.quantize_blocks(w, pow2, transpose),
+                 torch.ops.moonep.quantize_fp8_blocks(w, pow2, transpose)):
+        check_poisoned(q, s, *qf.quantize_blocks(w0, pow2, transpose), bad, in_bad)
+        deq = qf.dequantize_blocks(q, s)
+        assert bool(deq[in_bad].isnan().all()) and bool(deq[~in_bad].isfinite().all())
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_swiglu_quantize_and_scale_rows_backward_nonfinite(pow2):
+    """The two fused quantisers of the FP8 layer follow the same rule: silu(g) * u of an Inf g
+    is NaN or Inf, and so is a dy tile with an Inf dz."""
+    gen = torch.Generator().manual_seed(7)
+    g0 = torch.randn(6, 272, generator=gen).bfloat16()
+    u = torch.randn(6, 272, generator=gen).bfloat16()
+    g = g0.clone()
+    g[2, 130] = float("inf")                   # silu(inf) * u = +-inf (or nan for u = 0)
+    bad = torch.zeros(6, 3, dtype=torch.bool)
+    bad[2, 1] = True
+    in_bad = bad.repeat_interleave(128, 1)[:, :272]
+    check_poisoned(*torch.ops.moonep.swiglu_quantize_fp8(g, u, pow2),
+                   *torch.ops.moonep.swiglu_quantize_fp8(g0, u, pow2), bad, in_bad)
+    dz0, y, w = _layer_rows(6, 272, seed=4)
+    dz = dz0.clone()
+    dz[2, 130] = float("nan")
+    dy, q, s, d_rows = torch.ops.moonep.scale_rows_backward_fp8(dz, w, y, pow2)
+    dy0, q0, s0, d_rows0 = torch.ops.moonep.scale_rows_backward_fp8(dz0, w, y, pow2)
+    check_poisoned(q, s, q0, s0, bad, in_bad)
+    assert torch.equal(d_rows.isnan(), bad.any(1)) and torch.equal(d_rows[:2], d_rows0[:2])
+
+
+# ------------------------------------------------------------------------------------------
 # the FP8 layer's fused elementwise ops: the torch formulation they replaced, bitwise
 # ------------------------------------------------------------------------------------------
 

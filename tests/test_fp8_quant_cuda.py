@@ -93,6 +93,146 @@ def test_blocks_transposed_bitwise(shape, dtype, pow2):
     _same(so, s)
 
 
+# Non-finite input: a NaN or an Inf makes its tile (block) NaN, scale 0x7FC00000 and elements
+# 0x7F, every other tile bitwise as without it, and the kernels bitwise the CPU reference (Triton's
+# max reduction drops NaN: before the fix a NaN tile kept a finite scale and finite elements).
+
+NAN_SCALE_BITS, NAN_E4M3_BITS = 0x7FC00000, 0x7F
+NONFINITE = (float("nan"), -float("nan"), float("inf"), -float("inf"))
+
+
+def _same_bits(a, b):
+    """_same by the bits (a NaN equals only the same NaN)."""
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+            torch.float8_e4m3fn: torch.uint8}
+    assert a.dtype == b.dtype and a.shape == b.shape
+    a, b = a.view(view.get(a.dtype, a.dtype)), b.view(view.get(b.dtype, b.dtype))
+    assert torch.equal(a, b), f"{(a != b).sum().item()} of {a.numel()} differ"
+
+
+def _poison(x, seed, n=6):
+    """x with n elements set to NaN / -NaN / Inf / -Inf at random places (one in the last
+    column: a cut-short tile), and the list of (flat leading index, row, col) it hit."""
+    g = torch.Generator().manual_seed(seed)
+    x = x.clone()
+    flat = x.view(-1, *x.shape[-2:])
+    hits = []
+    for j in range(n):
+        b = int(torch.randint(flat.shape[0], (1,), generator=g))
+        r = int(torch.randint(flat.shape[1], (1,), generator=g))
+        c = flat.shape[2] - 1 if j == 0 else int(torch.randint(flat.shape[2], (1,), generator=g))
+        flat[b, r, c] = NONFINITE[j % 4]
+        hits.append((b, r, c))
+    return x, hits
+
+
+def _check_nonfinite(q, s, q_clean, s_clean, bad, in_bad):
+    sb, qb = s.view(torch.int32), q.view(torch.uint8)
+    assert bool((sb[bad] == NAN_SCALE_BITS).all())
+    assert bool((qb[in_bad] == NAN_E4M3_BITS).all())
+    assert torch.equal(sb[~bad], s_clean.view(torch.int32)[~bad])
+    assert torch.equal(qb[~in_bad], q_clean.view(torch.uint8)[~in_bad])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(1, 16), (37, 200), (515, 2048), (64, 7168)])
+def test_rows_nonfinite_bitwise(shape, dtype, pow2):
+    k = _kernels()
+    x0 = _data(shape, dtype, seed=hash((shape, pow2)) % 1000 + 17)
+    x, hits = _poison(x0, seed=shape[0] + int(pow2))
+    q, s = k.quantize_rows(x, pow2)
+    qr, sr = qf.quantize_rows(x.cpu(), pow2)                     # the CPU reference
+    _same_bits(q.cpu(), qr)
+    _same_bits(s.cpu(), sr)
+    _same_bits(q, qf.quantize_rows(x, pow2)[0])                        # and the reference on CUDA
+    bad = torch.zeros_like(s, dtype=torch.bool)
+    for _, r, c in hits:
+        bad[r, c // 128] = True
+    in_bad = bad.repeat_interleave(128, 1)[:, :shape[1]]
+    _check_nonfinite(q, s, *k.quantize_rows(x0, pow2), bad, in_bad)
+    deq = qf.dequantize_rows(q, s)
+    assert torch.equal(deq.isnan(), in_bad) and bool(deq[~in_bad].isfinite().all())
+    qo, so = torch.ops.moonep.quantize_fp8_rows(x, pow2)           # the op routes to it
+    _same_bits(qo, q)
+    _same_bits(so, s)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(200, 336), (2, 256, 512), (4, 2048, 7168 // 4), (3, 2, 130, 260)])
+def test_blocks_nonfinite_bitwise(shape, dtype, pow2, transpose):
+    k = _kernels()
+    w0 = _data(shape, dtype, seed=len(shape) * 13 + int(pow2) + 5)
+    w, hits = _poison(w0, seed=len(shape) + 2 * int(pow2) + int(transpose))
+    q, s = k.quantize_blocks(w, pow2, transpose)
+    qr, sr = qf.quantize_blocks(w.cpu(), pow2, transpose)       # the CPU reference
+    _same_bits(q.cpu(), qr)
+    _same_bits(s.cpu(), sr)
+    O, I = shape[-2:]
+    bad = torch.zeros(s.numel() // s.shape[-1] // s.shape[-2], qf.scale_cols(O),
+                      qf.scale_cols(I), dtype=torch.bool, device="cuda")
+    for b, r, c in hits:
+        bad[b, r // 128, c // 128] = True
+    in_bad = bad.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :O, :I]
+    if transpose:
+        bad, in_bad = bad.mT, in_bad.mT
+    _check_nonfinite(q.view(-1, *q.shape[-2:]), s.view(-1, *s.shape[-2:]),
+                     *(t.view(-1, *t.shape[-2:]) for t in k.quantize_blocks(w0, pow2, transpose)),
+                     bad, in_bad)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(37, 200), (515, 2048), (17, 7168)])
+def test_scale_rows_backward_nonfinite(shape, pow2):
+    """dy's tiles follow the same rule: q and scales bitwise the CPU reference; dy NaN / Inf
+    where the reference's is (a NaN's payload may differ between devices' bf16 casts)."""
+    k = _kernels()
+    y = _data(shape, torch.bfloat16, seed=hash(shape) % 1000 + 27)
+    dz, hits = _poison(_data(shape, torch.bfloat16, seed=hash(shape) % 1000 + 28), seed=3)
+    w = _row_weights(shape[0], seed=shape[0] + 5)
+    got = k.scale_rows_backward(dz, w, y, pow2)
+    want = qf.scale_rows_backward(dz.cpu(), w.cpu(), y.cpu(), pow2)
+    for a, b in zip(got[1:3], want[1:3]):
+        _same_bits(a.cpu(), b)
+    dy, dyr = got[0].cpu().float(), want[0].float()
+    assert torch.equal(dy.isnan(), dyr.isnan()) and torch.equal(dy.isinf(), dyr.isinf())
+    fin = dyr.isfinite()
+    assert torch.equal(dy[fin], dyr[fin])
+    rows = sorted({r for _, r, _ in hits})
+    assert not bool(got[3][rows].isfinite().any())           # d_rows of the poisoned rows
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_layer_confines_a_nonfinite_token_cuda(pow2):
+    """The FP8 layer on CUDA (Triton quantisers, FP8 GEMMs): a token with an Inf or a NaN gets a
+    non-finite output row, every other token's row is bitwise the clean run's."""
+    _kernels()
+    from moonep_ops.buffer import Buffer
+    from moonep_ops.nn.moe import MoonEPMoE
+    S, D, K, E, F = 48, 272, 3, 4, 144
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(S, D, generator=gen).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(S)]).int().cuda()
+    rw = torch.softmax(torch.randn(S, K, generator=gen), -1).cuda()
+    buf = Buffer(S, D, K, E, token_padding=128, dtype=torch.bfloat16, device="cuda",
+                 backend="single")
+    try:
+        layer = MoonEPMoE.for_buffer(buf, F, precision="fp8", fp8_pow2_scales=pow2).cuda()
+        with torch.no_grad():
+            clean = layer(x, topk_ids=ids, topk_weights=rw)
+            for t, val in ((5, float("inf")), (20, float("nan"))):
+                xp = x.clone()
+                xp[t, 200] = val
+                out = layer(xp, topk_ids=ids, topk_weights=rw)
+                assert not bool(out[t].isfinite().any()), "the poisoned token's row"
+                others = torch.arange(S, device="cuda") != t
+                _same_bits(out[others], clean[others])
+    finally:
+        buf.destroy()
+
+
 # The FP8 layer's fused elementwise kernels (scale_rows, scale_rows_backward, dequantize_rows_bf16)
 # against their references (the torch formulations they replaced in moe_experts_fp8.py), bitwise
 # on fresh random inputs: M = 0 and 1, rows and columns that cut the last 16-row block and the

@@ -18,6 +18,14 @@ so its largest element maps to +-448 and an all-zero tile gets the smallest norm
 (224, 448], and the scales of a transposed or regrouped block are bit-identical by construction.
 Elements: ``q = e4m3(clamp(x / scale, -448, 448))``, round to nearest even.
 
+Non-finite input.  A tile (block) that holds a NaN or an Inf gets the scale NaN (fp32 bits
+0x7FC00000) and every one of its elements the e4m3 NaN 0x7F, so all its dequantised values are
+NaN, with pow2 scales or without, plain or transposed; the other tiles are bitwise what they
+would be without it.  A non-finite token thus stays non-finite through the FP8 path, as it
+does through the bf16 one, and reaches only the outputs it feeds (the loss, the loss scaler
+and ``skip_nonfinite`` see it).  The bits are written explicitly, so every device gives the
+same bytes (the Triton kernels too: tests/test_fp8_quant_cuda.py).
+
 Error (an e4m3 element has 3 mantissa bits): |x - q*scale| <= 2^-4 |x| for |x / scale| >= 2^-6
 (normal e4m3), <= 2^-10 * scale below (subnormal e4m3, spacing 2^-9); tests/test_fp8_ops.py
 checks both, and the looser 2^-3 relative bound per element.
@@ -63,6 +71,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0                     # torch.finfo(torch.float8_e4m3fn).max
 TILE = 128                          # 1 x 128 activation tiles, 128 x 128 weight blocks
 SCALE_FLOOR = 2.0 ** -126           # the smallest normal fp32: an all-zero tile's scale
+NONFINITE_SCALE_BITS = 0x7FC00000   # the scale of a tile holding a NaN or an Inf: fp32 quiet NaN
+NONFINITE_Q_BITS = 0x7F             # and each of its elements: e4m3fn NaN (positive)
 
 
 class FP8ArgumentError(ValueError, TypeError):
@@ -183,7 +193,10 @@ def check_blocks_fp8(op: str, name: str, q, scale) -> tuple[int, ...]:
 # Reference (any device; fp32 math)
 # --------------------------------------------------------------------------------------------
 
-def _scale_of(amax: Tensor, pow2: bool) -> Tensor:
+def _scale_of(amax: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    """(scale, bad) of tiles whose largest |x| is ``amax`` (torch's amax propagates NaN, so amax
+    is non-finite exactly when the tile holds a NaN or an Inf); a bad tile's scale is
+    NONFINITE_SCALE."""
     # amax / 448 as an IEEE division on every device: torch on CUDA turns a division by a
     # Python scalar into a product with its rounded reciprocal (a different fp32 result for
     # some amax), so the divisor is a tensor of the same shape.
@@ -192,11 +205,20 @@ def _scale_of(amax: Tensor, pow2: bool) -> Tensor:
         m, e = torch.frexp(s)                         # s = m * 2^e, m in [0.5, 1)
         e = torch.where(m == 0.5, e - 1, e)           # already a power of two
         s = torch.ldexp(torch.ones_like(s), e)
-    return s
+    # frexp(inf) is (inf, 0) and frexp(nan) (nan, 0): without this the pow2 scale of a
+    # non-finite tile would be 1 and its elements finite (+-448).  Set by its bits, so that
+    # every device writes the same NaN.
+    bad = ~torch.isfinite(amax)
+    s = s.contiguous().view(torch.int32).masked_fill(bad, NONFINITE_SCALE_BITS).view(torch.float32)
+    return s, bad
 
 
-def _cast(v: Tensor) -> Tensor:
-    return torch.clamp(v, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+def _cast(v: Tensor, bad: Tensor) -> Tensor:
+    """e4m3 of clamp(v, +-448); the elements of bad tiles (``bad`` broadcasts against v) are
+    NONFINITE_Q, by their bits: x / NaN would keep the sign of a NaN x, which differs by
+    device."""
+    q = torch.clamp(v, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(torch.uint8).masked_fill(bad, NONFINITE_Q_BITS).view(FP8_DTYPE)
 
 
 def _pad_last(x: Tensor, n: int) -> Tensor:
@@ -210,8 +232,8 @@ def quantize_rows_from_fp32(xf: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     C = scale_cols(I)
     xf = xf.to(torch.float32)
     tiles = _pad_last(xf, I).view(M, C, TILE)
-    s = _scale_of(tiles.abs().amax(-1), pow2)                      # [M, C]
-    q = _cast(tiles / s[..., None]).view(M, C * TILE)[:, :I]
+    s, bad = _scale_of(tiles.abs().amax(-1), pow2)                 # [M, C]
+    q = _cast(tiles / s[..., None], bad[..., None]).view(M, C * TILE)[:, :I]
     return q.contiguous(), s.contiguous()
 
 
@@ -240,8 +262,9 @@ def quantize_blocks_from_float(w: Tensor, pow2_scales: bool, transpose: bool = F
     wf = w.to(torch.float32).reshape(-1, O, I)
     padded = torch.nn.functional.pad(wf, (0, C * TILE - I, 0, P * TILE - O))
     blocks = padded.view(-1, P, TILE, C, TILE)
-    s = _scale_of(blocks.abs().amax(dim=(2, 4)), pow2_scales)     # [n, P, C]
-    q = _cast(blocks / s[:, :, None, :, None]).view(-1, P * TILE, C * TILE)[:, :O, :I]
+    s, bad = _scale_of(blocks.abs().amax(dim=(2, 4)), pow2_scales)  # [n, P, C]
+    q = _cast(blocks / s[:, :, None, :, None], bad[:, :, None, :, None])
+    q = q.view(-1, P * TILE, C * TILE)[:, :O, :I]
     return (q.reshape(*lead, O, I).contiguous(), s.reshape(*lead, P, C).contiguous())
 
 

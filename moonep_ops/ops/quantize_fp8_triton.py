@@ -13,7 +13,10 @@ scale = max(amax / 448, 2^-126) and q = x / scale with IEEE round-to-nearest div
 (``div_rn``; Triton's ``/`` on fp32 is the approximate one), clamp to +-448, then
 round-to-nearest-even to e4m3 (what torch's cast does).  pow2: the scale rounded UP to a power
 of two by its bits (a zero mantissa stays, else the exponent goes up by one), as frexp / ldexp
-do for the normal fp32 scales the floor guarantees.
+do for the normal fp32 scales the floor guarantees.  A tile holding a NaN or an Inf: the scale
+NaN 0x7FC00000 and every element the e4m3 NaN 0x7F, written by their bits as the reference
+writes them (Triton's max reduction drops NaN, so the kernels reduce |x| with NaN and Inf
+mapped to +Inf); q is stored through a uint8 view for that.
 """
 from __future__ import annotations
 
@@ -28,21 +31,37 @@ TILE = 128          # quantize_fp8.TILE; the kernels' literals 448.0 and 2^-126 
 
 
 @triton.jit
-def _scale(amax, POW2: tl.constexpr):
-    s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)   # 2^-126
-    if POW2:
-        bits = s.to(tl.int32, bitcast=True)
-        mant = bits & 0x7FFFFF
-        expo = bits & 0x7F800000
-        s = tl.where(mant == 0, expo, expo + 0x800000).to(tl.float32, bitcast=True)
-    return s
+def _abs_or_inf(x):
+    # |x|, with NaN and +-Inf as +Inf.  tl.max is a maxnum reduction: it drops NaN (a tile
+    # holding one got a finite scale and finite elements).  With this, a tile's max is +Inf
+    # exactly when the tile holds a non-finite element, as torch's NaN-propagating amax is
+    # non-finite; the finite tiles' max is unchanged.
+    a = tl.abs(x)
+    return tl.where(a <= 3.4028234663852886e38, a, float("inf"))      # NaN <= FLT_MAX is false
 
 
 @triton.jit
-def _quant(x, s):
+def _scale(amax, POW2: tl.constexpr):
+    # amax from _abs_or_inf; returns (scale, bad): bad tiles (amax = +Inf) get the NaN scale
+    # 0x7FC00000 by its bits (quantize_fp8.NONFINITE_SCALE_BITS)
+    s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)   # 2^-126
+    bits = s.to(tl.int32, bitcast=True)
+    if POW2:
+        mant = bits & 0x7FFFFF
+        expo = bits & 0x7F800000
+        bits = tl.where(mant == 0, expo, expo + 0x800000)
+    bad = amax > 3.4028234663852886e38
+    s = tl.where(bad, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+    return s, bad
+
+
+@triton.jit
+def _quant(x, s, bad):
+    # e4m3 bytes (uint8) of clamp(x / s, +-448); a bad tile's elements are the e4m3 NaN 0x7F
+    # (quantize_fp8.NONFINITE_Q_BITS), by their bits as in the reference
     q = tl.math.div_rn(x, s)
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    return q.to(tl.float8e4nv)
+    return tl.where(bad, 0x7F, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
 
 
 @triton.jit
@@ -55,8 +74,8 @@ def _rows_kernel(x_ptr, q_ptr, s_ptr, M, I, C, BM: tl.constexpr, POW2: tl.conste
     mask = (rows[:, None] < M) & (cols[None, :] < I)
     offs = rows[:, None].to(tl.int64) * I + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = _scale(tl.max(tl.abs(x), axis=1), POW2)                     # [BM]
-    tl.store(q_ptr + offs, _quant(x, s[:, None]), mask=mask)
+    s, bad = _scale(tl.max(_abs_or_inf(x), axis=1), POW2)          # [BM]
+    tl.store(q_ptr + offs, _quant(x, s[:, None], bad[:, None]), mask=mask)
     tl.store(s_ptr + rows.to(tl.int64) * C + pc, s, mask=rows < M)
 
 
@@ -74,8 +93,8 @@ def _blocks_kernel(w_ptr, q_ptr, s_ptr, O, I, P, C, POW2: tl.constexpr, TRANS: t
     base = n.to(tl.int64) * O * I
     offs = base + r[:, None].to(tl.int64) * I + c[None, :]
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = _scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    q = _quant(w, s)
+    s, bad = _scale(tl.max(tl.max(_abs_or_inf(w), axis=1), axis=0), POW2)
+    q = _quant(w, s, bad)
     if TRANS:
         offs_t = base + c[:, None].to(tl.int64) * O + r[None, :]
         mask_t = (c[:, None] < I) & (r[None, :] < O)
@@ -94,7 +113,8 @@ def quantize_rows(x_MI: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     s = torch.empty(M, C, dtype=torch.float32, device=x.device)
     if M and I:
         BM = 16
-        _rows_kernel[(triton.cdiv(M, BM), C)](x, q, s, M, I, C, BM=BM, POW2=pow2, num_warps=4)
+        _rows_kernel[(triton.cdiv(M, BM), C)](x, q.view(torch.uint8), s, M, I, C, BM=BM,
+                                              POW2=pow2, num_warps=4)
     return q, s
 
 
@@ -114,7 +134,8 @@ def quantize_blocks(w: Tensor, pow2: bool, transpose: bool = False) -> tuple[Ten
         # [32, 2048, 7168] / [32, 7168, 2048] and on held-out Qwen3-235B shapes, both layouts;
         # 4 warps and multi-block programs (2-8 blocks, pipelined) were slower
         # (diagnostics/quant_blocks_sweep.py, H200, 2026-12-02)
-        _blocks_kernel[(n, P, C)](w, q, s, O, I, P, C, POW2=pow2, TRANS=transpose, num_warps=16)
+        _blocks_kernel[(n, P, C)](w, q.view(torch.uint8), s, O, I, P, C, POW2=pow2,
+                                  TRANS=transpose, num_warps=16)
     return q, s
 
 
@@ -155,8 +176,8 @@ def _scale_rows_bwd_kernel(dz_ptr, w_ptr, y_ptr, dy_ptr, q_ptr, s_ptr, p_ptr, M,
     dy = (dz * w[:, None]).to(tl.bfloat16)
     tl.store(dy_ptr + offs, dy, mask=mask)
     dyf = dy.to(tl.float32)                      # masked lanes are 0: they do not move amax
-    s = _scale(tl.max(tl.abs(dyf), axis=1), POW2)
-    tl.store(q_ptr + offs, _quant(dyf, s[:, None]), mask=mask)
+    s, bad = _scale(tl.max(_abs_or_inf(dyf), axis=1), POW2)
+    tl.store(q_ptr + offs, _quant(dyf, s[:, None], bad[:, None]), mask=mask)
     tl.store(s_ptr + rows.to(tl.int64) * C + pc, s, mask=rows < M)
     tl.store(p_ptr + rows.to(tl.int64) * C + pc, tl.sum(dz * y, axis=1), mask=rows < M)
 
@@ -197,8 +218,8 @@ def scale_rows_backward(dz_MI: Tensor, w_M: Tensor, y_MI: Tensor, pow2: bool
     s = torch.empty(M, C, dtype=torch.float32, device=dz.device)
     p = torch.empty(M, C, dtype=torch.float32, device=dz.device)
     if M and I:
-        _scale_rows_bwd_kernel[(triton.cdiv(M, _BM), C)](dz, w, y, dy, q, s, p, M, I, C, BM=_BM,
-                                                         POW2=pow2, num_warps=4)
+        _scale_rows_bwd_kernel[(triton.cdiv(M, _BM), C)](dz, w, y, dy, q.view(torch.uint8), s, p,
+                                                         M, I, C, BM=_BM, POW2=pow2, num_warps=4)
     return dy, q, s, p.sum(-1)
 
 
