@@ -196,11 +196,9 @@ def _agree(err: Optional[BaseException], what: str) -> None:
     if not bad:
         return
     r, (kind, msg) = bad[0]
-    if err is not None and r == rank:
-        raise err
     exc = {"FileNotFoundError": FileNotFoundError, "NotImplementedError": NotImplementedError,
            "TypeError": TypeError}.get(kind, CheckpointError)
-    raise exc(f"{what} failed on rank {r}: {msg}")
+    raise exc(f"{what} failed on rank {r}: {msg}") from (err if r == rank else None)
 
 
 # ---------------------------------------------------------------------------------------------
