@@ -221,6 +221,14 @@ def _local(t: Tensor) -> tuple[Tensor, tuple, tuple]:
     return t, (0,) * t.dim(), tuple(t.shape)
 
 
+def _local_experts(t: Tensor, moe) -> tuple[Tensor, int, int]:
+    """(this rank's rows of an expert weight [B, ...], the global ids [lo, hi) they hold): the
+    home experts, or under expert FSDP (``shard_experts``) the rows of its shard of them."""
+    local, offset, shape = _local(t)
+    lo = moe.expert_offset + offset[0]
+    return local, lo, lo + shape[0]
+
+
 def _state(model: nn.Module) -> dict[str, Tensor]:
     return model.state_dict(keep_vars=True)
 
@@ -279,12 +287,12 @@ def _plan_reads(model: nn.Module, files: dict[str, str], shapes: dict[str, tuple
     reads, missing = [], []
     for i, en in enumerate(entries):
         if en.parts:
-            moe = blocks[en.block].moe
-            lo, hi = moe.expert_offset, moe.expert_offset + moe.num_local_experts
+            locals_ = {t: _local_experts(state[t], blocks[en.block].moe) for t, _ in en.targets}
+            _, lo, hi = locals_[en.targets[0][0]]
             if en.hf_key in files:               # transformers' fused layout: rows [lo, hi)
                 _check_shape(en.hf_key, shapes[en.hf_key], en.shape)
                 reads.append(_Read(en.hf_key, (slice(lo, hi),),
-                                   [(state[t], None if p is None else (p, en.parts))
+                                   [(locals_[t][0], None if p is None else (p, en.parts))
                                     for t, p in en.targets]))
                 continue
             for key, hk in by_entry[i]:
@@ -295,7 +303,7 @@ def _plan_reads(model: nn.Module, files: dict[str, str], shapes: dict[str, tuple
                     continue
                 _check_shape(key, shapes[key], _hub_shape(en, hk))
                 target = en.targets[hk.part][0]
-                reads.append(_Read(key, (), [(state[target][hk.expert - lo], None)]))
+                reads.append(_Read(key, (), [(locals_[target][0][hk.expert - lo], None)]))
             continue
         names = [k for k, _ in by_entry[i]] + [en.hf_key]
         key = next((k for k in names if k in files), names[0])
@@ -443,8 +451,9 @@ def _holdings(model, entries, hub, state, blocks) -> tuple[list, list]:
     for j, (key, hk) in enumerate(hub):
         en = entries[hk.entry]
         if hk.expert is not None:
-            moe = blocks[en.block].moe
-            if hk.expert in moe.owned_experts():
+            target = en.targets[hk.part][0]
+            _, lo, hi = _local_experts(state[target], blocks[en.block].moe)
+            if lo <= hk.expert < hi:
                 whole.append(j)
             continue
         t = state[en.targets[0][0]]
@@ -455,9 +464,8 @@ def _holdings(model, entries, hub, state, blocks) -> tuple[list, list]:
 def _hub_tensor(en: _Entry, hk: _HubKey, state, blocks) -> Tensor:
     """The hub tensor from this rank's own tensors (an expert: a view of its slot)."""
     if hk.expert is not None:
-        moe = blocks[en.block].moe
-        target = en.targets[hk.part][0] if len(en.targets) > 1 else en.targets[0][0]
-        return state[target][hk.expert - moe.expert_offset].detach()
+        local, lo, _ = _local_experts(state[en.targets[hk.part][0]], blocks[en.block].moe)
+        return local[hk.expert - lo].detach()
     parts = [state[t].detach() for t, _ in en.targets]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
