@@ -322,15 +322,7 @@ def _run():
     return _results
 
 
-# The user's own to_empty before load_pretrained leaves the non-persistent buffers (the rotary
-# tables) uninitialised: load_pretrained recomputes them only when it materialised the model.
-_KNOWN = {"case_meta_to_empty_then_load": "hf.load_pretrained recomputes non-persistent buffers "
-          "only when it materialised the meta model itself"}
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_KNOWN[c])) if c in _KNOWN else c
-    for c in CASES])
+@pytest.mark.parametrize("case", CASES)
 def test_fsdp_beside_ep(case):
     res = _run()[case]
     assert res.ok, res.error

@@ -59,7 +59,11 @@ from .families import FAMILIES, FAMILIES_BY_TYPE, Family, family_of, router_args
 from .convert import (MoonEPBlock, convert_model, converted_blocks,  # noqa: E402
                       expert_parameter_names, full_state_dict)
 from .checkpoint import CheckpointError, LoadReport, load_pretrained, save_pretrained  # noqa: E402
+from .fsdp import (FSDPLayout, clip_grad_norm_, fsdp_layout, fully_shard_dense,  # noqa: E402
+                   reduce_expert_grads)
 
-__all__ = ["FAMILIES", "FAMILIES_BY_TYPE", "CheckpointError", "Family", "LoadReport",
-           "MoonEPBlock", "convert_model", "converted_blocks", "expert_parameter_names",
-           "family_of", "full_state_dict", "load_pretrained", "router_args", "save_pretrained"]
+__all__ = ["FAMILIES", "FAMILIES_BY_TYPE", "CheckpointError", "FSDPLayout", "Family",
+           "LoadReport", "MoonEPBlock", "clip_grad_norm_", "convert_model", "converted_blocks",
+           "expert_parameter_names", "family_of", "fsdp_layout", "full_state_dict",
+           "fully_shard_dense", "load_pretrained", "reduce_expert_grads", "router_args",
+           "save_pretrained"]

@@ -384,7 +384,7 @@ def load_pretrained(model: nn.Module, path: str, *, device=None) -> LoadReport:
     except (OSError, ValueError, NotImplementedError, KeyError) as e:
         err = e
     _agree(err, "load_pretrained")
-    fresh = _materialise(model, dev)
+    _materialise(model, dev)
     try:
         reads, unexpected = _plan_reads(model, files, shapes)
     except (ValueError, NotImplementedError, KeyError) as e:
@@ -405,18 +405,18 @@ def load_pretrained(model: nn.Module, path: str, *, device=None) -> LoadReport:
                     dst.copy_(t if split is None else t.chunk(split[1], dim=1)[split[0]])
                     filled[id(dst)] = dst
     report.bytes_kept = sum(t.numel() * t.element_size() for t in filled.values())
-    _finish(model, fresh)
+    _finish(model)
     return report
 
 
-def _finish(model: nn.Module, fresh: bool) -> None:
+def _finish(model: nn.Module) -> None:
     """What transformers' from_pretrained does after its reads: zero the selection bias of
-    families without one, recompute non-persistent buffers of a freshly materialised model,
-    tie weights."""
+    families without one, recompute the non-persistent buffers (garbage after any to_empty, ours
+    or the caller's), tie weights."""
     for layer in converted_blocks(model).values():
         if layer.family.score_bias is None:
             layer.moe.router.expert_bias.zero_()
-    if fresh and hasattr(model, "initialize_weights"):
+    if hasattr(model, "initialize_weights"):       # also after a caller's own to_empty
         persistent = _state(model)
         for t in list(model.parameters()) + list(persistent.values()):
             t._is_hf_initialized = True                 # loaded: transformers' init skips it
