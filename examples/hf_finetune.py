@@ -1,16 +1,18 @@
-"""Fine-tune a Hugging Face transformers MoE model with MoonEP expert parallelism, save it, and
-reload it in plain transformers.
+"""Fine-tune a Hugging Face transformers MoE model with MoonEP expert parallelism the way it is
+done at full size -- no rank ever holds the whole model -- save it, and reload it in plain
+transformers.
 
     python examples/hf_finetune.py                      # 4 gloo ranks spawned on this CPU machine
-    torchrun --nproc-per-node 8 examples/hf_finetune.py --model path/or/hub-id   # GPUs, NCCL
+    torchrun --nproc-per-node 8 examples/hf_finetune.py --model path/to/checkpoint   # GPUs, NCCL
 
-Every rank loads the same model, ``hf.convert_model`` keeps experts r·E/R … (r+1)·E/R − 1 on
-rank r, and each rank trains on its own batch; the expert grads come back holding every rank's
-contribution, the other parameters' grads are averaged over the ranks (as DDP would).  At the end
-``hf.full_state_dict`` gathers the unconverted checkpoint on every rank, rank 0 writes it with
-``save_pretrained``, and a plain ``from_pretrained`` of it reproduces the fine-tuned model's
-logits.  Without ``--model`` a tiny random Qwen3-MoE (8 experts, top-2, 2 layers) is built, so
-the example runs anywhere in about a minute.
+Every rank builds the model on the meta device (no memory), ``hf.convert_model`` allocates its
+E/R home experts, ``hf.fully_shard_dense`` shards everything else with FSDP2 over all ranks,
+``hf.load_pretrained`` reads only this rank's experts and shard rows from the checkpoint, and each
+rank trains on its own batch (``hf.reduce_expert_grads`` gives the expert grads FSDP's scaling).
+At the end ``hf.save_pretrained`` writes each rank's share in the hub layout, and a plain
+``from_pretrained`` of it reproduces the fine-tuned model's logits.  Without ``--model`` a tiny
+random Qwen3-MoE (8 experts, top-2, 2 layers) is written as the starting checkpoint, so the
+example runs anywhere in about a minute.
 """
 from __future__ import annotations
 
@@ -36,17 +38,26 @@ def tiny_qwen3_moe():
 
 
 def train(args) -> None:
-    from transformers import AutoModelForCausalLM
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
     from moonep_ops.integrations import hf
     rank, R = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if args.cuda else torch.device("cpu")
     dtype = torch.bfloat16 if args.cuda else torch.float32
-    model = (AutoModelForCausalLM.from_pretrained(args.model) if args.model else tiny_qwen3_moe())
-    model = model.to(device=device, dtype=dtype).train()
-    hf.convert_model(model, capacity=args.batch * args.seq,
+    path = args.model
+    if path is None:                                   # the starting checkpoint, written once
+        path = os.path.join(args.out, "start")
+        if rank == 0:
+            tiny_qwen3_moe().to(dtype).save_pretrained(path)
+        dist.barrier()
+    with torch.device("meta"):                         # no memory on any rank
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    hf.convert_model(model, capacity=args.batch * args.seq, device=device,
                      token_padding=128 if args.cuda else 8)
-    experts = set(hf.expert_parameter_names(model))
-    replicated = [p for n, p in model.named_parameters() if n not in experts]
+    hf.fully_shard_dense(model, init_device_mesh(device.type, (R,)))    # EP over all R ranks
+    report = hf.load_pretrained(model, path)           # this rank's experts and shard rows only
+    model.train()
+    print(f"rank {rank}: read {report.bytes_read} B in {report.files} file(s)", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     vocab = model.config.vocab_size
     for step in range(args.steps):
@@ -55,26 +66,24 @@ def train(args) -> None:
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        for p in replicated:                 # data-parallel parameters: average over the ranks
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= R
+        hf.reduce_expert_grads(model)                  # FSDP averaged the rest over the ranks
         opt.step()
         losses = [torch.zeros(()) for _ in range(R)]
         dist.all_gather_object(losses, float(loss.detach()))
         if rank == 0:
             print(f"step {step}: loss per rank " + " ".join(f"{v:.4f}" for v in losses), flush=True)
-    sd = hf.full_state_dict(model)                     # collective: every expert, HF layout
     probe = torch.arange(args.seq, device=device).view(1, -1) % vocab
-    with torch.no_grad():
+    model.eval()
+    with torch.no_grad():                              # every rank: FSDP gathers collectively
         want = model(input_ids=probe).logits.float().cpu()
+    out = os.path.join(args.out, "finetuned")
+    hf.save_pretrained(model, out)                     # each rank writes its share
     if rank == 0:
-        model.save_pretrained(args.out, state_dict=sd)
-        fresh = AutoModelForCausalLM.from_pretrained(args.out).to(device=device, dtype=dtype)
+        fresh = AutoModelForCausalLM.from_pretrained(out).to(device=device, dtype=dtype)
         with torch.no_grad():
             got = fresh.eval()(input_ids=probe).logits.float().cpu()
         diff = float((got - want).abs().max())
-        print(f"saved to {args.out}; plain transformers reloads it: max |logits diff| = {diff:.2e}",
+        print(f"saved to {out}; plain transformers reloads it: max |logits diff| = {diff:.2e}",
               flush=True)
         if diff > (1e-4 if dtype == torch.float32 else 0.1):
             raise SystemExit("the reloaded checkpoint does not reproduce the fine-tuned model")
@@ -93,7 +102,8 @@ def _spawned(rank, R, init_file, args):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="a transformers MoE checkpoint (default: tiny)")
+    ap.add_argument("--model", default=None,
+                    help="a transformers MoE checkpoint directory (default: a tiny one, written)")
     ap.add_argument("--ranks", type=int, default=4, help="gloo ranks to spawn (not under torchrun)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=2)

@@ -25,4 +25,5 @@ def test_hf_finetune_saves_a_checkpoint_plain_transformers_reloads(tmp_path):
     assert len(re.findall(r"^step \d+: loss per rank( \d+\.\d+){4}$", r.stdout, re.M)) == 2
     m = re.search(r"max \|logits diff\| = ([0-9.e+-]+)", r.stdout)
     assert m and float(m.group(1)) <= 1e-4, r.stdout[-2000:]
-    assert (tmp_path / "ckpt" / "config.json").exists()
+    assert (tmp_path / "ckpt" / "finetuned" / "model.safetensors.index.json").exists()
+    assert len(re.findall(r"rank \d: read \d+ B", r.stdout)) == 4       # ranks interleave
