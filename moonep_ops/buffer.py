@@ -11,9 +11,20 @@ field, when they differ.  The Buffer owns
   its ExpertPools (``expert_pool``): the redundant slots' weights and grads, one per
       (D, F, dtype), shared by every MoE layer of that shape;
 
-and ``destroy()`` frees them all (dropping the last reference to the Buffer does too).  The
-custom ops never see the Buffer: they take the registered name of its backend (``Buffer.name``)
-and plain ints, so they trace under ``torch.compile(fullgraph=True)``.
+and ``destroy()`` frees them all (dropping the last reference to the Buffer does too); a
+destroyed Buffer's methods raise ValueError.  The custom ops never see the Buffer: they take the
+registered name of its backend (``Buffer.name``) and plain ints, so they trace under
+``torch.compile(fullgraph=True)``.
+
+Bad arguments reach every rank.  The methods below are collectives; an argument that fails a
+check on one rank (here or in the op: a wrong dtype, shape or device, a meta tensor among real
+ones, a plan of another Buffer) makes that rank raise its own error (TypeError or ValueError,
+naming the argument, the op and the rank) and, on the backends whose ops start with a host
+collective, take part in the op's first collective flagged, so every peer raises a ValueError
+naming that rank and its reason instead of waiting (moonep_ops/ops/checks.py ``reject_call``,
+``Backend.reject``).  ``expert_pool`` compares the pools' (D, F, dtype, precision, pow2 scales)
+over the group, so ranks whose layers differ in precision raise the same ValueError when the
+layers bind, before any row moves.
 
 Usage (every rank)::
 
@@ -45,9 +56,11 @@ from torch import Tensor
 from . import native, registry
 from .backends import Backend, make_backend
 from .comm_stream import EventHandle, StreamOrder, check_async_args, check_comm_stream
-from .geometry import PPM, GroupSpec, check_cost_args, slack_to_ppm
+from .geometry import (PPM, GroupSpec, check_cost_args, check_pool_fingerprints, pool_fingerprint,
+                       rejection, slack_to_ppm)
 from .gemm import plan_cost
 from .ops import dispatch as _dispatch_ops  # noqa: F401  (registers moonep::dispatch, combine)
+from .ops.checks import ARG_ERRORS, reject_call
 from .ops.moe_experts import PRECISIONS, ExpertPool
 from .ops.quantize_fp8 import FP8ArgumentError
 from .planner import POLICIES, Plan
@@ -179,28 +192,55 @@ class Buffer:
     def symmetric_zeros(self, shape, dtype: torch.dtype) -> Tensor:
         """Collective: a zeroed tensor the peers can address (slot weights / slot grads for
         prefetch_weight / reduce_grad).  A plain tensor on backends that need none."""
+        self._check_live("symmetric_zeros")
         return self.backend.symmetric_zeros(shape, dtype)
 
-    def expert_pool(self, D: int, F: int, dtype: torch.dtype,
-                    precision: str = "bf16") -> ExpertPool:
-        """Collective on first use: this Buffer's redundant-slot pool for experts of model dim D
-        and FFN dim F (built once per shape, shared by every layer of that shape, freed by
-        ``destroy``).  ``precision`` "fp8": the slots hold e4m3 weights and their 128 x 128
-        block scales (moonep_ops/ops/moe_experts_fp8.py); the slot grads stay in ``dtype``."""
-        self._check_live()
-        for name, v in (("D", D), ("F", F)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"expert_pool: {name} must be a positive int, got {v!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"expert_pool: dtype must be a floating torch.dtype, got {dtype!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"expert_pool: precision must be one of {PRECISIONS}, got "
-                             f"{precision!r}")
+    def expert_pool(self, D: int, F: int, dtype: torch.dtype, precision: str = "bf16",
+                    pow2_scales: bool = False) -> ExpertPool:
+        """Collective, every call (every rank calls it in the same order with the same
+        arguments, as its layers bind): this Buffer's redundant-slot pool for experts of model
+        dim D and FFN dim F (built once per (D, F, dtype, precision), shared by every layer of
+        that shape, freed by ``destroy``).  ``precision`` "fp8": the slots hold e4m3 weights and
+        their 128 x 128 block scales (moonep_ops/ops/moe_experts_fp8.py); the slot grads stay
+        in ``dtype``.  ``pow2_scales``: the layer's FP8 scale rounding (fp8_pow2_scales).
+
+        The ranks' (D, F, dtype, precision, pow2_scales) are compared first (one host exchange,
+        set-up only): ranks whose layers differ (one misconfigured launch) raise the same
+        ValueError, naming the field and every rank's value, instead of moving rows and slot
+        weights of different bytes later (gloo aborts the process on such an all-to-all; the
+        CUDA backend would read garbage).  A rank whose own arguments are invalid still takes
+        part (its peers raise a ValueError naming it)."""
+        self._check_live("expert_pool")
+        try:
+            for name, v in (("D", D), ("F", F)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"expert_pool: {name} must be a positive int, got {v!r}")
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise TypeError(f"expert_pool: dtype must be a floating torch.dtype, got {dtype!r}")
+            if precision not in PRECISIONS:
+                raise ValueError(f"expert_pool: precision must be one of {PRECISIONS}, got "
+                                 f"{precision!r}")
+            if not isinstance(pow2_scales, bool):
+                raise TypeError(f"expert_pool: pow2_scales must be a bool, got "
+                                f"{type(pow2_scales).__name__}")
+        except ARG_ERRORS as e:
+            self.reject_expert_pool(e)
+            raise type(e)(f"{e} (rank {self.rank})").with_traceback(e.__traceback__) from None
+        check_pool_fingerprints(self.backend.exchange_fingerprints(
+            pool_fingerprint(D, F, dtype, precision, pow2_scales)))
         key = (D, F, dtype, precision)
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = ExpertPool(self.backend, self.name, D, F, dtype, precision)
         return pool
+
+    def reject_expert_pool(self, error: BaseException) -> None:
+        """Collective, in place of ``expert_pool`` on a rank whose arguments (or whose layer's
+        settings) failed a local check: it sends a rejection through the pools' exchange, so
+        every peer raises a ValueError naming this rank and ``error`` instead of waiting in
+        it.  The caller then raises its own error."""
+        self._check_live("expert_pool")
+        self.backend.exchange_fingerprints(rejection(f"{type(error).__name__}: {error}"))
 
     def check_errors(self) -> None:
         """Raise if a device kernel flagged an error: ``native.DataPlaneTimeout`` (a
@@ -225,9 +265,13 @@ class Buffer:
     def alive(self) -> bool:
         return self.name is not None
 
-    def _check_live(self) -> None:
+    def _check_live(self, op: str) -> None:
+        # A ValueError, the misuse type of every other argument check (a destroyed Buffer is a
+        # bad argument of the call); raised here only, no peer is told (a peer may have
+        # destroyed its Buffer too: a collective could wait forever).
         if self.name is None:
-            raise RuntimeError("this moonep Buffer was destroyed")
+            raise ValueError(f"Buffer.{op}: this moonep Buffer (rank {self.rank}) was destroyed; "
+                             "build a new one")
 
     def destroy(self) -> None:
         """Free the Buffer's pools and backend state and unregister it (idempotent).  Every rank,
@@ -250,7 +294,6 @@ class Buffer:
 
     # -- plan checks ---------------------------------------------------------------------------
     def _check_plan(self, plan) -> None:
-        self._check_live()
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a moonep_ops.Plan, got {type(plan).__name__}")
         mine = (self.rank, self.R, self.E, self.S, self.K, self.token_padding, self.NvS)
@@ -264,6 +307,11 @@ class Buffer:
                              f"total_num_tokens={plan.total_num_tokens}")
 
     # -- the data plane -----------------------------------------------------------------------
+    def _refuse(self, op: str, first: str, error: BaseException) -> BaseException:
+        """A Buffer method's argument error (checked before the op): reaches the peers through
+        the op's first collective (ops/checks.py reject_call); the exception to raise here."""
+        return reject_call(self.backend, op, first, error)
+
     def _run(self, launch, inputs, async_op: bool, previous_event, mutated=()):
         """launch() on the current stream, or (async_op) on the comm stream -> (result, handle).
         The synchronous path is the plain call for Buffers that never used the async mode, and
@@ -294,16 +342,30 @@ class Buffer:
         Buffer's comm stream after ``previous_event`` (default: after the current stream), and
         an ``EventHandle`` is appended to the result; wait on it before using the outputs.
         """
-        self._check_live()
-        if async_op is not False or previous_event is not None:
-            check_async_args(self, async_op, previous_event)
+        self._check_live("dispatch")
+        try:
+            if async_op is not False or previous_event is not None:
+                check_async_args(self, async_op, previous_event)
+            if plan is not None:
+                if topk_ids_sK is not None or total_num_tokens is not None:
+                    raise ValueError("dispatch with plan= takes neither topk_ids nor "
+                                     "total_num_tokens")
+                self._check_plan(plan)
+                if isinstance(x_sD, Tensor) and x_sD.dim() >= 1 and x_sD.shape[0] != plan.s:
+                    raise ValueError(f"the plan was made for s={plan.s} tokens but x has "
+                                     f"{x_sD.shape[0]}: a plan can only be reused with the "
+                                     "same s")
+            else:
+                if topk_ids_sK is None:
+                    raise ValueError("dispatch needs topk_ids (or plan= to reuse a plan)")
+                tot = -1 if total_num_tokens is None else total_num_tokens
+                if not isinstance(tot, int) or isinstance(tot, bool):
+                    raise TypeError(f"total_num_tokens must be an int or None, got "
+                                    f"{type(tot).__name__}")
+        except ARG_ERRORS as e:
+            raise self._refuse("dispatch", "dispatch" if plan is None else "dispatch_with_plan",
+                               e) from None
         if plan is not None:
-            if topk_ids_sK is not None or total_num_tokens is not None:
-                raise ValueError("dispatch with plan= takes neither topk_ids nor total_num_tokens")
-            self._check_plan(plan)
-            if isinstance(x_sD, Tensor) and x_sD.dim() >= 1 and x_sD.shape[0] != plan.s:
-                raise ValueError(f"the plan was made for s={plan.s} tokens but x has "
-                                 f"{x_sD.shape[0]}: a plan can only be reused with the same s")
 
             def reuse():
                 return torch.ops.moonep.dispatch_with_plan(x_sD, route_weights_sK, plan.dst,
@@ -313,11 +375,6 @@ class Buffer:
                                    previous_event)
             out = (h, (w if route_weights_sK is not None else None), plan.cu_seqlens, plan)
             return out + (ev,) if async_op else out
-        if topk_ids_sK is None:
-            raise ValueError("dispatch needs topk_ids (or plan= to reuse a plan)")
-        tot = -1 if total_num_tokens is None else total_num_tokens
-        if not isinstance(tot, int) or isinstance(tot, bool):
-            raise TypeError(f"total_num_tokens must be an int or None, got {type(tot).__name__}")
 
         def fresh():
             return torch.ops.moonep.dispatch(x_sD, topk_ids_sK, route_weights_sK, self.name, tot)
@@ -346,15 +403,19 @@ class Buffer:
         detached); the plan serves ``combine`` and ``dispatch(plan=...)`` as usual.
         ``async_op=True``: as in ``dispatch``.  Needs a backend with ``supports_fp8_dispatch``.
         """
-        self._check_live()
-        if async_op is not False or previous_event is not None:
-            check_async_args(self, async_op, previous_event)
+        self._check_live("dispatch_fp8")
         tot = -1 if total_num_tokens is None else total_num_tokens
-        if not isinstance(tot, int) or isinstance(tot, bool):
-            raise TypeError(f"total_num_tokens must be an int or None, got {type(tot).__name__}")
-        if not isinstance(pow2_scales, bool):      # the op's schema would coerce an int silently
-            raise FP8ArgumentError(f"dispatch_fp8: pow2_scales must be a bool, got "
-                                   f"{type(pow2_scales).__name__}")
+        try:
+            if async_op is not False or previous_event is not None:
+                check_async_args(self, async_op, previous_event)
+            if not isinstance(tot, int) or isinstance(tot, bool):
+                raise TypeError(f"total_num_tokens must be an int or None, got "
+                                f"{type(tot).__name__}")
+            if not isinstance(pow2_scales, bool):   # the op's schema would coerce an int silently
+                raise FP8ArgumentError(f"dispatch_fp8: pow2_scales must be a bool, got "
+                                       f"{type(pow2_scales).__name__}")
+        except ARG_ERRORS as e:
+            raise self._refuse("dispatch_fp8", "dispatch_fp8", e) from None
         x_in = x_sD.detach() if isinstance(x_sD, Tensor) else x_sD
         w_in = route_weights_sK.detach() if isinstance(route_weights_sK, Tensor) else route_weights_sK
 
@@ -380,9 +441,13 @@ class Buffer:
         order k = 0..K-1 and rounded once.  Route weights are not applied.  Differentiable.
         ``async_op=True``: as in ``dispatch``, ``(y, w, EventHandle)``.
         """
-        if async_op is not False or previous_event is not None:
-            check_async_args(self, async_op, previous_event)
-        self._check_plan(plan)
+        self._check_live("combine")
+        try:
+            if async_op is not False or previous_event is not None:
+                check_async_args(self, async_op, previous_event)
+            self._check_plan(plan)
+        except ARG_ERRORS as e:
+            raise self._refuse("combine", "combine", e) from None
 
         def launch():
             return torch.ops.moonep.combine(h_MD, w_M, plan.dst, self.name,
@@ -403,11 +468,15 @@ class Buffer:
         ``async_op=True``: returns an ``EventHandle`` (wait before reading the slots or writing
         the local weights); otherwise None.
         """
-        if async_op is not False or previous_event is not None:
-            check_async_args(self, async_op, previous_event)
-        self._check_plan(plan)
-        local = _tensor_list("prefetch_weight", "local_weights", local_weights)
-        slots = _tensor_list("prefetch_weight", "slot_weights", slot_weights)
+        self._check_live("prefetch_weight")
+        try:
+            if async_op is not False or previous_event is not None:
+                check_async_args(self, async_op, previous_event)
+            self._check_plan(plan)
+            local = _tensor_list("prefetch_weight", "local_weights", local_weights)
+            slots = _tensor_list("prefetch_weight", "slot_weights", slot_weights)
+        except ARG_ERRORS as e:
+            raise self._refuse("prefetch_weight", "prefetch_weight", e) from None
 
         def launch():
             torch.ops.moonep.prefetch_weight(plan.experts_to_copy, local, slots, self.name)
@@ -427,11 +496,15 @@ class Buffer:
         ``async_op=True``: returns an ``EventHandle`` (wait before reading either list);
         otherwise None.
         """
-        if async_op is not False or previous_event is not None:
-            check_async_args(self, async_op, previous_event)
-        self._check_plan(plan)
-        local = _tensor_list("reduce_grad", "local_grads", local_grads)
-        slots = _tensor_list("reduce_grad", "slot_grads", slot_grads)
+        self._check_live("reduce_grad")
+        try:
+            if async_op is not False or previous_event is not None:
+                check_async_args(self, async_op, previous_event)
+            self._check_plan(plan)
+            local = _tensor_list("reduce_grad", "local_grads", local_grads)
+            slots = _tensor_list("reduce_grad", "slot_grads", slot_grads)
+        except ARG_ERRORS as e:
+            raise self._refuse("reduce_grad", "reduce_grad", e) from None
 
         def launch():
             torch.ops.moonep.reduce_grad(plan.experts_to_copy, local, slots, self.name)

@@ -226,3 +226,41 @@ def check_fingerprints(fingerprints: Sequence[Sequence]) -> None:
                 f"moonep Buffer: the ranks disagree on {name} ({shown}); every rank of an EP group "
                 "must build its Buffer with the same R, E, S, K, D, token_padding, dtype, policy, "
                 "backend, slack and replica cost")
+
+
+# The expert pools of a Buffer: per layer shape and precision, compared when each layer binds
+# (Buffer.expert_pool).  Precision and pow2 scales are settings of a layer, not of its Buffer
+# (layers of several precisions may share one Buffer), but they change the bytes of every
+# dispatched row and the tensors prefetch_weight / reduce_grad move: every rank's layers must
+# agree on them, or the all-to-alls would move rows of different sizes.
+POOL_FINGERPRINT_FIELDS = ("what", "D", "F", "dtype", "precision", "pow2_scales")
+_POOL = "moonep expert pool"
+
+
+def pool_fingerprint(D: int, F: int, dtype: torch.dtype, precision: str,
+                     pow2_scales: bool) -> tuple:
+    """What every rank must share for one ``Buffer.expert_pool`` call, as plain values."""
+    return (_POOL, D, F, str(dtype), precision, pow2_scales)
+
+
+def check_pool_fingerprints(fingerprints: Sequence[Sequence]) -> None:
+    """The same ValueError on every rank when the ranks' pool fingerprints (every rank's, in
+    rank order) differ, naming the first field that differs and every rank's value; a rank that
+    sent a :func:`rejection` is named first, with its reason."""
+    for r, f in enumerate(fingerprints):
+        if len(f) == 2 and f[0] == REJECTED:
+            raise ValueError(f"moonep Buffer.expert_pool: rank {r} rejected its expert pool "
+                             f"arguments ({f[1]}); no rank built the pool")
+    for r, f in enumerate(fingerprints):
+        if len(f) != len(POOL_FINGERPRINT_FIELDS) or f[0] != _POOL:
+            raise ValueError(f"moonep Buffer.expert_pool: rank {r} is not building an expert pool "
+                             f"(it sent {f!r}): every rank binds the same layers in the same "
+                             "order")
+    for i, name in enumerate(POOL_FINGERPRINT_FIELDS):
+        vals = [f[i] for f in fingerprints]
+        if any(v != vals[0] for v in vals):
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
+            raise ValueError(
+                f"moonep Buffer.expert_pool: the ranks disagree on {name} ({shown}); every rank "
+                "of an EP group builds the same expert pools: its MoE layers' D, F, dtype, "
+                "precision and fp8_pow2_scales must match across the group")

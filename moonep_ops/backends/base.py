@@ -112,6 +112,15 @@ class Backend(abc.ABC):
         raises ``error``."""
         self.exchange_fingerprints(rejection(f"{type(error).__name__}: {error}"))
 
+    def reject(self, op: str, reason: str) -> None:
+        """Collective where the backend's ops start with a host collective: in place of ``op``
+        (a method name below) on a rank whose arguments failed a check, take part in that op's
+        first collective with a rejection flag, so that every peer raises a ValueError naming
+        this rank and ``reason`` instead of waiting in it; then return (the caller raises its
+        own error).  Nothing is written.  This default does nothing: a backend whose ops start
+        on the device (SymmBackend) cannot tell its peers on the host; their barriers time out
+        and the error word names the op and this rank (Buffer.check_errors)."""
+
     @abc.abstractmethod
     def exchange_fingerprints(self, fingerprint: tuple) -> list:
         """Collective (host, set-up only): every rank's fingerprint, in rank order."""
@@ -159,13 +168,14 @@ class Backend(abc.ABC):
         Duplicate entries (same token, same destination) reuse their primary's row."""
 
     def dispatch_fp8(self, xq_sD: Tensor, xs_sC: Tensor, topk_sK: Tensor, w_sK: Optional[Tensor],
-                     total: int, reject: str) -> DispatchFP8Result:
+                     total: int, reject: str, pow2_scales: bool = False) -> DispatchFP8Result:
         """``dispatch`` of rows quantised on this rank: ``xq_sD`` float8_e4m3fn [s, D] and its
         1x128-tile scales ``xs_sC`` fp32 [s, ceil(D/128)] travel together, D + 4*ceil(D/128)
         bytes a row (2*D in bf16), into the same expert-grouped layout as ``dispatch`` (the same
         plan, the same slots; duplicates copied on the destination; padding rows and their
-        scales zero).  Every received row and scale is bitwise the source's.  Only backends
-        that declare ``supports_fp8_dispatch``."""
+        scales zero).  Every received row and scale is bitwise the source's.  ``pow2_scales``:
+        how the rows were quantised, for a backend that checks that every rank sends rows of
+        one format.  Only backends that declare ``supports_fp8_dispatch``."""
         raise NotImplementedError(
             f"{type(self).__name__} does not implement dispatch_fp8 (its capability "
             "supports_fp8_dispatch is False)")

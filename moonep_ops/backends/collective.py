@@ -12,6 +12,23 @@ False).  Every collective is issued by every rank in the same order with the sam
 the routing (split sizes may be zero), so a rank's bad input makes every rank raise instead of
 leaving its peers inside a collective.
 
+The first collective of every op carries a rejection flag (``reject``: a rank whose arguments
+failed a check takes part in it flagged, and every rank raises) and what the ranks must agree
+on (``_settle``, ``_agree``):
+
+  op                   first collective                     carries
+  dispatch(_fp8)       all_gather [E + 4] int64             histogram, flag, s, total, row format
+  dispatch_with_plan   all_to_all of the counts [R, 3]      counts, flag
+  combine              all_to_all of the counts [R, 2]      counts, flag
+  prefetch_weight,     all_gather [4] int64 (one more        flag, op, tensors, bytes an expert
+  reduce_grad          collective than the data needs)
+
+The row format (Buffer dtype, FP8, FP8 with pow2 scales) and the prefetch / reduce header
+catch ranks whose layers differ in precision (their rows or slot tensors differ in bytes): the
+same ValueError on every rank instead of an all-to-all of mismatched sizes (gloo aborts the
+process).  A flagged exchange costs one ``all_gather_object`` more (every rank learns the
+reason); the agreeing path costs nothing more but the prefetch / reduce header.
+
 Shape legend: moonep_ops/geometry.py.
 """
 from __future__ import annotations
@@ -27,6 +44,17 @@ from torch import Tensor
 from ..geometry import GroupSpec
 from .. import planner as _plan
 from .base import Backend, DispatchFP8Result, DispatchResult
+
+
+# The format of the rows a dispatch moves, agreed on in its histogram exchange.
+ROWS_DTYPE, ROWS_FP8, ROWS_FP8_POW2 = 0, 1, 2
+ROW_FORMATS = {ROWS_DTYPE: "rows in the Buffer's dtype (dispatch)",
+               ROWS_FP8: "FP8 rows (dispatch_fp8)",
+               ROWS_FP8_POW2: "FP8 rows with pow2 scales (dispatch_fp8, pow2_scales=True)"}
+# Which collective an op starts with (``CollectiveBackend.reject``).
+FIRST_COLLECTIVE = {"dispatch": "plan", "dispatch_fp8": "plan", "dispatch_with_plan": "scatter",
+                    "combine": "combine", "prefetch_weight": "slots", "reduce_grad": "slots"}
+_SLOT_OPS = ("prefetch_weight", "reduce_grad")
 
 
 def decode_dst(dst_N: Tensor, NvS: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -102,25 +130,87 @@ class CollectiveBackend(Backend):
     def symmetric_zeros(self, shape, dtype):
         return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
 
+    # -- rejections and agreement ----------------------------------------------------------------
+    def reject(self, op, reason):
+        kind = FIRST_COLLECTIVE.get(op)
+        if kind is None:
+            raise ValueError(f"moonep: no op {op!r} to reject (one of {tuple(FIRST_COLLECTIVE)})")
+        if kind == "plan":
+            flags = self._gather_plan_rows(torch.zeros(self.spec.E, dtype=torch.long,
+                                                       device=self.device), 1, 0, -1, 0)[:, self.spec.E]
+        elif kind == "slots":
+            flags = self._gather_slot_header(op, 1, 0, 0)[:, 0]
+        else:                     # the counts exchange of dispatch_with_plan [R, 3] / combine [R, 2]
+            width = 3 if kind == "scatter" else 2
+            counts = torch.zeros((self.world_size, width), dtype=torch.long, device=self.device)
+            counts[:, -1] = 1
+            flags = self._exchange_counts(counts)[:, -1]
+        self._settle(op, flags.tolist(), reason)
+
+    def _settle(self, op: str, flags: list, reason: str) -> None:
+        """After an op's first collective: when a rank flagged a rejection, every rank learns
+        every reason (one all_gather_object, on this error path only) and the others raise a
+        ValueError naming the first rejecting rank and its reason; a rejecting rank returns
+        (its caller raises its own error)."""
+        if not any(flags):
+            return
+        reasons = self.all_gather_object(reason or "")
+        if reason:
+            return
+        r = next(i for i, f in enumerate(flags) if f)
+        raise ValueError(f"moonep {op}: rank {r} rejected its input ({reasons[r]}); no rank wrote "
+                         "anything")
+
+    @staticmethod
+    def _agree(op: str, what: str, values: list, show) -> None:
+        """The same ValueError on every rank (every rank holds ``values``, one per rank) when
+        the ranks disagree on ``what``."""
+        if any(v != values[0] for v in values):
+            shown = ", ".join(f"rank {r}: {show(v)}" for r, v in enumerate(values))
+            raise ValueError(f"moonep {op}: the ranks disagree on {what} ({shown}); every rank "
+                             "must make the same call (its layers' precision and "
+                             "fp8_pow2_scales included); nothing was moved")
+
+    def _gather_plan_rows(self, hist_E: Tensor, flag: int, s: int, total: int, fmt: int) -> Tensor:
+        """dispatch's first collective: [R, E + 4] int64, every rank's histogram, rejection
+        flag, s, total and row format."""
+        extra = torch.tensor([flag, s, total, fmt], dtype=torch.long, device=hist_E.device)
+        return self.all_gather(torch.cat([hist_E, extra]).contiguous())
+
+    def _gather_slot_header(self, op: str, flag: int, n: int, row_bytes: int) -> Tensor:
+        """prefetch_weight's / reduce_grad's first collective: [R, 4] int64 (flag, op, tensors,
+        bytes an expert): the all-to-all after it has per-rank sizes that must agree."""
+        h = torch.tensor([flag, _SLOT_OPS.index(op), n, row_bytes], dtype=torch.long,
+                         device=self.device)
+        return self.all_gather(h)
+
+    def _slot_header(self, op: str, local) -> None:
+        rb = sum(_row_bytes(t) for t in local)
+        head = self._gather_slot_header(op, 0, len(local), rb).tolist()
+        self._settle(op, [h[0] for h in head], "")
+        self._agree(op, "the call and its tensors (op, how many, bytes an expert: a "
+                    "precision-fp8 pool moves 6 tensors, a bf16 one 3)",
+                    [tuple(h[1:]) for h in head],
+                    lambda v: f"{_SLOT_OPS[v[0]]}, {v[1]} tensors, {v[2]} bytes")
+
     # -- the data plane ----------------------------------------------------------------------
-    def _plan(self, x_sD, topk_sK, total, reject):
+    def _plan(self, x_sD, topk_sK, total, reject, fmt=ROWS_DTYPE, op="dispatch"):
         """Histogram exchange and planning, the first half of dispatch and dispatch_fp8:
         (dst, cu, etc, zf, stats, nvs_s)."""
         self._no_capture(x_sD)
         spec = self.spec
         E, s = spec.E, x_sD.shape[0]
-        # One all-gather carries the histogram plus (bad-input flag, s, total) of every rank, so
-        # a rank with bad input makes every rank raise instead of leaving its peers in a
-        # collective.
+        # One all-gather carries the histogram plus (bad-input flag, s, total, row format) of
+        # every rank, so a rank with bad input makes every rank raise instead of leaving its
+        # peers in a collective, and ranks moving rows of different formats (bytes) raise
+        # before the all-to-all.
         hist = torch.bincount(topk_sK.reshape(-1).long().clamp(0, E - 1), minlength=E)
-        extra = torch.tensor([int(bool(reject)), s, total], dtype=torch.long, device=x_sD.device)
-        rows = self.all_gather(torch.cat([hist, extra]).contiguous())
-        flags, s_R, tot_R = rows[:, E].tolist(), rows[:, E + 1].tolist(), rows[:, E + 2].tolist()
+        rows = self._gather_plan_rows(hist, int(bool(reject)), s, total, fmt)
+        flags, s_R, tot_R, fmt_R = (list(c) for c in zip(*rows[:, E:].tolist()))
+        self._settle(op, flags, f"ValueError: {reject} (rank {self.rank})" if reject else "")
         if reject:
-            raise ValueError(f"moonep dispatch: {reject}")
-        if any(flags):
-            raise ValueError(f"moonep dispatch: rank {flags.index(1)} rejected its input (see that "
-                             "rank's error); no rank wrote anything")
+            raise ValueError(f"moonep {op}: {reject} (rank {self.rank})")
+        self._agree(op, "the rows' format", fmt_R, ROW_FORMATS.get)
         if len(set(tot_R)) != 1:
             raise ValueError(f"total_num_tokens differs across ranks: {tot_R}")
         if total == -1 and len(set(s_R)) != 1:
@@ -128,19 +218,22 @@ class CollectiveBackend(Backend):
         if total != -1 and sum(s_R) != total:
             raise ValueError(f"total_num_tokens={total} but the ranks pass s={s_R} "
                              f"(sum {sum(s_R)})")
-        dst, cu, etc, zf, stats = _plan.plan_from_host_rows(rows, topk_sK, self.rank, spec, total)
+        dst, cu, etc, zf, stats = _plan.plan_from_host_rows(rows[:, :E + 3].contiguous(), topk_sK,
+                                                            self.rank, spec, total)
         return dst, cu, etc, zf, stats, spec.nvs_s(s, total)
 
     def dispatch(self, x_sD, topk_sK, w_sK, total, reject):
         dst, cu, etc, zf, stats, nvs_s = self._plan(x_sD, topk_sK, total, reject)
-        h, w = self.dispatch_with_plan(x_sD, w_sK, dst, nvs_s)
+        h, w = self._scatter(x_sD, w_sK, dst, nvs_s)
         return DispatchResult(h, w, cu, dst, etc, zf, stats)
 
-    def dispatch_fp8(self, xq_sD, xs_sC, topk_sK, w_sK, total, reject):
-        dst, cu, etc, zf, stats, nvs_s = self._plan(xq_sD, topk_sK, total, reject)
+    def dispatch_fp8(self, xq_sD, xs_sC, topk_sK, w_sK, total, reject, pow2_scales=False):
+        fmt = ROWS_FP8_POW2 if pow2_scales else ROWS_FP8
+        dst, cu, etc, zf, stats, nvs_s = self._plan(xq_sD, topk_sK, total, reject, fmt,
+                                                    "dispatch_fp8")
         # one row of bytes per token: its D e4m3 values, then its ceil(D/128) fp32 scales
         packed = torch.cat([_as_bytes(xq_sD), _as_bytes(xs_sC)], 1)
-        hp, w = self._scatter(packed, w_sK, dst, nvs_s)
+        hp, w = self._scatter(packed, w_sK, dst, nvs_s, "dispatch_fp8")
         D = xq_sD.shape[1]
         h = hp[:, :D].contiguous().view(xq_sD.dtype)
         hs = hp[:, D:].contiguous().view(xs_sC.dtype)
@@ -156,11 +249,13 @@ class CollectiveBackend(Backend):
 
     def dispatch_with_plan(self, x_sD, w_sK, dst_N, nvs_s):
         self._no_capture(x_sD)
-        return self._scatter(x_sD, w_sK, dst_N, nvs_s)
+        return self._scatter(x_sD, w_sK, dst_N, nvs_s, "dispatch_with_plan")
 
-    def _scatter(self, x_sX, w_sK, dst_N, nvs_s):
+    def _scatter(self, x_sX, w_sK, dst_N, nvs_s, op="dispatch"):
         """Every entry's row x[n // K] (any dtype, moved as bytes) and weight w[n] to its slot:
-        fresh (h [nvs_s, X] in x's dtype, w [nvs_s] fp32), rows no entry names zero."""
+        fresh (h [nvs_s, X] in x's dtype, w [nvs_s] fp32), rows no entry names zero.  Its
+        counts exchange is dispatch_with_plan's first collective: it carries the rejection
+        flag (column 2)."""
         R, K, NvS = self.world_size, self.spec.K, self.spec.NvS
         s, X = x_sX.shape
         N = s * K
@@ -178,9 +273,11 @@ class CollectiveBackend(Backend):
         p_order = order[primary.index_select(0, order)]          # primaries only, same order
         rows = x_sX.index_select(0, p_order // K)                 # each row once per (t, d)
         send = torch.stack([torch.bincount(dest, minlength=R),
-                            torch.bincount(dest[primary], minlength=R)], 1)
+                            torch.bincount(dest[primary], minlength=R),
+                            torch.zeros(R, dtype=torch.long, device=dest.device)], 1)
         recv = self._exchange_counts(send)
         send_l, recv_l = send.tolist(), recv.tolist()
+        self._settle(op, [r[2] for r in recv_l], "")
         n_meta = sum(r[0] for r in recv_l)
         n_rows = sum(r[1] for r in recv_l)
         if n_meta > nvs_s or n_rows > self.recv_rows.shape[0]:
@@ -211,10 +308,13 @@ class CollectiveBackend(Backend):
         s, D = N // K, h_MD.shape[1]
         dest, loff, _ = decode_dst(dst_N, NvS)
         order = torch.sort(dest, stable=True).indices
-        send = torch.bincount(dest, minlength=R)[:, None]
-        recv = self._exchange_counts(send)
+        # [R, 2]: the counts and the rejection flag (combine's first collective)
+        send = torch.stack([torch.bincount(dest, minlength=R),
+                            torch.zeros(R, dtype=torch.long, device=dest.device)], 1)
+        recv = self._exchange_counts(send).tolist()
+        self._settle("combine", [r[1] for r in recv], "")
         send_l = send[:, 0].tolist()
-        recv_l = recv[:, 0].tolist()
+        recv_l = [r[0] for r in recv]
         n_req = sum(recv_l)
         req = torch.empty(n_req, dtype=torch.long, device=h_MD.device)
         self.all_to_all_v(req, loff.index_select(0, order), recv_l, send_l)
@@ -271,6 +371,7 @@ class CollectiveBackend(Backend):
         if not local:
             return
         self._no_capture(local[0])
+        self._slot_header("prefetch_weight", local)
         dev = local[0].device
         etc, out, inc = self._slot_routes(etc_RB)
         src_rows = torch.tensor([le for lst in out for _, le in lst], dtype=torch.long, device=dev)
@@ -285,6 +386,7 @@ class CollectiveBackend(Backend):
         if not local:
             return
         self._no_capture(local[0])
+        self._slot_header("reduce_grad", local)
         dev = local[0].device
         B, me = self.spec.epn, self.rank
         etc, _, _ = self._slot_routes(etc_RB)

@@ -430,8 +430,8 @@ class SymmBackend(Backend):
     def _plan(self, x_sD, topk_sK, total, reject):
         """Histogram exchange and planning (the first half of dispatch and dispatch_fp8)."""
         spec = self.spec
-        if reject:
-            raise ValueError(f"moonep dispatch: {reject}")
+        if reject:        # the peers' barriers time out (the device exchange has no flag)
+            raise ValueError(f"moonep dispatch: {reject} (rank {self.rank})")
         if self.planner == "device" and spec.policy not in _plan.DEVICE_POLICIES:
             raise ValueError(f"planner='device' plans the policies {_plan.DEVICE_POLICIES} "
                              f"only, the Buffer's is {spec.policy!r}")
@@ -463,7 +463,7 @@ class SymmBackend(Backend):
         h, w = self.dispatch_with_plan(x_sD, w_sK, dst, nvs_s)
         return DispatchResult(h, w, cu, dst, etc, zf, stats)
 
-    def dispatch_fp8(self, xq_sD, xs_sC, topk_sK, w_sK, total, reject):
+    def dispatch_fp8(self, xq_sD, xs_sC, topk_sK, w_sK, total, reject, pow2_scales=False):
         # The data plane moves rows as bytes (csrc/ep_kernels.cu: dispatch_send stages s rows of
         # row_bytes, dispatch_recv / dispatch_dups copy and zero whole rows), so an FP8 row and
         # its scales travel as one packed row of D + 4*ceil(D/128) bytes through the same

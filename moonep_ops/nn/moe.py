@@ -331,8 +331,12 @@ class MoonEPMoE(nn.Module):
         ``buffer``: a Buffer to share with other layers (its D, K, E and dtype must match the
         layer's); None: build one from ``args`` (capacity, token_padding, policy, backend) over
         ``group`` (None: the default group when torch.distributed is initialised, else one rank).
-        Collective.  Parameters made on the meta device are materialised (uninitialised) on the
-        Buffer's device: call ``init_weights`` or load a checkpoint next.  Returns the Buffer."""
+        Collective.  The ranks' layers are compared first (``Buffer.expert_pool``: D, F, dtype,
+        precision, fp8_pow2_scales): ranks that differ, e.g. one launched with precision "fp8"
+        and one with "bf16", raise the same ValueError on every rank, and a rank whose layer
+        fails a local check makes its peers raise, before anything of the layer changes.
+        Parameters made on the meta device are materialised (uninitialised) on the Buffer's
+        device: call ``init_weights`` or load a checkpoint next.  Returns the Buffer."""
         if self.buffer is not None:
             raise RuntimeError("this MoonEPMoE is already bound to a Buffer")
         a = self.args
@@ -347,12 +351,20 @@ class MoonEPMoE(nn.Module):
                             policy=a.policy, backend=a.backend, **cost)
         if not isinstance(buffer, Buffer):
             raise TypeError(f"buffer must be a moonep_ops.Buffer, got {type(buffer).__name__}")
-        mine = (self.dim, self.top_k, self.num_experts, self.dtype)
-        theirs = (buffer.D, buffer.K, buffer.E, buffer.dtype)
-        if mine != theirs:
-            raise ValueError(f"the Buffer has (D, K, E, dtype) = {theirs}, the layer {mine}")
-        check_backend_dims(buffer.device.type, self.dtype, self.dim, self.hidden_dim)
-        check_precision(a.precision, a.fp8_pow2_scales, self.dtype, self.dim, self.hidden_dim)
+        try:
+            mine = (self.dim, self.top_k, self.num_experts, self.dtype)
+            theirs = (buffer.D, buffer.K, buffer.E, buffer.dtype)
+            if mine != theirs:
+                raise ValueError(f"the Buffer has (D, K, E, dtype) = {theirs}, the layer {mine}")
+            check_backend_dims(buffer.device.type, self.dtype, self.dim, self.hidden_dim)
+            check_precision(a.precision, a.fp8_pow2_scales, self.dtype, self.dim, self.hidden_dim)
+        except (TypeError, ValueError) as e:
+            buffer.reject_expert_pool(e)     # collective: the peers are in expert_pool below
+            raise
+        # Collective, before anything of the layer changes: the ranks' layers must agree on
+        # their pool (precision and pow2 scales included), else every rank raises here.
+        pool = buffer.expert_pool(self.dim, self.hidden_dim, self.dtype, precision=a.precision,
+                                  pow2_scales=a.fp8_pow2_scales)
         B, r = buffer.epn, buffer.rank
         dev = buffer.device
         with torch.no_grad():
@@ -373,8 +385,7 @@ class MoonEPMoE(nn.Module):
                     mod.to(dev)
         if isinstance(self.router, Router) and self.router.balance_group is None:
             self.router.balance_group = buffer.group
-        self.pool_name = buffer.expert_pool(self.dim, self.hidden_dim, self.dtype,
-                                            precision=a.precision).name
+        self.pool_name = pool.name
         self.buffer, self.expert_offset = buffer, r * B
         self._side = (torch.cuda.Stream(device=dev) if self.args.side_stream and dev.type == "cuda"
                       and self.shared is not None else None)

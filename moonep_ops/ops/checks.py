@@ -1,4 +1,5 @@
-"""Argument checks shared by the ops: memory overlap of written tensors, and devices.
+"""Argument checks shared by the ops: memory overlap of written tensors, devices, and how a
+rank's argument error reaches its peers (``reject_call``).
 
 Overlap.  An op that writes tensors it was given (``prefetch_weight``, ``reduce_grad``,
 ``grouped_mm_wgrad_accumulate``, ``grouped_mm_wgrad_into``, and ``moe_experts`` through the
@@ -134,11 +135,75 @@ def named(prefix: str, tensors: Iterable[Tensor]) -> list[tuple[str, Tensor]]:
     return [(f"{prefix}[{i}]", t) for i, t in enumerate(tensors)]
 
 
+def call_device(first, home: torch.device) -> torch.device:
+    """The device every tensor of one call of a Buffer (or pool) op must live on: ``home`` (the
+    Buffer's), or meta when the call's first tensor is on meta: a shape-only call, every
+    tensor meta (the fake kernels answer it: meta outputs, nothing computed or
+    communicated).  A meta tensor among real ones is an error: the dispatcher would route the
+    whole call to the fake kernel, which returns uninitialised real tensors and does nothing."""
+    return first.device if isinstance(first, Tensor) and first.device.type == "meta" else home
+
+
 def on_device(t: Tensor, device: torch.device) -> bool:
-    """t lives on ``device`` (the same GPU, not just any GPU), or on meta (shape-only calls).
-    A device without an index (``cuda``) matches any index of its type."""
-    if t.device.type == "meta":
+    """t lives on ``device`` (the same GPU, not just any GPU; meta only for meta).  A device
+    without an index (``cuda``) matches any index of its type.  One comparison on the usual
+    path (the same device object)."""
+    d = t.device
+    if d == device:
         return True
-    if t.device.type != device.type:
+    if d.type != device.type:
         return False
-    return device.index is None or t.device.index is None or t.device.index == device.index
+    return device.index is None or d.index is None
+
+
+def device_error(name: str, t: Tensor, dev: torch.device, home: torch.device,
+                 first: str) -> str:
+    """The message of a tensor ``name`` on the wrong device (``dev`` from ``call_device``)."""
+    if dev.type == "meta":
+        return (f"{name} is on {t.device} but {first} is on meta: the tensors of one call are all "
+                f"on the Buffer's device {home}, or all on meta (a shape-only call)")
+    return f"{name} is on {t.device} but the Buffer lives on {home}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument errors of the group ops reach every rank
+# ---------------------------------------------------------------------------------------------
+
+ARG_ERRORS = (TypeError, ValueError)
+
+
+def _real(t) -> bool:
+    return isinstance(t, Tensor) and t.device.type != "meta" and not is_fake(t)
+
+
+def has_real_tensor(*args) -> bool:
+    """Some argument (a tensor, or a tensor in a list) is a real tensor: a fake kernel running
+    on it was reached by an eager call that a meta tensor routed there, not by tracing."""
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            if any(_real(t) for t in a):
+                return True
+        elif _real(a):
+            return True
+    return False
+
+
+def reject_call(be, op: str, first_collective: str, error: BaseException,
+                eager: bool = True) -> BaseException:
+    """A Buffer op's argument ``error`` on this rank, before the op's first collective.
+
+    ``eager`` (the real kernel; or the fake kernel on real tensors, where a meta argument routed
+    an eager call): this rank takes the place it would have had in ``first_collective`` (the op
+    whose collective the peers are in: the data plane's first, moonep_ops/backends/base.py
+    ``Backend.reject``), flagged, so that every peer raises a ValueError naming this rank and
+    the reason instead of waiting there.  Tracing (fake tensors) and shape-only calls
+    communicate nothing.  Returns the exception to raise here: ``error``'s type and message,
+    the op and the rank appended."""
+    msg = f"{error} (moonep {op}, rank {be.rank})"
+    if eager:
+        be.reject(first_collective, f"{type(error).__name__}: {msg}")
+    try:
+        out = type(error)(msg)
+    except Exception:                   # noqa: BLE001  (an exception type with another signature)
+        out = error
+    return out.with_traceback(error.__traceback__)

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .. import registry, runtime
 from ..backends.base import Backend
-from .checks import on_device
+from .checks import ARG_ERRORS, call_device, device_error, has_real_tensor, on_device, reject_call
 from .quantize_fp8 import FP8_DTYPE, FP8ArgumentError, fp8_checks, rows_fp8, scale_cols
 
 
@@ -57,15 +57,19 @@ _TAGS = ()
 # ---------------------------------------------------------------------------------------------
 
 
-def _tensor(name: str, t, dtype, ndim: int, be) -> None:
+def _tensor(name: str, t, dtype, ndim: int, be, dev=None, first: str = "x") -> None:
+    """One tensor argument.  ``dev``: the call's device (checks.call_device from the call's
+    ``first`` tensor: the Buffer's, or meta for a shape-only call); a meta tensor among real
+    ones is refused here (the dispatcher sends such a call to the fake kernel)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if not on_device(t, be.device):
-        raise ValueError(f"{name} is on {t.device} but the Buffer lives on {be.device}")
+    dev = be.device if dev is None else dev
+    if not on_device(t, dev):
+        raise ValueError(device_error(name, t, dev, be.device, first))
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
 
@@ -77,23 +81,23 @@ def check_s(be, s, total: int) -> None:
         raise ValueError(f"total_num_tokens={total} must lie in [s={s}, R*S={be.spec.R * be.spec.S}]")
 
 
-def _check_hidden(name: str, x, be) -> int:
-    _tensor(name, x, be.spec.dtype, 2, be)
+def _check_hidden(name: str, x, be, dev) -> int:
+    _tensor(name, x, be.spec.dtype, 2, be, dev)
     if x.shape[1] != be.spec.D:
         raise ValueError(f"{name} must be [s, D={be.spec.D}], got {tuple(x.shape)}")
     return x.shape[0]
 
 
-def _check_route_weights(rw, s, be) -> None:
+def _check_route_weights(rw, s, be, dev) -> None:
     if rw is None:
         return
-    _tensor("route_weights [s, K]", rw, torch.float32, 2, be)
+    _tensor("route_weights [s, K]", rw, torch.float32, 2, be, dev)
     if rw.shape[0] != s or rw.shape[1] != be.spec.K:
         raise ValueError(f"route_weights must be [s={s}, K={be.spec.K}], got {tuple(rw.shape)}")
 
 
-def _check_dst(dst, s, be) -> None:
-    _tensor("plan.dst [s*K]", dst, torch.int32, 1, be)
+def _check_dst(dst, s, be, dev) -> None:
+    _tensor("plan.dst [s*K]", dst, torch.int32, 1, be, dev)
     if dst.shape[0] != s * be.spec.K:
         raise ValueError(
             f"the plan was made for {dst.shape[0] // be.spec.K} tokens but this call has s={s} "
@@ -101,37 +105,40 @@ def _check_dst(dst, s, be) -> None:
 
 
 def check_dispatch_args(x, topk, rw, be, total: int) -> int:
-    s = _check_hidden("x [s, D]", x, be)
-    _tensor("topk_ids [s, K]", topk, torch.int32, 2, be)
+    dev = call_device(x, be.device)
+    s = _check_hidden("x [s, D]", x, be, dev)
+    _tensor("topk_ids [s, K]", topk, torch.int32, 2, be, dev)
     if topk.shape[0] != s or topk.shape[1] != be.spec.K:
         raise ValueError(f"topk_ids must be [s={s}, K={be.spec.K}], got {tuple(topk.shape)}")
-    _check_route_weights(rw, s, be)
+    _check_route_weights(rw, s, be, dev)
     check_s(be, s, total)
     return s
 
 
 def check_reuse_args(x, rw, dst, be, total: int) -> int:
-    s = _check_hidden("x [s, D]", x, be)
-    _check_route_weights(rw, s, be)
+    dev = call_device(x, be.device)
+    s = _check_hidden("x [s, D]", x, be, dev)
+    _check_route_weights(rw, s, be, dev)
     check_s(be, s, total)
-    _check_dst(dst, s, be)
+    _check_dst(dst, s, be, dev)
     return s
 
 
 def check_combine_args(h, w, dst, be, total: int) -> int:
-    _tensor("plan.dst [s*K]", dst, torch.int32, 1, be)
+    dev = call_device(h, be.device)
+    _tensor("plan.dst [s*K]", dst, torch.int32, 1, be, dev, "h")
     if dst.shape[0] % be.spec.K:
         raise ValueError(f"plan.dst has {dst.shape[0]} entries, not a multiple of K={be.spec.K}")
     s = dst.shape[0] // be.spec.K
     check_s(be, s, total)
     rows = be.spec.nvs_s(s, total)
-    _tensor("h [nvs_s, D]", h, be.spec.dtype, 2, be)
+    _tensor("h [nvs_s, D]", h, be.spec.dtype, 2, be, dev, "h")
     if h.shape[1] != be.spec.D or (h.shape[0] != rows and h.shape[0] != be.spec.NvS):
         raise ValueError(
             f"combine expects h of shape [nvs_s={rows} or NvS={be.spec.NvS}, D={be.spec.D}] (the rows "
             f"dispatch produced for this plan), got {tuple(h.shape)}")
     if w is not None:
-        _tensor("route_weights [nvs_s]", w, torch.float32, 1, be)
+        _tensor("route_weights [nvs_s]", w, torch.float32, 1, be, dev, "h")
         if w.shape[0] != h.shape[0]:
             raise ValueError(f"route_weights must have h's {h.shape[0]} rows, got {w.shape[0]}")
     return s
@@ -164,20 +171,40 @@ _DISPATCH_SCHEMA = ("(Tensor x, Tensor topk_ids, Tensor? route_weights, str buff
 def _dispatch(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], buffer: str,
               total_num_tokens: int):
     be = _backend(buffer)
-    check_dispatch_args(x, topk_ids, route_weights, be, total_num_tokens)
-    reject = ""
+    try:
+        check_dispatch_args(x, topk_ids, route_weights, be, total_num_tokens)
+    except ARG_ERRORS as e:
+        raise reject_call(be, "dispatch", "dispatch", e) from None
+    return tuple(be.dispatch(x, topk_ids, route_weights, total_num_tokens,
+                             _id_values(topk_ids, be)))
+
+
+def _id_values(topk_ids, be) -> str:
+    """The value check of the expert ids (MOONEP_VALIDATE): '' or the backend's reject reason
+    (it travels with the histogram, so every rank raises)."""
     if runtime.should_validate(topk_ids):
         E = be.spec.E
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= E:
-            reject = f"expert ids must lie in [0, E={E}); got values in [{lo}, {hi}]"
-    return tuple(be.dispatch(x, topk_ids, route_weights, total_num_tokens, reject))
+            return f"expert ids must lie in [0, E={E}); got values in [{lo}, {hi}]"
+    return ""
+
+
+def _fake_checks(check, be, op: str, *args):
+    """A fake kernel's argument checks.  A fake kernel on real tensors is an eager call that a
+    meta tensor routed here (the dispatcher prefers the Meta kernel): its error must reach the
+    peers as the real kernel's would (checks.reject_call)."""
+    try:
+        return check(*args, be)
+    except ARG_ERRORS as e:
+        raise reject_call(be, op, op, e, eager=has_real_tensor(*args)) from None
 
 
 @_dispatch.register_fake
 def _dispatch_fake(x, topk_ids, route_weights, buffer, total_num_tokens):
     be = _backend(buffer)
-    s = check_dispatch_args(x, topk_ids, route_weights, be, total_num_tokens)
+    s = _fake_checks(lambda *a: check_dispatch_args(*a, total_num_tokens), be, "dispatch",
+                     x, topk_ids, route_weights)
     n = be.spec.nvs_s(s, total_num_tokens)
     i32 = torch.int32
     return (x.new_empty((n, be.spec.D)), x.new_empty((n,), dtype=torch.float32),
@@ -215,15 +242,19 @@ _REUSE_SCHEMA = ("(Tensor x, Tensor? route_weights, Tensor dst, str buffer, int 
 def _dispatch_with_plan(x: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer: str,
                         total_num_tokens: int):
     be = _backend(buffer)
-    s = check_reuse_args(x, route_weights, dst, be, total_num_tokens)
-    check_dst_values(dst, be, s, total_num_tokens)
+    try:
+        s = check_reuse_args(x, route_weights, dst, be, total_num_tokens)
+        check_dst_values(dst, be, s, total_num_tokens)
+    except ARG_ERRORS as e:
+        raise reject_call(be, "dispatch_with_plan", "dispatch_with_plan", e) from None
     return be.dispatch_with_plan(x, route_weights, dst, be.spec.nvs_s(s, total_num_tokens))
 
 
 @_dispatch_with_plan.register_fake
 def _dispatch_with_plan_fake(x, route_weights, dst, buffer, total_num_tokens):
     be = _backend(buffer)
-    s = check_reuse_args(x, route_weights, dst, be, total_num_tokens)
+    s = _fake_checks(lambda *a: check_reuse_args(*a, total_num_tokens), be, "dispatch_with_plan",
+                     x, route_weights, dst)
     n = be.spec.nvs_s(s, total_num_tokens)
     return x.new_empty((n, be.spec.D)), x.new_empty((n,), dtype=torch.float32)
 
@@ -256,8 +287,11 @@ _COMBINE_SCHEMA = ("(Tensor h, Tensor? route_weights, Tensor dst, str buffer, in
 def _combine(h: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer: str,
              total_num_tokens: int):
     be = _backend(buffer)
-    s = check_combine_args(h, route_weights, dst, be, total_num_tokens)
-    check_dst_values(dst, be, s, total_num_tokens)
+    try:
+        s = check_combine_args(h, route_weights, dst, be, total_num_tokens)
+        check_dst_values(dst, be, s, total_num_tokens)
+    except ARG_ERRORS as e:
+        raise reject_call(be, "combine", "combine", e) from None
     y, w = be.combine(h, route_weights, dst)
     if w is None:
         w = torch.zeros((s, be.spec.K), dtype=torch.float32, device=h.device)
@@ -267,7 +301,8 @@ def _combine(h: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer: st
 @_combine.register_fake
 def _combine_fake(h, route_weights, dst, buffer, total_num_tokens):
     be = _backend(buffer)
-    s = check_combine_args(h, route_weights, dst, be, total_num_tokens)
+    s = _fake_checks(lambda *a: check_combine_args(*a, total_num_tokens), be, "combine",
+                     h, route_weights, dst)
     return h.new_empty((s, be.spec.D)), h.new_empty((s, be.spec.K), dtype=torch.float32)
 
 
@@ -326,21 +361,21 @@ def check_dispatch_fp8_args(x, topk, rw, be, total, pow2_scales) -> int:
 def _dispatch_fp8(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], buffer: str,
                   total_num_tokens: int, pow2_scales: bool = False):
     be = _backend(buffer)
-    check_dispatch_fp8_args(x, topk_ids, route_weights, be, total_num_tokens, pow2_scales)
-    reject = ""
-    if runtime.should_validate(topk_ids):
-        E = be.spec.E
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= E:
-            reject = f"expert ids must lie in [0, E={E}); got values in [{lo}, {hi}]"
+    try:
+        check_dispatch_fp8_args(x, topk_ids, route_weights, be, total_num_tokens, pow2_scales)
+    except ARG_ERRORS as e:
+        raise reject_call(be, "dispatch_fp8", "dispatch_fp8", e) from None
+    reject = _id_values(topk_ids, be)
     xq, xs = rows_fp8(x, pow2_scales)
-    return tuple(be.dispatch_fp8(xq, xs, topk_ids, route_weights, total_num_tokens, reject))
+    return tuple(be.dispatch_fp8(xq, xs, topk_ids, route_weights, total_num_tokens, reject,
+                                 pow2_scales=pow2_scales))
 
 
 @_dispatch_fp8.register_fake
 def _dispatch_fp8_fake(x, topk_ids, route_weights, buffer, total_num_tokens, pow2_scales=False):
     be = _backend(buffer)
-    s = check_dispatch_fp8_args(x, topk_ids, route_weights, be, total_num_tokens, pow2_scales)
+    s = _fake_checks(lambda *a: check_dispatch_fp8_args(*a, total_num_tokens, pow2_scales), be,
+                     "dispatch_fp8", x, topk_ids, route_weights)
     n = be.spec.nvs_s(s, total_num_tokens)
     D, i32 = be.spec.D, torch.int32
     return (x.new_empty((n, D), dtype=FP8_DTYPE),

@@ -16,7 +16,8 @@ the redundant slots named by the plan's global ``experts_to_copy`` table.
 Every tensor of the lists is [epn, ...] and contiguous; local[i] and slot[i] share shape and
 dtype (reduce_grad: all fp32 or all bf16); no written tensor may share memory with another
 argument (real byte ranges, ops/checks.py).  All checks run before anything is written or
-communicated.
+communicated, and a failed one reaches every rank (ops/checks.py ``reject_call``).  Every
+tensor is on the Buffer's device, or every tensor on meta (a shape-only call: nothing happens).
 Neither op is differentiable; Buffer.prefetch_weight / reduce_grad pass detached tensors.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ from torch import Tensor
 
 from .. import registry, runtime
 from ..backends.base import Backend
-from .checks import check_no_overlap, named, on_device
+from .checks import (ARG_ERRORS, call_device, check_no_overlap, device_error, has_real_tensor,
+                     named, on_device, reject_call)
 
 _TAGS = ()   # capturable on the CUDA backend (see dispatch.py)
 
@@ -43,8 +45,10 @@ def check_pool_args(etc, local, slots, be, op: str, grads: bool) -> None:
     # the CUDA kernels read the table through its data pointer: strides would be ignored
     if not etc.is_contiguous():
         raise ValueError(f"{op}: experts_to_copy must be contiguous (got strides {etc.stride()})")
-    if not on_device(etc, be.device):
-        raise ValueError(f"{op}: experts_to_copy is on {etc.device}, the Buffer on {be.device}")
+    dev = call_device(etc, be.device)      # the Buffer's, or meta for a shape-only call
+    if not on_device(etc, dev):
+        raise ValueError(f"{op}: " + device_error("experts_to_copy", etc, dev, be.device,
+                                                  "experts_to_copy"))
     ln, sn = ("local_grads", "slot_grads") if grads else ("local_weights", "slot_weights")
     if len(local) != len(slots):
         raise ValueError(f"{op}: {len(local)} {ln} but {len(slots)} {sn}")
@@ -60,8 +64,9 @@ def check_pool_args(etc, local, slots, be, op: str, grads: bool) -> None:
                 raise ValueError(f"{op}: {name} must be [epn={be.spec.epn}, ...], got {tuple(t.shape)}")
             if not t.is_contiguous():
                 raise ValueError(f"{op}: {name} must be contiguous")
-            if not on_device(t, be.device):
-                raise ValueError(f"{op}: {name} is on {t.device}, the Buffer on {be.device}")
+            if not on_device(t, dev):
+                raise ValueError(f"{op}: " + device_error(name, t, dev, be.device,
+                                                          "experts_to_copy"))
         if lt.dtype != st.dtype or lt.shape != st.shape:
             raise ValueError(f"{op}: {ln}[{i}] {tuple(lt.shape)} {lt.dtype} and {sn}[{i}] "
                              f"{tuple(st.shape)} {st.dtype} must match")
@@ -94,16 +99,29 @@ def check_etc_values(etc: Tensor, be) -> None:
 def _prefetch_weight(experts_to_copy: Tensor, local_weights: list[Tensor],
                      slot_weights: list[Tensor], buffer: str) -> None:
     be = registry.lookup(buffer, Backend)
-    check_pool_args(experts_to_copy, local_weights, slot_weights, be, "prefetch_weight", False)
-    check_no_alias(experts_to_copy, local_weights, slot_weights, "prefetch_weight", False)
-    check_etc_values(experts_to_copy, be)
+    _checks(be, "prefetch_weight", experts_to_copy, local_weights, slot_weights, False)
     be.prefetch_weight(experts_to_copy, local_weights, slot_weights)
+
+
+def _checks(be, op: str, etc, local, slots, grads: bool, real: bool = True) -> None:
+    """Every check of the op, before anything is written or communicated; an error reaches the
+    peers through the backend's first collective (checks.reject_call).  ``real``: the real
+    kernel (memory overlap and values checked too); else the fake kernel, which communicates
+    only when real tensors reached it (a meta tensor among them routed an eager call there)."""
+    try:
+        check_pool_args(etc, local, slots, be, op, grads)
+        if real:
+            check_no_alias(etc, local, slots, op, grads)
+            check_etc_values(etc, be)
+    except ARG_ERRORS as e:
+        eager = real or has_real_tensor(etc, local, slots)
+        raise reject_call(be, op, op, e, eager) from None
 
 
 @_prefetch_weight.register_fake
 def _prefetch_weight_fake(experts_to_copy, local_weights, slot_weights, buffer):
-    check_pool_args(experts_to_copy, local_weights, slot_weights, registry.lookup(buffer, Backend),
-                    "prefetch_weight", False)
+    _checks(registry.lookup(buffer, Backend), "prefetch_weight", experts_to_copy, local_weights,
+            slot_weights, False, real=False)
 
 
 @torch.library.custom_op("moonep::reduce_grad", mutates_args=("local_grads", "slot_grads"),
@@ -111,12 +129,11 @@ def _prefetch_weight_fake(experts_to_copy, local_weights, slot_weights, buffer):
 def _reduce_grad(experts_to_copy: Tensor, local_grads: list[Tensor], slot_grads: list[Tensor],
                  buffer: str) -> None:
     be = registry.lookup(buffer, Backend)
-    check_pool_args(experts_to_copy, local_grads, slot_grads, be, "reduce_grad", True)
-    check_no_alias(experts_to_copy, local_grads, slot_grads, "reduce_grad", True)
-    check_etc_values(experts_to_copy, be)
+    _checks(be, "reduce_grad", experts_to_copy, local_grads, slot_grads, True)
     be.reduce_grad(experts_to_copy, local_grads, slot_grads)
 
 
 @_reduce_grad.register_fake
 def _reduce_grad_fake(experts_to_copy, local_grads, slot_grads, buffer):
-    check_pool_args(experts_to_copy, local_grads, slot_grads, registry.lookup(buffer, Backend), "reduce_grad", True)
+    _checks(registry.lookup(buffer, Backend), "reduce_grad", experts_to_copy, local_grads,
+            slot_grads, True, real=False)

@@ -33,7 +33,8 @@ from .. import registry
 from ..backends.base import Backend
 from . import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm*)
 from . import expert_weights as _ew  # noqa: F401  (registers moonep::prefetch_weight, reduce_grad)
-from .checks import check_no_overlap, on_device
+from .checks import (ARG_ERRORS, call_device, check_no_overlap, device_error, has_real_tensor,
+                     on_device, reject_call)
 from .quantize_fp8 import FP8_DTYPE, scale_cols
 from .swiglu import swiglu, swiglu_backward
 
@@ -142,10 +143,10 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
     if B != pool.w1.shape[0]:
         raise ValueError(f"expert weights hold B={B} experts, the Buffer has epn="
                          f"{pool.w1.shape[0]}")
-    dev = pool.w1.device
+    dev = call_device(h, pool.w1.device)       # the pool's, or meta for a shape-only call
     for name, t in named_t.items():
         if not on_device(t, dev):
-            raise ValueError(f"moe_experts: {name} is on {t.device}, the pool on {dev}")
+            raise ValueError("moe_experts: " + device_error(name, t, dev, pool.w1.device, "h"))
         if name in ("w1", "w3", "w2", "experts_to_copy", "cu_seqlens") and not t.is_contiguous():
             # the weights are the prefetch's local tensors (read by row); etc and cu by pointer
             raise ValueError(f"moe_experts: {name} must be contiguous (got strides {t.stride()})")
@@ -173,6 +174,19 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
         check_no_overlap("moe_experts", written, list(named_t.items()))
 
 
+def checked(op: str, pool: ExpertPool, check, *args, values: bool = True, **kw):
+    """``check(*args, values=values, **kw)``, an expert op's argument checks; an error reaches
+    the peers through prefetch_weight's collective, the op's first (checks.reject_call): in the
+    real kernel (``values``), and in the fake kernel when real tensors reached it (a meta
+    tensor among them routed an eager call there)."""
+    try:
+        return check(*args, values=values, **kw)
+    except ARG_ERRORS as e:
+        eager = values or has_real_tensor(*args, *kw.values())
+        raise reject_call(registry.lookup(pool.backend_name, Backend), op, "prefetch_weight", e,
+                          eager) from None
+
+
 # Capturable when the Buffer's backend is (Backend.capturable); the host-reading backends raise
 # under capture.
 _TAGS = ()
@@ -183,7 +197,7 @@ def _moe_experts(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Ten
                  w2: Tensor, pool: str) -> tuple[Tensor, Tensor, Tensor]:
     """SwiGLU over 2*epn groups; stages the redundant slots first.  Returns (y, gate, up)."""
     p = _pool(pool)
-    _check_expert_args(h, cu_seqlens, experts_to_copy, w1, w3, w2, p)
+    checked("moe_experts", p, _check_expert_args, h, cu_seqlens, experts_to_copy, w1, w3, w2, p)
     _prefetch(p, experts_to_copy, w1, w3, w2)
     # Rows past cu_seqlens[-1]: nothing reads them (combine gathers by the plan's rows, the
     # GEMMs and their backward read group rows only), so g, u, y leave them unwritten.
@@ -194,7 +208,9 @@ def _moe_experts(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Ten
 
 @_moe_experts.register_fake
 def _(h, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
-    _check_expert_args(h, cu_seqlens, experts_to_copy, w1, w3, w2, _pool(pool), values=False)
+    p = _pool(pool)
+    checked("moe_experts", p, _check_expert_args, h, cu_seqlens, experts_to_copy, w1, w3, w2, p,
+            values=False)
     M, F = h.shape[0], w1.shape[1]
     return h.new_empty(M, w2.shape[1]), h.new_empty(M, F), h.new_empty(M, F)
 
@@ -205,7 +221,8 @@ def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlen
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dh, dw1, dw3, dw2) for this rank's home experts, every rank's slot grads included."""
     p = _pool(pool)
-    _check_expert_args(h, cu_seqlens, experts_to_copy, w1, w3, w2, p, dy=dy, g=g, u=u)
+    checked("moe_experts_backward", p, _check_expert_args, h, cu_seqlens, experts_to_copy, w1,
+            w3, w2, p, dy=dy, g=g, u=u)
     _prefetch(p, experts_to_copy, w1, w3, w2)         # slots may hold another layer by now
     cu = cu_seqlens
     dy = dy.contiguous()
@@ -229,8 +246,9 @@ def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlen
 
 @_moe_experts_backward.register_fake
 def _(dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
-    _check_expert_args(h, cu_seqlens, experts_to_copy, w1, w3, w2, _pool(pool), values=False,
-                       dy=dy, g=g, u=u)
+    p = _pool(pool)
+    checked("moe_experts_backward", p, _check_expert_args, h, cu_seqlens, experts_to_copy, w1,
+            w3, w2, p, values=False, dy=dy, g=g, u=u)
     return h.new_empty(h.shape), w1.new_empty(w1.shape), w3.new_empty(w3.shape), \
         w2.new_empty(w2.shape)
 

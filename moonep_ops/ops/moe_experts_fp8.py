@@ -61,8 +61,8 @@ from . import expert_weights as _ew  # noqa: F401  (registers moonep::prefetch_w
 from . import grouped_mm as _gm
 from . import grouped_mm_fp8 as g8
 from . import quantize_fp8 as qf
-from .checks import check_no_overlap, on_device
-from .moe_experts import ExpertPool
+from .checks import call_device, check_no_overlap, device_error, on_device
+from .moe_experts import ExpertPool, checked
 from .swiglu import swiglu_backward
 
 DTYPE = torch.bfloat16        # the recipe's activations, outputs and weights
@@ -96,7 +96,9 @@ def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, valu
     named_t = dict(h_scale=hs, row_weights=wM, cu_seqlens=cu, experts_to_copy=etc, w1=w1,
                    w3=w3, w2=w2, **more)
     if x is not None:
-        named_t.update(x=x, route_weights=rw, dst=dst)
+        named_t.update(x=x, route_weights=rw)
+    if dst is not None:                  # the backward's too: combine reads it
+        named_t["dst"] = dst
     for name, t in named_t.items():
         if not isinstance(t, Tensor):
             raise qf.FP8ArgumentError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
@@ -152,10 +154,10 @@ def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, valu
                         f"in {DTYPE}")
     if total is not None and not isinstance(total, (int, torch.SymInt)):
         raise qf.FP8ArgumentError(f"{op}: total_num_tokens must be an int")
-    dev = pool.w1.device
+    dev = call_device(h, pool.w1.device)       # the pool's, or meta for a shape-only call
     for name, t in list(named_t.items()) + [("h", h)]:
         if not on_device(t, dev):
-            raise ValueError(f"{op}: {name} is on {t.device}, the pool on {dev}")
+            raise ValueError(f"{op}: " + device_error(name, t, dev, pool.w1.device, "h"))
         if name in ("experts_to_copy", "cu_seqlens", "row_weights", "dst") \
                 and not t.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous (got strides {t.stride()})")
@@ -193,8 +195,9 @@ _BWD_SCHEMA = ("(Tensor dz, Tensor h, Tensor h_scale, Tensor row_weights, Tensor
 def _moe_experts_fp8(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x,
                      route_weights, dst, total_num_tokens, pow2_scales=False):
     p = _pool(pool)
-    _check("moe_experts_fp8", p, h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3,
-           w2, pow2_scales, x=x, rw=route_weights, dst=dst, total=total_num_tokens)
+    checked("moe_experts_fp8", p, _check, "moe_experts_fp8", p, h, h_scale, row_weights,
+            cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales, x=x, rw=route_weights, dst=dst,
+            total=total_num_tokens)
     q1, s1, q3, s3, q2, s2 = quantised_weights(w1, w3, w2, pow2_scales)
     _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2])
     cu = cu_seqlens
@@ -211,9 +214,10 @@ def _moe_experts_fp8(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w
 @_moe_experts_fp8.register_fake
 def _(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x, route_weights,
       dst, total_num_tokens, pow2_scales=False):
-    B, F, D, M = _check("moe_experts_fp8", _pool(pool), h, h_scale, row_weights, cu_seqlens,
-                        experts_to_copy, w1, w3, w2, pow2_scales, values=False, x=x,
-                        rw=route_weights, dst=dst, total=total_num_tokens)
+    p = _pool(pool)
+    B, F, D, M = checked("moe_experts_fp8", p, _check, "moe_experts_fp8", p, h, h_scale,
+                         row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales,
+                         values=False, x=x, rw=route_weights, dst=dst, total=total_num_tokens)
     return (w1.new_empty((M, D)), w1.new_empty((M, D)), w1.new_empty((M, F)),
             w1.new_empty((M, F)))
 
@@ -223,8 +227,9 @@ def _(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x,
 def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, experts_to_copy,
                               w1, w3, w2, pool, dst, total_num_tokens, pow2_scales=False):
     p = _pool(pool)
-    _check("moe_experts_fp8_backward", p, h, h_scale, row_weights, cu_seqlens, experts_to_copy,
-           w1, w3, w2, pow2_scales, dst=dst, total=total_num_tokens, dz=dz, y=y, g=g, u=u)
+    checked("moe_experts_fp8_backward", p, _check, "moe_experts_fp8_backward", p, h, h_scale,
+            row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales, dst=dst,
+            total=total_num_tokens, dz=dz, y=y, g=g, u=u)
     # The dgrads dy @ W_g are forward GEMMs on W^T (K-major, as the sm90 FP8 MMA wants): the
     # home weights are quantised straight into the transposed layout (bitwise quantise(W)^T)
     # and pushed into the slots viewed transposed, so no e4m3 tensor is ever transposed.
@@ -260,9 +265,9 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
 def _(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool, dst,
       total_num_tokens, pow2_scales=False):
     p = _pool(pool)
-    _check("moe_experts_fp8_backward", p, h, h_scale, row_weights, cu_seqlens, experts_to_copy,
-           w1, w3, w2, pow2_scales, values=False, dst=dst, total=total_num_tokens, dz=dz, y=y,
-           g=g, u=u)
+    checked("moe_experts_fp8_backward", p, _check, "moe_experts_fp8_backward", p, h, h_scale,
+            row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales, values=False,
+            dst=dst, total=total_num_tokens, dz=dz, y=y, g=g, u=u)
     be = registry.lookup(p.backend_name, Backend)
     K, D = be.spec.K, w1.shape[2]
     s = dst.shape[0] // K
