@@ -23,16 +23,24 @@
 #   soak       2,000 compiled steps, new routing every step, NaN batches every 100 steps
 #   gemm       the grouped-GEMM model zoo (ours vs torch._grouped_mm vs dense; the calibration
 #              data the cost model is fitted on)
+#   host       host cost: us per call of every op of the training path beside the torch ops a
+#              torchtitan-style layer runs, a profile of the eager layer step, and the layer step
+#              at R = 1 against that layer (eager, compiled, CUDA graphs; four shapes) and the
+#              converted tiny Qwen3-MoE's host time per layer; tables in $OUT/host_cost.md and
+#              $OUT/layer_r1.md.  With a package copy in .gpu_carry/baseline/moonep_ops (carried),
+#              the host-cost benchmark and the eager layer step run on it too, on the same GPU
+#              ($OUT/baseline_host.md): the "before" of a change.  Not in the default list.
 #   nccl, job  several GPUs only: the multi-rank tests over NCCL; the main job under torchrun
 # Logs and results land in $OUT (default /tmp/gpu_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
+export OUT      # the stage functions run in a child bash
 mkdir -p "$OUT"
 # NVLink multicast stays off (it can take a shared host's GPUs out of service).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
-STAGES=${STAGES:-build,tests,diag,vranks,dataplane,moe,costterms,fp8,soak,gemm}
+STAGES=${STAGES:-build,tests,diag,vranks,dataplane,moe,costterms,fp8,soak,gemm}   # host: on request
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/moonep_site .whl/*.whl 2>&1 | tail -1
@@ -86,6 +94,29 @@ stage fp8 420 bash -c "$PY -m pytest -q -rs tests/test_grouped_mm_fp8_cuda.py -p
     --precision \$p --modes reduce-overhead --iters 10 || exit 1; done"
 stage soak 300 $PY benchmarks/soak_cuda.py --steps 2000 --nan-every 100
 stage gemm 420 $PY benchmarks/bench_gemm_zoo.py --out "$OUT" --time-limit-s 360
+host() {
+  local rc=0
+  $PY benchmarks/bench_host_cost.py --out "$OUT" || rc=1
+  $PY benchmarks/bench_layer_r1.py --out "$OUT" || rc=1
+  if [ -d .gpu_carry/baseline/moonep_ops ]; then
+    # the same benchmarks on the carried copy of an older package (the libraries of this tree)
+    local base=$PWD/.gpu_carry/baseline
+    { PYTHONPATH=$base:$PYTHONPATH MOONEP_LIB_DIR=$PWD/moonep_ops/lib $PY \
+        benchmarks/bench_host_cost.py --sections gemm,step --rounds 3 || rc=1
+      PYTHONPATH=$base:$PYTHONPATH MOONEP_LIB_DIR=$PWD/moonep_ops/lib $PY \
+        benchmarks/bench_layer_r1.py --modes eager --rounds 3 || rc=1
+    } > "$OUT/baseline_host.md" 2>&1
+  fi
+  # the tables, for the stage's summary (the log holds the progress lines too)
+  echo "==== summary"
+  grep -v "^  " "$OUT/host_cost.md" | sed -n '/^### 1/,/^### 3b/p' | grep -v "^$"
+  sed -n '/^### 3b/,/^Top 30/p' "$OUT/host_cost.md" | grep "^|"
+  grep -v "^$" "$OUT/layer_r1.md"
+  [ -f "$OUT/baseline_host.md" ] && echo "baseline: $(grep -c MISSED "$OUT/baseline_host.md") \
+MISSED lines, tables in baseline_host.md"
+  return $rc
+}
+TAIL=${TAIL:-150} stage host 480 host
 if [ "$NG" -ge 2 ]; then
   stage nccl 300 env MOONEP_TEST_DIST=nccl $PY -m pytest -q -rs tests/test_data_plane.py \
     tests/test_moe.py -p no:cacheprovider

@@ -1,0 +1,513 @@
+"""Host cost of the MoE training path: microseconds of host time per call of every op, beside
+the torch ops a torchtitan-style layer runs instead, and a profile of one eager layer step.
+
+    python benchmarks/bench_host_cost.py [--calls 200] [--rounds 5] [--layer qwen3-30b-a3b]
+                                         [--profile-steps 20] [--out DIR] [--tiny]
+
+Host time per call: the wall time of one call issued on an idle GPU (a sync before it, median
+over calls): what the call costs the Python thread that issues it, never held back by a full
+launch queue.  The GEMM table also gives n calls issued back to back with no synchronisation,
+the loop's time divided by n (how the targets were first measured; a full launch queue can
+block the host there, and the figure then tends to the GPU time).  Where the host time of the
+calls exceeds their GPU time, the host is the bottleneck of an eager step.  Every row is
+measured in alternating rounds with its torch counterpart (median over --rounds).
+
+1. GEMMs (eight expert shapes: D 2048-7168, G 16-128, 4k-32k rows): per direction
+     torch   torch._grouped_mm, the weights as one [G, ...] tensor (what the titan-style layer
+             calls; torch's own CUTLASS kernels and its C++ dispatch);
+     op      torch.ops.moonep.grouped_mm / _dgrad / _wgrad_into (what moonep::moe_experts calls);
+     api     the public Python functions of moonep_ops.ops.grouped_mm;
+     native  the library's launch alone: libmoonep_gemm.so's moonep_grouped_gemm through ctypes
+             with every argument prepared (prep kernel + fused GEMM launch, the C++ host
+             work; CUDA with the library only);
+   target: op <= 1.5 x torch.
+2. The layer's ops at one layer shape (R = 1, the CUDA symmetric-memory backend): router,
+   dispatch, moe_experts forward and backward, combine, swiglu, prefetch / reduce, beside the
+   titan-style pieces (route, argsort permutation, experts, weighted index_add_ un-permute).
+3. One eager training step of each layer: host time, and a cProfile of ours: where every
+   microsecond of the step's host time goes (by function, and grouped by package).
+
+On CPU (--tiny: the CI smoke run) every op runs its CPU reference: the numbers measure the
+Python around the kernels, which the CUDA path shares only in part.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import ctypes
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_layer_r1 import SHAPES, LR, build  # noqa: E402
+
+from moonep_ops import native, registry  # noqa: E402
+from moonep_ops.gemm import cost_model  # noqa: E402
+from moonep_ops.nn.train_step import sgd_step  # noqa: E402
+from moonep_ops.ops import grouped_mm as gm  # noqa: E402
+from moonep_ops.ops.moe_experts import ExpertPool  # noqa: E402
+
+# (D, F, G = 2 * epn, M rows): D 2048-7168, G 16-128, 4k-32k rows
+GEMM_SHAPES = [
+    (2048, 768, 128, 32768),      # Qwen3-30B-A3B experts, EP 2 (epn 64)
+    (2048, 768, 16, 4096),
+    (2048, 1024, 32, 8192),
+    (4096, 1536, 32, 16384),      # Qwen3-235B-A22B-like
+    (4096, 3584, 16, 8192),       # Mixtral-like
+    (5120, 1536, 64, 16384),
+    (7168, 2048, 64, 32768),      # DeepSeek-V3, EP 8 (epn 32)
+    (7168, 2048, 16, 4096),
+]
+TINY_GEMM = [(32, 24, 4, 64)]
+TINY_LAYER = (64, 32, 24, 8, 2)
+GEMM_TARGET = 1.5
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def host_us(fn, n: int, dev) -> float:
+    """us of host time per call over n unsynchronised calls, back to back (the GPU idle at the
+    start; how the host-cost targets were first measured).  Once the GPU falls behind, a full
+    launch queue can block the host, and the figure then tends to the GPU time: see
+    ``isolated_us``."""
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = time.perf_counter() - t0
+    _sync(dev)
+    return t * 1e6 / n
+
+
+def isolated_us(fn, n: int, dev) -> float:
+    """Median us of host time of one call issued on an idle GPU (a sync before each): the host
+    cost of the call itself, never held back by a full launch queue."""
+    ts = []
+    for _ in range(n):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    _sync(dev)
+    return statistics.median(ts) * 1e6
+
+
+def compare(fns: dict, n: int, rounds: int, dev, measure=isolated_us) -> dict:
+    """{name: median us} over ``rounds`` alternating rounds (warmed up first); None entries of
+    ``fns`` are skipped."""
+    for f in fns.values():
+        if f is not None:
+            f()
+            f()
+    _sync(dev)
+    names = [k for k, f in fns.items() if f is not None]
+    vals = {k: [] for k in names}
+    for r in range(rounds):
+        for k in (names if r % 2 == 0 else names[::-1]):
+            vals[k].append(measure(fns[k], n, dev))
+    return {k: statistics.median(v) for k, v in vals.items()}
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None else f"{v:.1f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. GEMMs
+# ---------------------------------------------------------------------------------------------
+
+def _counts(M: int, G: int, gen) -> list[int]:
+    """Rows per group summing to M, skewed (Dirichlet-like), padded to 128 where M allows."""
+    w = torch.rand(G, generator=gen) + 0.2
+    tp = 128 if M >= 128 * G else 1
+    c = (w / w.sum() * (M // tp)).floor().long() * tp
+    c[0] += M - int(c.sum())
+    return c.tolist()
+
+
+def native_launcher(kind, a, b, b_slot, d, d_slot, cu, epn, M, O, I, flags):
+    """A zero-argument call of moonep_grouped_gemm with every argument prepared (the C++ host
+    work and ctypes alone), or None without the library or on another device."""
+    lib = native.gemm()
+    if lib is None or a.device.type != "cuda":
+        return None
+    kid = {"fwd": 0, "dgrad": 1, "wgrad": 2, "wgrad_lp": 3}[kind]
+    G = 2 * epn
+    sm = torch.cuda.get_device_properties(a.device).multi_processor_count
+    nbytes = lib.gemm_workspace_bytes(kid, G, sm)
+    ws = torch.empty(nbytes, dtype=torch.uint8, device=a.device)
+    vals = cost_model.tuning_table(kind, cost_model.tie_tolerance(kind, M, G))
+    table = (ctypes.c_float * len(vals))(*vals)
+    mask = gm.candidate_mask(kind, M, G, O, I, sm)
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    args = (kid, -1, 0, a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
+            d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(), cu.data_ptr(), G, epn, M,
+            O, I, table, mask, flags | 2, ws.data_ptr(), nbytes, sm, stream)   # 2: PDL (default)
+    fn = lib.grouped_gemm
+
+    def call():
+        fn(*args)
+
+    call.keep = (ws, table)
+    return call
+
+
+def gemm_rows(shapes, dev, calls, rounds) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    rows = []
+    for D, F, G, M in shapes:
+        epn = G // 2
+        cu = torch.tensor(_counts(M, G, gen), dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+        x = torch.randn(M, D, device=dev, dtype=bf)
+        dy = torch.randn(M, F, device=dev, dtype=bf)
+        wl = torch.randn(epn, F, D, device=dev, dtype=bf) * 0.02     # [B, O = F, I = D]
+        ws = torch.randn(epn, F, D, device=dev, dtype=bf) * 0.02
+        w_all = torch.cat([wl, ws])                                   # titan: one tensor
+        gl, gs = torch.empty_like(wl), torch.empty_like(ws)
+        out_f = torch.empty(M, F, device=dev, dtype=bf)
+        out_d = torch.empty(M, D, device=dev, dtype=bf)
+        tail = gm.tail_flags(False)
+        cases = {
+            "fwd": dict(
+                torch=lambda: torch._grouped_mm(x, w_all.transpose(-2, -1), offs=cu),
+                op=lambda: torch.ops.moonep.grouped_mm(x, wl, ws, cu, -1, False),
+                api=lambda: gm.grouped_mm(x, wl, ws, cu, zero_tail=False),
+                native=native_launcher("fwd", x, wl, ws, out_f, None, cu, epn, M, F, D, tail)),
+            "dgrad": dict(
+                torch=lambda: torch._grouped_mm(dy, w_all, offs=cu),
+                op=lambda: torch.ops.moonep.grouped_mm_dgrad(dy, wl, ws, cu, -1, False),
+                api=lambda: gm.grouped_mm_dgrad(dy, wl, ws, cu, zero_tail=False),
+                native=native_launcher("dgrad", dy, wl, ws, out_d, None, cu, epn, M, F, D, tail)),
+            "wgrad": dict(
+                torch=lambda: torch._grouped_mm(dy.t(), x, offs=cu),
+                op=lambda: torch.ops.moonep.grouped_mm_wgrad_into(dy, x, cu, gl, gs, -1),
+                api=lambda: gm.grouped_mm_wgrad_into(dy, x, cu, gl, gs),
+                native=native_launcher("wgrad_lp", dy, x, None, gl, gs, cu, epn, M, F, D, 1)),
+        }
+        for kind, fns in cases.items():
+            r = compare(fns, max(calls // 4, 10), rounds, dev)
+            st = compare({k: fns[k] for k in ("torch", "op")}, calls, rounds, dev, host_us)
+            rows.append(dict(D=D, F=F, G=G, M=M, kind=kind, **{k: r.get(k) for k in fns},
+                             torch_stream=st["torch"], op_stream=st["op"]))
+            print(f"  gemm D={D} F={F} G={G} M={M} {kind}: "
+                  + ", ".join(f"{k} {_fmt(r.get(k))}" for k in fns)
+                  + f"; {calls} unsynchronised calls: torch {st['torch']:.1f}, op {st['op']:.1f}",
+                  flush=True)
+    return rows
+
+
+def gemm_table(rows) -> list[str]:
+    out = ["", "### 1. Grouped GEMMs: host us per call", "",
+           "One call on an idle GPU (median); the last two columns: n calls back to back, "
+           "unsynchronised (a full launch queue can block the host there).",
+           "", "| D | F | G | M | dir | torch | op | api | native | op / torch | api / torch | "
+           "target (api) | torch, stream | op, stream |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    missed = []
+    for r in rows:
+        ratio, api = r["op"] / r["torch"], r["api"] / r["torch"]
+        ok = api <= GEMM_TARGET
+        if not ok:
+            missed.append(f"D={r['D']} G={r['G']} M={r['M']} {r['kind']} {api:.2f}")
+        out.append(f"| {r['D']} | {r['F']} | {r['G']} | {r['M']} | {r['kind']} | "
+                   f"{_fmt(r['torch'])} | {_fmt(r['op'])} | {_fmt(r['api'])} | "
+                   f"{_fmt(r['native'])} | {ratio:.2f} | {api:.2f} | <= {GEMM_TARGET} "
+                   f"{'met' if ok else 'MISSED'} | {_fmt(r['torch_stream'])} | "
+                   f"{_fmt(r['op_stream'])} |")
+    out += ["", "GEMM host-cost target (api <= 1.5 x torch): "
+            + ("met on every row" if not missed else "MISSED: " + "; ".join(missed))]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. the layer's ops
+# ---------------------------------------------------------------------------------------------
+
+def layer_rows(shape, dev, calls, rounds, tp) -> tuple[list[tuple], dict]:
+    """[(what, ours us, torch us, note)], and the objects section 3 profiles."""
+    T, D, F, E, K = shape
+    ours, titan = build(T, D, F, E, K, dev, tp)
+    buf = ours.buffer
+    pool = ours.pool_name
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+    ops = torch.ops.moonep
+    with torch.no_grad():
+        ids, w, _ = ours.router(x)
+        h, w_M, cu, plan = buf.dispatch(x, ids, w)
+        etc = plan.experts_to_copy
+        y, g, u = ops.moe_experts(h, cu, etc, ours.w1, ours.w3, ours.w2, pool)
+        z = (y.float() * w_M[:, None]).to(x.dtype)
+        tw, tids = titan.route(x)
+        th, tw_N, ttok, toffs = titan.permute(x, tw, tids)
+        ty = titan.experts(th, toffs)
+    dy = torch.randn_like(y)
+    a = torch.randn_like(g)
+    pw = [ours.w1.detach(), ours.w3.detach(), ours.w2.detach()]
+    pp = registry.lookup(pool, ExpertPool)
+    slots = [pp.w1, pp.w3, pp.w2]
+    grads = [torch.zeros_like(t) for t in pw]
+    sgrads = [pp.g1, pp.g3, pp.g2]
+    out_t = torch.zeros_like(x)
+    # the experts' backward through torch autograd (titan): one graph, replayed
+    th_g = th.detach().requires_grad_()
+    ty_g = titan.experts(th_g, toffs)
+    t_inputs = [th_g, titan.w1, titan.w3, titan.w2]
+    dty = torch.randn_like(ty_g)
+    xg = x.detach().requires_grad_()
+    cases = [
+        ("router", lambda: ours.router(x), lambda: titan.route(x), ""),
+        ("dispatch (histograms, plan, scatter)", lambda: buf.dispatch(x, ids, w),
+         lambda: titan.permute(x, tw, tids), "titan: scatter_add counts, cumsum, argsort, gather"),
+        ("dispatch, x requiring grad", lambda: buf.dispatch(xg, ids, w),
+         lambda: titan.permute(xg, tw, tids), "the autograd nodes included"),
+        ("moe_experts forward (op)", lambda: ops.moe_experts(h, cu, etc, ours.w1, ours.w3,
+                                                              ours.w2, pool),
+         lambda: titan.experts(th, toffs), "ours: prefetch + 3 GEMMs + swiglu"),
+        ("moe_experts backward (op)",
+         lambda: ops.moe_experts_backward(dy, h, g, u, cu, etc, ours.w1, ours.w3, ours.w2, pool),
+         lambda: torch.autograd.grad(ty_g, t_inputs, dty, retain_graph=True),
+         "titan: autograd of its experts"),
+        ("weights + combine", lambda: buf.combine(plan, (y.float() * w_M[:, None]).to(x.dtype)),
+         lambda: titan.unpermute(ty, tw_N, ttok, out_t), "titan: weighted index_add_"),
+        ("combine alone", lambda: buf.combine(plan, z), None, ""),
+        ("dispatch with plan (combine backward)",
+         lambda: buf.dispatch(x, route_weights_sK=w, plan=plan), None, ""),
+        ("swiglu (op)", lambda: ops.swiglu(g, u), lambda: torch.nn.functional.silu(g) * u, ""),
+        ("swiglu_backward (op)", lambda: ops.swiglu_backward(g, u, a), None, ""),
+        ("prefetch_weight (op)", lambda: ops.prefetch_weight(etc, pw, slots, buf.name), None,
+         "R = 1: barriers only"),
+        ("reduce_grad (op)", lambda: ops.reduce_grad(etc, grads, sgrads, buf.name), None, ""),
+        ("layer forward, no grad", lambda: _nograd(ours, x), lambda: _nograd(titan, x), ""),
+    ]
+    rows = []
+    for what, f_ours, f_torch, note in cases:
+        try:
+            r = compare({"ours": f_ours, "torch": f_torch}, calls, rounds, dev)
+        except Exception as e:                           # noqa: BLE001  (report, go on)
+            traceback.print_exc()
+            r = {"ours": None, "torch": None}
+            note = f"FAILED: {type(e).__name__}: {e}"
+        rows.append((what, r.get("ours"), r.get("torch"), note))
+        print(f"  {what}: ours {_fmt(r.get('ours'))}, torch {_fmt(r.get('torch'))}", flush=True)
+    return rows, dict(ours=ours, titan=titan)
+
+
+def _nograd(layer, x):
+    with torch.no_grad():
+        return layer(x)
+
+
+def layer_table(rows, shape) -> list[str]:
+    T, D, F, E, K = shape
+    out = ["", f"### 2. The layer's ops, host us per call (T {T}, D {D}, F {F}, E {E}, K {K}, "
+           "R = 1)", "", "| op | ours | titan-style torch ops | ours / torch | note |",
+           "|---|---|---|---|---|"]
+    for what, o, t, note in rows:
+        ratio = f"{o / t:.2f}" if o is not None and t else ""
+        out.append(f"| {what} | {_fmt(o)} | {_fmt(t)} | {ratio} | {note} |")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. the eager step and its profile
+# ---------------------------------------------------------------------------------------------
+
+def step_host(objs, shape, dev, rounds, steps) -> dict:
+    T, D = shape[0], shape[1]
+    g = torch.Generator(device=dev).manual_seed(1)
+    batches = [(torch.randn(T, D, device=dev, generator=g).bfloat16(),
+                torch.randn(T, D, device=dev, generator=g)) for _ in range(4)]
+    steps_of = {n: sgd_step(m, list(m.parameters()), LR) for n, m in objs.items()}
+
+    def one(step):
+        it = iter(range(1 << 30))
+
+        def f():
+            i = next(it)
+            step(*batches[i % 4])
+        return f
+
+    def per_step_ms(f):
+        ts = []
+        for _ in range(steps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            f()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        _sync(dev)
+        return statistics.median(ts)
+
+    fns = {n: one(s) for n, s in steps_of.items()}
+    for f in fns.values():
+        for _ in range(3):
+            f()
+    vals = {n: [] for n in fns}
+    for r in range(rounds):
+        for n in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            vals[n].append(per_step_ms(fns[n]))
+    return dict(host_ms={n: statistics.median(v) for n, v in vals.items()},
+                step=fns["ours"])
+
+
+_GROUPS = [("moonep_ops/ops/", "moonep_ops.ops (op bodies, checks, launches)"),
+           ("moonep_ops/backends/", "moonep_ops.backends (data plane calls)"),
+           ("moonep_ops/nn/", "moonep_ops.nn (layer, router, step)"),
+           ("moonep_ops/", "moonep_ops (other: buffer, planner, native, registry)"),
+           ("torch/_library/", "torch._library (custom-op wrappers)"),
+           ("torch/autograd/", "torch.autograd (Python side)"),
+           ("torch/_ops.py", "torch._ops (op dispatch, Python side)"),
+           ("benchmarks/", "benchmark code"),
+           ("torch/", "torch (other Python)")]
+
+
+def profile(step, n: int) -> tuple[list[str], list[str]]:
+    """cProfile of n eager steps: top functions by self time, and self time per package (us
+    per step; cProfile roughly doubles Python's own cost, so read the shares).  A C function
+    called from Python (a torch op's C++ dispatch and kernel launch) appears as a built-in;
+    a ctypes call's C++ host time counts in its caller's self time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step()
+    prof.disable()
+    st = pstats.Stats(prof)
+    total = sum(v[2] for v in st.stats.values())          # self time of every function
+    groups: dict[str, float] = {}
+    for (fname, _line, func), (cc, nc, tt, ct, callers) in st.stats.items():
+        f = fname.replace(os.sep, "/")
+        label = "C / built-in calls (torch kernels' C++ host, ctypes, ...)" if fname == "~" \
+            else next((lab for key, lab in _GROUPS if key in f), "other Python")
+        groups[label] = groups.get(label, 0.0) + tt
+    out = ["", f"### 3b. Where the host time of our eager step goes (cProfile, {n} steps)", "",
+           "| group | us / step | share |", "|---|---|---|"]
+    for lab, tt in sorted(groups.items(), key=lambda kv: -kv[1]):
+        out.append(f"| {lab} | {tt * 1e6 / n:.0f} | {tt / total:.0%} |")
+    def short(key):
+        fname, line, func = key
+        f = fname.replace(os.sep, "/")
+        for root in ("site-packages/", "/main/", "/work/"):
+            if root in f:
+                f = f.split(root, 1)[1]
+                break
+        return func if fname == "~" else f"{f}:{line}({func})"
+
+    def top(sort_key, keep, title):
+        items = [(k, v) for k, v in st.stats.items() if keep(k)]
+        items.sort(key=lambda kv: -kv[1][sort_key])
+        rows = ["", title, "",
+                "| function | calls / step | self us / step | cumulative us / step |",
+                "|---|---|---|---|"]
+        for k, (cc, nc, tt, ct, _) in items[:30]:
+            rows.append(f"| {short(k)} | {nc / n:g} | {tt * 1e6 / n:.0f} | {ct * 1e6 / n:.0f} |")
+        return rows
+
+    detail = top(2, lambda k: True, "Top 30 functions by self time:")
+    detail += top(3, lambda k: "moonep_ops" in k[0], "moonep_ops functions by cumulative time:")
+    return out, detail
+
+
+# ---------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=200,
+                    help="unsynchronised calls per GEMM sample (a quarter of it: isolated calls)")
+    ap.add_argument("--layer-calls", type=int, default=30, help="isolated calls per layer-op "
+                    "sample")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layer", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    ap.add_argument("--steps", type=int, default=10, help="eager steps per round (section 3)")
+    ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--sections", default="gemm,layer,step")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU smoke run)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default=None, help="write host_cost.json and host_cost.md there")
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda" and not a.tiny:
+        print("bench_host_cost: no CUDA device (use --tiny for the CPU smoke run)")
+        return 1
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    sections = a.sections.split(",")
+    pkg = os.path.dirname(sys.modules["moonep_ops"].__file__)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"bench_host_cost: torch {torch.__version__}, {name}, package {pkg}, gemm library "
+          f"{'loaded' if native.gemm() is not None else 'absent'}, ep library "
+          f"{'loaded' if native.ep() is not None else 'absent'}", flush=True)
+    shape = TINY_LAYER if a.tiny else SHAPES[a.layer]
+    tp = 128 if dev.type == "cuda" else 8
+    lines, details, errors = [], [], []
+    doc = dict(device=name, torch=torch.__version__, package=pkg)
+    if "gemm" in sections:
+        try:
+            rows = gemm_rows(TINY_GEMM if a.tiny else GEMM_SHAPES, dev, a.calls, a.rounds)
+            doc["gemm"] = rows
+            lines += gemm_table(rows)
+        except Exception as e:                             # noqa: BLE001
+            traceback.print_exc()
+            errors.append(f"gemm: {type(e).__name__}: {e}")
+    objs = None
+    if "layer" in sections or "step" in sections:
+        try:
+            rows, objs = layer_rows(shape, dev, a.layer_calls, a.rounds, tp)
+            if "layer" in sections:
+                doc["layer"] = dict(shape=shape, rows=rows)
+                lines += layer_table(rows, shape)
+        except Exception as e:                             # noqa: BLE001
+            traceback.print_exc()
+            errors.append(f"layer: {type(e).__name__}: {e}")
+    if "step" in sections and objs is not None:
+        try:
+            st = step_host(objs, shape, dev, a.rounds, a.steps)
+            doc["step_host_ms"] = st["host_ms"]
+            h = st["host_ms"]
+            lines += ["", "### 3a. One eager training step (forward, backward, SGD), host ms", "",
+                      "| layer | host ms / step |", "|---|---|",
+                      f"| titan-style | {h['titan']:.3f} |", f"| ours | {h['ours']:.3f} |",
+                      f"| ours / titan | {h['ours'] / h['titan']:.2f} |"]
+            summary, detail = profile(st["step"], a.profile_steps)
+            lines += summary
+            details += detail
+        except Exception as e:                             # noqa: BLE001
+            traceback.print_exc()
+            errors.append(f"step: {type(e).__name__}: {e}")
+        finally:
+            objs["ours"].buffer.check_errors()
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        head = (f"bench_host_cost: torch {torch.__version__}, {name}, package {pkg}\n")
+        (Path(a.out) / "host_cost.json").write_text(json.dumps(doc, indent=1, default=str))
+        (Path(a.out) / "host_cost.md").write_text(head + text + "\n" + "\n".join(details) + "\n")
+    else:
+        print("\n".join(details))
+    if errors:
+        print("ERRORS: " + "; ".join(errors))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
