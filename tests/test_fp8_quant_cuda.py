@@ -7,7 +7,9 @@ reference.
 
 Skips without CUDA or without Triton.  Inputs are fresh random values whose magnitude varies
 per tile and block (2^-20 .. 2^12), with all-zero tiles, exact powers of two and dims that cut
-the last tile short; bf16, fp16 and fp32 inputs; pow2 scales on and off.
+the last tile short; bf16, fp16 and fp32 inputs; pow2 scales on and off.  Non-finite inputs
+(NaN, -NaN, Inf, -Inf): the kernels bitwise the CPU reference (the tile NaN, every other tile
+as without it), and the FP8 layer on CUDA keeps a poisoned token to its own output row.
 """
 from __future__ import annotations
 

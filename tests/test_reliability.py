@@ -1,4 +1,4 @@
-"""Reliability under bad input (issue 50): non-finite tokens on the FP8 path, meta tensors, ranks
+"""Reliability under bad input: non-finite tokens on the FP8 path, meta tensors, ranks
 that disagree on precision, use after destroy.  CPU; the multi-rank cases on real gloo ranks
 (tests/dist_harness.py, R = 2) with a short collective timeout, so a hang fails the case
 instead of the run, and every case ends with a dispatch / combine round trip that proves the

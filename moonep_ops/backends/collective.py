@@ -136,11 +136,12 @@ class CollectiveBackend(Backend):
         if kind is None:
             raise ValueError(f"moonep: no op {op!r} to reject (one of {tuple(FIRST_COLLECTIVE)})")
         if kind == "plan":
-            flags = self._gather_plan_rows(torch.zeros(self.spec.E, dtype=torch.long,
-                                                       device=self.device), 1, 0, -1, 0)[:, self.spec.E]
+            E = self.spec.E
+            hist = torch.zeros(E, dtype=torch.long, device=self.device)
+            flags = self._gather_plan_rows(hist, 1, 0, -1, ROWS_DTYPE)[:, E]
         elif kind == "slots":
             flags = self._gather_slot_header(op, 1, 0, 0)[:, 0]
-        else:                     # the counts exchange of dispatch_with_plan [R, 3] / combine [R, 2]
+        else:                     # the counts exchange: dispatch_with_plan [R, 3], combine [R, 2]
             width = 3 if kind == "scatter" else 2
             counts = torch.zeros((self.world_size, width), dtype=torch.long, device=self.device)
             counts[:, -1] = 1
