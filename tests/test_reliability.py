@@ -1,8 +1,8 @@
 """Reliability under bad input: non-finite tokens on the FP8 path, meta tensors, ranks
 that disagree on precision, use after destroy.  CPU; the multi-rank cases on real gloo ranks
-(tests/dist_harness.py, R = 2) with a short collective timeout, so a hang fails the case
-instead of the run, and every case ends with a dispatch / combine round trip that proves the
-process group is still in step.
+(tests/dist_harness.py, R = 2; MOONEP_TEST_DIST=nccl runs them over NCCL, one GPU a rank) with
+a short collective timeout, so a hang fails the case instead of the run, and every case ends
+with a dispatch / combine round trip that proves the process group is still in step.
 
 1. A NaN or an Inf in a token makes that token's FP8 tile NaN (tests/test_fp8_ops.py checks
    the quantisers), and the FP8 dispatch and the FP8 layer keep it to that token's rows and
@@ -42,12 +42,12 @@ def _buffer(group=None, **kw):
     return Buffer(S, D, K, E, group=group, **a)
 
 
-def _inputs(rank, s=S, seed=0):
+def _inputs(rank, s=S, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed * 100 + rank)
     x = torch.randn(s, D, generator=g).to(BF16)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s)]).int()
     w = torch.softmax(torch.randn(s, K, generator=g), -1)
-    return x, ids, w
+    return x.to(device), ids.to(device), w.to(device)
 
 
 def _layer(buf, precision, pow2=False, seed=3):
@@ -219,8 +219,8 @@ def test_use_after_destroy_raises_value_error():
 
 def _round_trip(ctx):
     """The group is still in step: a fresh Buffer, dispatch, combine (K copies added)."""
-    buf = _buffer(ctx.group, dtype=torch.float32)
-    x, ids, w = _inputs(ctx.rank, seed=9)
+    buf = _buffer(ctx.group, dtype=torch.float32, device=ctx.device)
+    x, ids, w = _inputs(ctx.rank, seed=9, device=ctx.device)
     x = x.float()
     h, _, _, plan = buf.dispatch(x, ids, w)
     y, _ = buf.combine(plan, h)
@@ -241,9 +241,12 @@ def _every_rank_raises(ctx, call_bad, call_good, own, peers, exc=ValueError):
 
 
 def _group_setup(ctx):
-    buf = _buffer(ctx.group, backend="torch")
-    x, ids, w = _inputs(ctx.rank)
+    buf = _buffer(ctx.group, backend="torch", device=ctx.device)
+    x, ids, w = _inputs(ctx.rank, device=ctx.device)
     return buf, x, ids, w
+
+
+DEV = r"(cpu|cuda:\d+)"           # the cases run on gloo (CPU) or NCCL (MOONEP_TEST_DIST=nccl)
 
 
 def case_meta_topk_ids_on_one_rank(ctx):
@@ -272,11 +275,11 @@ def case_meta_in_combine_and_plan_reuse(ctx):
     h, wn, cu, plan = buf.dispatch(x, ids, w)
     _every_rank_raises(ctx, lambda: buf.combine(plan, h.to("meta"), wn),
                        lambda: buf.combine(plan, h, wn),
-                       rf"is on cpu but h is on meta.*rank {r}",
+                       rf"is on {DEV} but h is on meta.*rank {r}",
                        rf"moonep combine: rank {r} rejected its input")
     _every_rank_raises(ctx, lambda: buf.dispatch(x.to("meta"), route_weights_sK=w, plan=plan),
                        lambda: buf.dispatch(x, route_weights_sK=w, plan=plan),
-                       rf"on (cpu|meta) .* x is on meta.*rank {r}",
+                       rf"on ({DEV}|meta) .* x is on meta.*rank {r}",
                        rf"moonep dispatch_with_plan: rank {r} rejected its input")
     y, _ = buf.combine(plan, h, wn)                    # the Buffer itself still works
     assert y.shape == x.shape
@@ -290,8 +293,10 @@ def case_meta_weights_in_prefetch_and_reduce(ctx):
     r = ctx.R - 1
     last = ctx.rank == r
     _, _, _, plan = buf.dispatch(x, ids, w)
-    loc = [torch.randn(buf.epn, 6), torch.randn(buf.epn, 2, 3)]
-    slots = [torch.full((buf.epn, 6), 5.0), torch.full((buf.epn, 2, 3), 5.0)]
+    dev = ctx.device
+    loc = [torch.randn(buf.epn, 6, device=dev), torch.randn(buf.epn, 2, 3, device=dev)]
+    slots = [torch.full((buf.epn, 6), 5.0, device=dev),
+             torch.full((buf.epn, 2, 3), 5.0, device=dev)]
     snap = [t.clone() for t in loc + slots]
     bad_loc = [loc[0].to("meta"), loc[1]] if last else loc
     _every_rank_raises(ctx,
@@ -347,14 +352,14 @@ def case_layers_differ_in_precision(ctx):
     """One misconfigured launch: rank 0 builds its layer in fp8, the others in bf16.  Every
     rank raises the same ValueError when the layer binds (before: the first dispatch aborted
     the process inside gloo)."""
-    buf = _buffer(ctx.group, backend="torch")
+    buf = _buffer(ctx.group, backend="torch", device=ctx.device)
     want = r"the ranks disagree on precision \(rank 0: fp8, rank 1: bf16"
     with pytest.raises(ValueError, match=want):
         _layer(buf, "fp8" if ctx.rank == 0 else "bf16")
     with pytest.raises(ValueError, match=r"disagree on pow2_scales \(rank 0: True, rank 1: False"):
         _layer(buf, "fp8", pow2=ctx.rank == 0)
     layer = _layer(buf, "fp8")                         # agreeing layers bind and run
-    x, ids, w = _inputs(ctx.rank)
+    x, ids, w = _inputs(ctx.rank, device=ctx.device)
     with torch.no_grad():
         assert layer(x, topk_ids=ids, topk_weights=w).shape == x.shape
     _round_trip(ctx)
@@ -364,7 +369,7 @@ def case_layer_invalid_on_one_rank(ctx):
     """A rank whose layer fails a local check when it binds (its top-k is not the Buffer's)
     still takes part in the pools' exchange: it raises its own error, its peers one naming
     it."""
-    buf = _buffer(ctx.group, backend="torch")
+    buf = _buffer(ctx.group, backend="torch", device=ctx.device)
     r = ctx.R - 1
 
     def bind(k):
@@ -401,8 +406,8 @@ def case_prefetch_tensors_differ(ctx):
     buf, x, ids, w = _group_setup(ctx)
     _, _, _, plan = buf.dispatch(x, ids, w)
     n = 6 if ctx.rank == 0 else 3
-    loc = [torch.randn(buf.epn, 4) for _ in range(n)]
-    slots = [torch.zeros(buf.epn, 4) for _ in range(n)]
+    loc = [torch.randn(buf.epn, 4, device=ctx.device) for _ in range(n)]
+    slots = [torch.zeros(buf.epn, 4, device=ctx.device) for _ in range(n)]
     with pytest.raises(ValueError, match=r"prefetch_weight: the ranks disagree on the call and "
                                          r"its tensors .*rank 0: prefetch_weight, 6 tensors"):
         buf.prefetch_weight(plan, local_weights=loc, slot_weights=slots)
@@ -414,16 +419,16 @@ def case_fp8_layer_nonfinite_token_on_one_rank(ctx):
     """1. over gloo: an Inf in a token of the last rank (pow2 scales: the case that became
     finite garbage before); every output row of every rank but that token's is bitwise the
     clean forward's."""
-    buf = _buffer(ctx.group, backend="torch")
+    buf = _buffer(ctx.group, backend="torch", device=ctx.device)
     layer = _layer(buf, "fp8", pow2=True)
-    x, ids, w = _inputs(ctx.rank, seed=2)
+    x, ids, w = _inputs(ctx.rank, seed=2, device=ctx.device)
     with torch.no_grad():
         clean = layer(x, topk_ids=ids, topk_weights=w)
         xp = x.clone()
         if ctx.rank == ctx.R - 1:
             xp[3, 140] = float("inf")
         out = layer(xp, topk_ids=ids, topk_weights=w)
-    keep = torch.ones(S, dtype=torch.bool)
+    keep = torch.ones(S, dtype=torch.bool, device=ctx.device)
     if ctx.rank == ctx.R - 1:
         keep[3] = False
         assert not bool(out[3].isfinite().any())
