@@ -250,19 +250,26 @@ class MoonEPRoutedExperts(RoutedExperts):
                                     slack=self.slack, link_gbps=self.link_gbps)
         if not isinstance(buffer, Buffer):
             raise TypeError(f"buffer must be a moonep_ops.Buffer, got {type(buffer).__name__}")
-        if (buffer.D, buffer.K, buffer.E, buffer.dtype) != (D, K, E, COMPUTE_DTYPE):
-            raise ValueError(f"the Buffer has (D, K, E, dtype) = {(buffer.D, buffer.K, buffer.E, buffer.dtype)}, "
-                             f"the layer needs {(D, K, E, COMPUTE_DTYPE)}")
-        check_backend_dims(buffer.device.type, COMPUTE_DTYPE, D, F)
-        check_precision(self.precision, self.fp8_pow2_scales, COMPUTE_DTYPE, D, F)
-        if local.shape[0] != buffer.epn:
-            raise ValueError(f"this rank holds {local.shape[0]} experts but MoonEP's group of "
-                             f"R={buffer.R} expects E/R={buffer.epn}: the experts must be Shard(0) "
-                             "on the same ep mesh")
-        if self._ep_local_rank is not None and self._ep_local_rank != buffer.rank:
-            raise ValueError(f"ep mesh coordinate {self._ep_local_rank} != rank {buffer.rank} of "
-                             "the ep process group: expert ownership would not match")
-        self.pool_name = buffer.expert_pool(D, F, COMPUTE_DTYPE, precision=self.precision).name
+        try:
+            if (buffer.D, buffer.K, buffer.E, buffer.dtype) != (D, K, E, COMPUTE_DTYPE):
+                raise ValueError(f"the Buffer has (D, K, E, dtype) = "
+                                 f"{(buffer.D, buffer.K, buffer.E, buffer.dtype)}, the layer needs "
+                                 f"{(D, K, E, COMPUTE_DTYPE)}")
+            check_backend_dims(buffer.device.type, COMPUTE_DTYPE, D, F)
+            check_precision(self.precision, self.fp8_pow2_scales, COMPUTE_DTYPE, D, F)
+            if local.shape[0] != buffer.epn:
+                raise ValueError(f"this rank holds {local.shape[0]} experts but MoonEP's group of "
+                                 f"R={buffer.R} expects E/R={buffer.epn}: the experts must be "
+                                 "Shard(0) on the same ep mesh")
+            if self._ep_local_rank is not None and self._ep_local_rank != buffer.rank:
+                raise ValueError(f"ep mesh coordinate {self._ep_local_rank} != rank {buffer.rank} "
+                                 "of the ep process group: expert ownership would not match")
+        except (TypeError, ValueError) as e:
+            buffer.reject_expert_pool(e)     # collective: the peers are in expert_pool below
+            raise
+        # collective: the ranks' layers agree on precision and pow2 scales, or all raise
+        self.pool_name = buffer.expert_pool(D, F, COMPUTE_DTYPE, precision=self.precision,
+                                            pow2_scales=self.fp8_pow2_scales).name
         self.capacity = buffer.S
         self.moonep_buffer = buffer
         return buffer
