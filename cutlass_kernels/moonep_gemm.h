@@ -38,14 +38,18 @@ extern "C" {
 // 10 and calls the FP8 exports only from a library that reports 10.  11: every ABI 10 export
 // unchanged plus the MOONEP_GEMM_KEEP_TAIL flag (bf16 fwd / dgrad and the FP8 GEMM); native.py
 // sends it only to a library that reports 11 (an older one zeroes the tail, which is allowed).
-#define MOONEP_GEMM_ABI_VERSION 11
+// 12: every ABI 11 export unchanged plus the FP8 weight-gradient grouped GEMM
+// (moonep_grouped_gemm_fp8_wgrad, moonep_gemm_fp8_wgrad_workspace_bytes,
+// moonep_gemm_fp8_wgrad_num_configs, moonep_gemm_fp8_wgrad_config_info); native.py calls them
+// only from a library that reports 12.
+#define MOONEP_GEMM_ABI_VERSION 12
 #define MOONEP_API __attribute__((visibility("default")))
 
 // kind: 0 fwd (y = x W^T), 1 dgrad (dx = dy W), 2 wgrad (dW += dy^T x, fp32),
 //       3 wgrad_lp (dW = dy^T x written in bf16; empty groups' dW set to zero).
 // flags (bit mask):
-//   MOONEP_GEMM_KEEP_EMPTY_SLOTS  wgrad_lp only: an empty *slot* group (g >= epn) is left
-//       untouched instead of zeroed.  The MoE backward writes slot grads into a pool whose
+//   MOONEP_GEMM_KEEP_EMPTY_SLOTS  wgrad_lp and the FP8 wgrad only: an empty *slot* group
+//       (g >= epn) is left untouched instead of zeroed.  The MoE backward writes slot grads into a pool whose
 //       slots are zero outside a backward (reduce_grad re-zeroes what it consumes), so zeroing
 //       the unused slots again would only burn O*I*2 bytes of bandwidth per unused slot.
 #define MOONEP_GEMM_KEEP_EMPTY_SLOTS 1
@@ -254,6 +258,82 @@ MOONEP_API int moonep_grouped_gemm_fp8(const void* a, const float* a_scale, cons
                                        int config, const float* tuning, int flags,
                                        void* workspace, size_t workspace_bytes, int sm_count,
                                        void* stream);
+
+// =============================================================================================
+// FP8 weight-gradient grouped GEMM with blockwise scaling (kernel_fp8_wgrad.cu; ABI 12):
+//   dW_g [O, I] (bf16) = (dy * s_dy)[rows of g]^T . (x * s_x)[rows of g], fp32 accumulation,
+// the reduction over each group's tokens.  The operands are token-major e4m3 copies with one
+// fp32 scale per 1 x 128 tile along the tokens of one group (moonep::quantize_fp8_tokens,
+// moonep_ops/ops/quantize_fp8.py): with Nb = floor(M/128) + G token tiles and Mp = 128 * Nb,
+//   a_t [O, Mp] e4m3 (dy^T), a_t_scale [Nb, O] fp32; b_t [I, Mp] e4m3 (x^T), b_t_scale [Nb, I];
+// group g (rows [cu[g-1], cu[g]) of the buffer, M_g of them) owns the token tiles
+// t0_g = floor(cu[g-1] / 128) + g .. t0_g + ceil(M_g / 128) - 1, i.e. the columns
+// [128 t0_g, 128 t0_g + M_g) of a_t / b_t and the rows t0_g.. of the scales.
+// Configs (cluster 1 x 2, CUTLASS's FP8 blockwise mainloops with scale granularity (1, 1, 128):
+// each 128-token K block is promoted, times s_dy[kb, o] * s_x[kb, i], into an fp32 accumulator;
+// bf16 output), in config-index order:
+//   0 c128x128  cooperative 128 x 128 x 128;   1 p64x128  ping-pong 64 x 128 x 128.
+// The tuning table has the FP8 GEMM's layout (MOONEP_GEMM_FP8_TUNING_LEN floats; the model is
+// in kernel_fp8_wgrad.cu, its host mirror moonep_ops/gemm/fp8_wgrad_cost.py).
+// =============================================================================================
+
+/**
+ * Number of FP8 wgrad configs compiled into this library (config indices 0 .. n-1).
+ */
+MOONEP_API int moonep_gemm_fp8_wgrad_num_configs(void);
+
+/**
+ * Geometry of FP8 wgrad config `config` into out8[8]: BM, BN, BK, cluster_m, cluster_n,
+ * pingpong, epilogue width (0: CUTLASS's), swap-AB (0).  Returns 0, or -1 for an index out of
+ * range.
+ */
+MOONEP_API int moonep_gemm_fp8_wgrad_config_info(int config, int* out8);
+
+/**
+ * Bytes of device workspace one moonep_grouped_gemm_fp8_wgrad call of (G, sm_count) needs; 0
+ * for G or sm_count outside [1, 1024].  Depends on nothing else (callers may cache it).
+ */
+MOONEP_API size_t moonep_gemm_fp8_wgrad_workspace_bytes(int G, int sm_count);
+
+/**
+ * dW_g = A_g^T-reduction per group, on `stream`: a prep kernel (reads cu_seqlens on the device,
+ * orders the groups largest first, chooses the config, writes the problem arrays, zeroes the dW
+ * of empty groups), then one launch of the fused CUTLASS kernel.  Never synchronises the host;
+ * capturable.  Group g writes d_local[g] when g < epn, else d_slot[g - epn] (every element of
+ * it, once, beta = 0); an empty group's dW is zeroed, except an empty slot group's with
+ * MOONEP_GEMM_KEEP_EMPTY_SLOTS (left untouched).  The group offsets are clamped to
+ * [0, 128 * (n_tiles - G) + 127], so bad offsets never read or write out of bounds.
+ *
+ * @param a_t            device e4m3 [m, 128 * n_tiles]: dy^T, token-major tiles (see above).
+ * @param a_t_scale      device fp32 [n_tiles, m]: one scale per (token tile, row of a_t).
+ * @param b_t            device e4m3 [n, 128 * n_tiles]: x^T.
+ * @param b_t_scale      device fp32 [n_tiles, n].
+ * @param d_local        device bf16 [epn, m, n]: dW of the home experts (groups 0 .. epn-1).
+ * @param d_slot         device bf16 [epn, m, n]: dW of the slots (groups epn .. G-1).
+ * @param cu_seqlens     device int32 [G]: inclusive END row offsets of the groups.
+ * @param G              groups: 2*epn, <= 1024.
+ * @param epn            home experts (= slots) per rank, >= 1.
+ * @param n_tiles        Nb = floor(M/128) + G: the token tiles of the operands.
+ * @param m              O, rows of dW (multiple of 16).
+ * @param n              I, columns of dW (multiple of 16).
+ * @param config         -1: chosen on the device by the cost model (needs `tuning`); else forced.
+ * @param tuning         host float[MOONEP_GEMM_FP8_TUNING_LEN] (NULL allowed when config >= 0).
+ * @param flags          MOONEP_GEMM_PDL and / or MOONEP_GEMM_KEEP_EMPTY_SLOTS.
+ * @param workspace      device scratch of at least moonep_gemm_fp8_wgrad_workspace_bytes(G,
+ *                       sm_count) bytes, 256-byte aligned, one per concurrent call.
+ * @param workspace_bytes  its size in bytes.
+ * @param sm_count       SMs of the device, in [1, 1024]: the persistent grid.
+ * @param stream         cudaStream_t to launch on.
+ * @return 0, or -1 with a message in moonep_gemm_last_error().  a_t, b_t, d_local and d_slot
+ *         must be 16-byte aligned.
+ */
+MOONEP_API int moonep_grouped_gemm_fp8_wgrad(const void* a_t, const float* a_t_scale,
+                                             const void* b_t, const float* b_t_scale,
+                                             void* d_local, void* d_slot, const int* cu_seqlens,
+                                             int G, int epn, int n_tiles, int m, int n,
+                                             int config, const float* tuning, int flags,
+                                             void* workspace, size_t workspace_bytes,
+                                             int sm_count, void* stream);
 
 // =============================================================================================
 // Diagnostics (MOONEP_DIAGNOSTICS builds only: `python -m moonep_ops.build --diagnostics`,

@@ -45,7 +45,12 @@ GEMM_FP8_ABI_VERSION = 10
 # library that reports 11 (``gemm_keep_tail``); an older one zeroes the tail, which the
 # "undefined tail" contract allows.
 GEMM_KEEP_TAIL_ABI_VERSION = 11
-GEMM_ABI_VERSIONS = (GEMM_ABI_VERSION, GEMM_FP8_ABI_VERSION, GEMM_KEEP_TAIL_ABI_VERSION)
+# ABI 12 = ABI 11 plus GEMM_FP8_WGRAD_PROTOTYPES (the FP8 weight-gradient grouped GEMM,
+# moonep_ops/ops/grouped_mm_fp8_wgrad.py): used only from a library that reports 12 and exports
+# every one of them (``gemm_fp8_wgrad``); an older library leaves the op on its reference.
+GEMM_FP8_WGRAD_ABI_VERSION = 12
+GEMM_ABI_VERSIONS = (GEMM_ABI_VERSION, GEMM_FP8_ABI_VERSION, GEMM_KEEP_TAIL_ABI_VERSION,
+                     GEMM_FP8_WGRAD_ABI_VERSION)
 
 _vpp = POINTER(c_void_p)
 _i64p = POINTER(c_int64)
@@ -89,8 +94,26 @@ GEMM_FP8_PROTOTYPES: dict[str, tuple] = {
     ]),
 }
 
+# ABI >= 12 only.  Argument order: the call in grouped_mm_fp8_wgrad._launch.
+GEMM_FP8_WGRAD_PROTOTYPES: dict[str, tuple] = {
+    "moonep_gemm_fp8_wgrad_num_configs": (c_int, []),
+    "moonep_gemm_fp8_wgrad_config_info": (c_int, [c_int, POINTER(c_int)]),
+    "moonep_gemm_fp8_wgrad_workspace_bytes": (c_size_t, [c_int, c_int]),   # G, sm_count
+    "moonep_grouped_gemm_fp8_wgrad": (c_int, [
+        c_void_p, c_void_p,              # dy^T [O, 128*Nb] e4m3, its [Nb, O] token-tile scales
+        c_void_p, c_void_p,              # x^T [I, 128*Nb] e4m3, its [Nb, I] scales
+        c_void_p, c_void_p,              # dW local, dW slot: bf16 [epn, O, I] each
+        c_void_p,                        # cu_seqlens [G] int32 (device)
+        c_int, c_int, c_int, c_int, c_int,   # G, epn, Nb (token tiles), O, I
+        c_int, POINTER(c_float), c_int,  # config (-1: device choice), tuning table (host), flags
+        c_void_p, c_size_t, c_int,       # workspace (device), its bytes, sm_count
+        c_void_p,                        # cudaStream_t
+    ]),
+}
+
 # {ABI: exports it added}: what _GEMM declares only from a library of at least that ABI.
-GEMM_SINCE = {GEMM_FP8_ABI_VERSION: GEMM_FP8_PROTOTYPES, GEMM_KEEP_TAIL_ABI_VERSION: {}}
+GEMM_SINCE = {GEMM_FP8_ABI_VERSION: GEMM_FP8_PROTOTYPES, GEMM_KEEP_TAIL_ABI_VERSION: {},
+              GEMM_FP8_WGRAD_ABI_VERSION: GEMM_FP8_WGRAD_PROTOTYPES}
 
 EP_PROTOTYPES: dict[str, tuple] = {
     "moonep_ep_abi_version": (c_int, []),
@@ -245,6 +268,27 @@ def gemm_fp8() -> Optional[SimpleNamespace]:
     """libmoonep_gemm.so's functions when it has the FP8 grouped GEMM (ABI >=
     GEMM_FP8_ABI_VERSION, both GEMM_FP8_PROTOTYPES exported), else None."""
     return _GEMM.feature(GEMM_FP8_ABI_VERSION)
+
+
+def gemm_fp8_wgrad() -> Optional[SimpleNamespace]:
+    """libmoonep_gemm.so's functions when it has the FP8 wgrad GEMM (ABI >=
+    GEMM_FP8_WGRAD_ABI_VERSION, every GEMM_FP8_WGRAD_PROTOTYPES export), else None."""
+    return _GEMM.feature(GEMM_FP8_WGRAD_ABI_VERSION)
+
+
+def gemm_fp8_wgrad_unavailable() -> Optional[str]:
+    """Why :func:`gemm_fp8_wgrad` returned None (None if it did not)."""
+    if gemm_fp8_wgrad() is not None:
+        return None
+    return _GEMM.error or _GEMM.feature_errors.get(GEMM_FP8_WGRAD_ABI_VERSION, "not loaded")
+
+
+def require_gemm_fp8_wgrad() -> SimpleNamespace:
+    lib = gemm_fp8_wgrad()
+    if lib is None:
+        raise NativeLibraryMissing("moonep FP8 wgrad grouped GEMM: not available: "
+                                   f"{gemm_fp8_wgrad_unavailable()}")
+    return lib
 
 
 def gemm_keep_tail() -> bool:

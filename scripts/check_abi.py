@@ -37,10 +37,10 @@ LIBS = {  # library file -> its public header
 }
 VERSIONS = {  # header macro -> the moonep_ops/native.py constants it may equal (native.py
     # accepts a libmoonep_gemm.so of ABI 8, the bf16 GEMMs, 10, those plus the FP8 GEMM, or
-    # 11, those plus the MOONEP_GEMM_KEEP_TAIL flag)
+    # 11, those plus the MOONEP_GEMM_KEEP_TAIL flag, or 12, those plus the FP8 wgrad GEMM)
     "MOONEP_EP_ABI_VERSION": ("EP_ABI_VERSION",),
     "MOONEP_GEMM_ABI_VERSION": ("GEMM_ABI_VERSION", "GEMM_FP8_ABI_VERSION",
-                                "GEMM_KEEP_TAIL_ABI_VERSION"),
+                                "GEMM_KEEP_TAIL_ABI_VERSION", "GEMM_FP8_WGRAD_ABI_VERSION"),
 }
 NATIVE_PY = ROOT / "moonep_ops" / "native.py"
 DIAG_MACRO = "MOONEP_DIAGNOSTICS"

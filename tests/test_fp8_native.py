@@ -50,9 +50,10 @@ CUDA_LIKE = SimpleNamespace(device=torch.device("cuda"))   # backend_for_fp8 rea
                              "moonep_gemm_fp8_workspace_bytes, moonep_grouped_gemm_fp8"),
     (10, True, True, True, None),
     (11, True, True, True, None),                      # ABI 10 + MOONEP_GEMM_KEEP_TAIL
-    (9, True, False, False, "expects 8 or 10 or 11"),  # the one-config FP8 signature
-    (12, True, False, False, "expects 8 or 10 or 11"),
-    (7, False, False, False, "expects 8 or 10 or 11"),
+    (12, True, True, True, None),                      # ABI 11 + the FP8 wgrad GEMM
+    (9, True, False, False, "expects 8 or 10 or 11 or 12"),  # the one-config FP8 signature
+    (13, True, False, False, "expects 8 or 10 or 11 or 12"),
+    (7, False, False, False, "expects 8 or 10 or 11 or 12"),
 ])
 def test_fp8_kernel_only_from_an_abi10_library(tmp_path, monkeypatch, abi, fp8, loads, has_fp8,
                                               why):

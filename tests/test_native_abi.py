@@ -50,9 +50,12 @@ def _gemm_header_abi() -> int:
 
 
 # A header of the FP8 ABI (native.GEMM_FP8_ABI_VERSION) adds the FP8 grouped GEMM (native.GEMM_FP8_PROTOTYPES) to ABI 8's table.
+# A header of ABI 12 (native.GEMM_FP8_WGRAD_ABI_VERSION) adds the FP8 wgrad GEMM as well.
 _GEMM_TABLE = {**native.GEMM_PROTOTYPES,
                **(native.GEMM_FP8_PROTOTYPES
-                  if _gemm_header_abi() >= native.GEMM_FP8_ABI_VERSION else {})}
+                  if _gemm_header_abi() >= native.GEMM_FP8_ABI_VERSION else {}),
+               **(native.GEMM_FP8_WGRAD_PROTOTYPES
+                  if _gemm_header_abi() >= native.GEMM_FP8_WGRAD_ABI_VERSION else {})}
 
 CASES = [("csrc/moonep_ep.h", {**native.EP_PROTOTYPES}, False),
          ("csrc/moonep_ep.h", {**native.EP_DIAGNOSTICS}, True),
