@@ -4,6 +4,10 @@ MOONEP_VALIDATE  auto (default): value checks (expert ids in range, histogram ==
                  row sums) run for CPU tensors only, since on CUDA they need a host sync;
                  1: also on CUDA outside CUDA-graph capture (debugging); 0: never.
 Shape, dtype and device checks always run: they read no data.
+
+The ops read their switches on every call (tests and users change them at run time), through
+``env``: ``os.environ.get`` raises and catches a KeyError for every unset name, ~1 us each, and
+a grouped GEMM call read four of them.
 """
 from __future__ import annotations
 
@@ -13,6 +17,21 @@ import torch
 
 
 _SM_COUNTS: dict[int, int] = {}
+_ENV_KEYS: dict[str, bytes] = {}
+
+
+def env(name: str, default: str) -> str:
+    """``os.environ.get(name, default)``, without the exception on a miss: on POSIX it reads
+    the bytes mapping that os.environ keeps in step with every set and delete (monkeypatch and
+    ``os.environ[...] = v`` included); elsewhere, or if that mapping is not there, os.environ."""
+    data = getattr(os.environ, "_data", None)
+    if os.name != "posix" or not isinstance(data, dict):
+        return os.environ.get(name, default)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.fsencode(name)
+    v = data.get(key)
+    return default if v is None else os.fsdecode(v)
 
 
 def sm_count(device: torch.device) -> int:
@@ -24,7 +43,7 @@ def sm_count(device: torch.device) -> int:
 
 
 def validate_mode() -> str:
-    return os.environ.get("MOONEP_VALIDATE", "auto").lower()
+    return env("MOONEP_VALIDATE", "auto").lower()
 
 
 def should_validate(t: torch.Tensor) -> bool:
@@ -36,3 +55,43 @@ def should_validate(t: torch.Tensor) -> bool:
     if mode in ("1", "on", "true"):
         return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
     return False
+
+
+def current_raw_stream(device: torch.device) -> int:
+    """The current CUDA stream of ``device`` as a raw ``cudaStream_t`` (an int): what the C
+    launchers take.  ``torch.cuda.current_stream(device).cuda_stream`` builds a Stream object
+    on every call (~2 us); this is the same value, as torch's compiled code reads it."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _raw_stream(idx)
+
+
+def _raw_stream_fallback(idx: int) -> int:
+    return torch.cuda.current_stream(idx).cuda_stream
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _raw_stream_fallback
+
+
+class on_device_of:
+    """``with on_device_of(dev):`` makes ``dev`` the current CUDA device for the block, as
+    ``torch.cuda.device(dev)`` does, but costs one C call when it already is (the common case:
+    the launchers' streams belong to the current device, and the ops run on it)."""
+
+    __slots__ = ("idx", "prev")
+
+    def __init__(self, device: torch.device):
+        self.idx = device.index if device.index is not None else -1
+        self.prev = -1
+
+    def __enter__(self):
+        if self.idx >= 0:
+            cur = torch.cuda.current_device()
+            if cur != self.idx:
+                torch.cuda.set_device(self.idx)
+                self.prev = cur
+        return self
+
+    def __exit__(self, *exc):
+        if self.prev >= 0:
+            torch.cuda.set_device(self.prev)
+        return False

@@ -37,9 +37,15 @@ Named = Sequence[tuple[str, Optional[Tensor]]]
 _EXACT_LIMIT = 1 << 20      # elements enumerated for an exact answer on a non-dense tensor
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _has_storage(t) -> bool:
     if not isinstance(t, Tensor) or t.numel() == 0 or t.device.type == "meta":
         return False
+    # is_fake costs ~2 us; a plain tensor that is no functionalization wrapper is real.
+    if type(t) in _PLAIN and not torch._is_functional_tensor(t):
+        return True
     return not is_fake(t)
 
 
@@ -83,15 +89,23 @@ def _hits(t: Tensor, lo: int, hi: int) -> bool:
     return bool(((starts < hi) & (starts + isz > lo)).any())
 
 
-def overlaps(a: Tensor, b: Tensor) -> bool:
-    """True when a and b share at least one byte of memory (False for fake/meta/empty)."""
-    if not (_has_storage(a) and _has_storage(b)) or a.device != b.device:
+def _extent(t):
+    """(storage address, lo, hi) of t: the bytes [lo, hi) of its storage it may touch; None
+    when t has no storage (not a tensor, empty, meta, fake).  Computed once per tensor of a
+    call, so that the pairwise comparisons are integer compares."""
+    if not _has_storage(t):
+        return None
+    lo, hi = _span(t)
+    return t.untyped_storage().data_ptr(), lo, hi
+
+
+def _extents_overlap(a: Tensor, b: Tensor, ea, eb) -> bool:
+    """a and b (extents ea, eb: ``_extent``) share at least one byte."""
+    if ea[0] != eb[0] or a.device != b.device:
         return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    (alo, ahi), (blo, bhi) = _span(a), _span(b)
-    lo, hi = max(alo, blo), min(ahi, bhi)
-    if lo >= hi:
+    alo, ahi = ea[1], ea[2]
+    blo, bhi = eb[1], eb[2]
+    if max(alo, blo) >= min(ahi, bhi):
         return False
     if _is_dense(a) and _is_dense(b):
         return True
@@ -112,20 +126,28 @@ def overlaps(a: Tensor, b: Tensor) -> bool:
     return bool((ok & (first < sa + ia)).any())
 
 
+def overlaps(a: Tensor, b: Tensor) -> bool:
+    """True when a and b share at least one byte of memory (False for fake/meta/empty)."""
+    ea, eb = _extent(a), _extent(b)
+    return ea is not None and eb is not None and _extents_overlap(a, b, ea, eb)
+
+
 def check_no_overlap(op: str, written: Named, read: Named = ()) -> None:
     """Raise ValueError when two written tensors, or a written and a read tensor, share memory.
 
     ``written`` / ``read``: (argument name, tensor or None) pairs; None and non-tensors are
     skipped (the ops' type checks report those)."""
-    w = [(n, t) for n, t in written if _has_storage(t)]
-    r = [(n, t) for n, t in read if _has_storage(t)]
-    for i, (na, a) in enumerate(w):
-        for nb, b in w[i + 1:]:
-            if overlaps(a, b):
+    w = [(n, t, e) for n, t in written if (e := _extent(t)) is not None]
+    if not w:
+        return
+    r = [(n, t, e) for n, t in read if (e := _extent(t)) is not None]
+    for i, (na, a, ea) in enumerate(w):
+        for nb, b, eb in w[i + 1:]:
+            if _extents_overlap(a, b, ea, eb):
                 raise ValueError(f"{op}: {na} and {nb} overlap in memory; the op writes {na} and "
                                  f"{nb}, so each must have memory of its own")
-        for nb, b in r:
-            if overlaps(a, b):
+        for nb, b, eb in r:
+            if _extents_overlap(a, b, ea, eb):
                 raise ValueError(f"{op}: {na} (written) and {nb} (read) overlap in memory; "
                                  f"writing {na} would change {nb} while the op reads it")
 

@@ -33,7 +33,7 @@ from .checks import (ARG_ERRORS, call_device, check_no_overlap, device_error, ha
 _TAGS = ()   # capturable on the CUDA backend (see dispatch.py)
 
 
-_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def check_pool_args(etc, local, slots, be, op: str, grads: bool) -> None:
@@ -58,7 +58,7 @@ def check_pool_args(etc, local, slots, be, op: str, grads: bool) -> None:
         for name, t in ((f"{ln}[{i}]", lt), (f"{sn}[{i}]", st)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-            if grads and t.dtype not in _GRAD_DTYPES:
+            if grads and t.dtype not in GRAD_DTYPES:
                 raise TypeError(f"{op}: {name} must be float32 or bfloat16, got {t.dtype}")
             if t.dim() < 1 or t.shape[0] != be.spec.epn:
                 raise ValueError(f"{op}: {name} must be [epn={be.spec.epn}, ...], got {tuple(t.shape)}")

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -61,7 +60,7 @@ import torch
 from .. import native
 from ..backends import symm as _symm
 from ..gemm import cost_model as gemm_cost_model
-from ..runtime import should_validate, sm_count
+from ..runtime import current_raw_stream, env, on_device_of, should_validate, sm_count
 from .checks import check_no_overlap
 
 __all__ = [
@@ -205,9 +204,9 @@ def _aligned(*dims: int) -> bool:
 
 def backend_for(t: torch.Tensor, *dims: int) -> str:
     """'cutlass', 'torch' or 'reference' for data like ``t`` with these feature dims."""
-    forced = os.environ.get("MOONEP_GEMM_BACKEND", "auto").lower()
     if t.device.type != "cuda" or t.dtype != torch.bfloat16 or not _aligned(*dims):
         return "reference"
+    forced = env("MOONEP_GEMM_BACKEND", "auto").lower()
     if forced in ("torch", "reference"):
         return forced
     if forced == "cutlass" or native.gemm() is not None:
@@ -373,17 +372,41 @@ def candidate_mask(kind: str, rows: int, groups: int, O: int | None = None,
     once; a candidate costs only its evaluation in the prep kernel (0.2-0.7 µs).  Env
     MOONEP_GEMM_FAMILY = moonep | torch forces the family, MOONEP_GEMM_CANDIDATES
     (comma-separated names, one family) the set."""
-    family = os.environ.get("MOONEP_GEMM_FAMILY", "auto").strip().lower() or "auto"
+    family = env("MOONEP_GEMM_FAMILY", "auto").strip().lower() or "auto"
     if family not in ("auto",) + gemm_cost_model.FAMILIES:
         raise ValueError(f"MOONEP_GEMM_FAMILY must be auto, moonep or torch, got {family!r}")
     return _plan(kind, int(rows), int(groups), None if O is None else int(O),
                  None if I is None else int(I), sm_count, family,
-                 os.environ.get("MOONEP_GEMM_CANDIDATES", ""))
+                 env("MOONEP_GEMM_CANDIDATES", ""))
 
 
 def clear_plan_cache() -> None:
-    """Forget the per-shape plans (after changing gemm.tuning's constants in place)."""
+    """Forget the per-shape plans and tuning tables (after changing gemm.tuning's constants in
+    place)."""
     _plan.cache_clear()
+    _tables.clear()
+    _CALLS.clear()
+
+
+# Per call shape, what _launch passes besides the pointers: (kind id, tuning table, candidate
+# mask, workspace bytes).  Keyed by the shape, the SM count and the two environment switches
+# the mask reads, so a changed switch is a new key; read on every call, built once.
+_CALLS: dict[tuple, tuple] = {}
+_CALLS_MAX = 4096
+
+
+def _call_constants(kind: str, M: int, G: int, O: int, I: int, sm: int) -> tuple:
+    key = (kind, M, G, O, I, sm, env("MOONEP_GEMM_FAMILY", "auto"),
+           env("MOONEP_GEMM_CANDIDATES", ""))
+    c = _CALLS.get(key)
+    if c is None:
+        kid = _KIND_ID[kind]
+        c = (kid, _tuning_table(kind, gemm_cost_model.tie_tolerance(kind, M, G)),
+             candidate_mask(kind, M, G, O, I, sm), _workspace_bytes(kid, G, sm))
+        if len(_CALLS) >= _CALLS_MAX:
+            _CALLS.clear()
+        _CALLS[key] = c
+    return c
 
 
 _KEEP_EMPTY_SLOTS = 1      # moonep_gemm.h MOONEP_GEMM_KEEP_EMPTY_SLOTS
@@ -399,32 +422,32 @@ def tail_flags(zero_tail: bool) -> int:
 
 def _pdl_flag() -> int:
     # on by default: 1.0-1.5 % gm over the zoo, far fewer calls below 0.98x torch (benchmarks.md)
-    return _PDL if os.environ.get("MOONEP_GEMM_PDL", "1") not in ("", "0") else 0
+    return _PDL if env("MOONEP_GEMM_PDL", "1") not in ("", "0") else 0
 
 
 def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,
             raster: int = 0, workspace: Optional[torch.Tensor] = None,
             flags: int = 0) -> torch.Tensor:
-    """Run one CUTLASS grouped GEMM on the current stream; returns the workspace it used."""
+    """Run one CUTLASS grouped GEMM on the current stream; returns the workspace it used.
+    Host work per call: one dict look-up for the shape's constants (_call_constants), the
+    workspace (a fresh allocation: a call in flight or captured in a CUDA graph keeps its
+    own), the raw stream, and the C call."""
     lib = native.require_gemm()
     dev = a.device
     G = 2 * epn
     sm = sm_count(dev)
-    kid = _KIND_ID[kind]
-    nbytes = _workspace_bytes(kid, G, sm)
+    kid, table, mask, nbytes = _call_constants(kind, M, G, O, I, sm)
     if workspace is None or workspace.numel() < nbytes:
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    with torch.cuda.device(dev):
+    with on_device_of(dev):
         rc = lib.grouped_gemm(
             kid, config, raster,
             a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
             d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
-            cu.data_ptr(), G, epn, M, O, I,
-            _tuning_table(kind, gemm_cost_model.tie_tolerance(kind, M, G)),
-            candidate_mask(kind, M, G, O, I, sm), flags | _pdl_flag(),
-            workspace.data_ptr(), nbytes, sm, stream)
-    native.gemm_check(rc, f"moonep grouped GEMM ({kind})")
+            cu.data_ptr(), G, epn, M, O, I, table, mask, flags | _pdl_flag(),
+            workspace.data_ptr(), nbytes, sm, current_raw_stream(dev))
+    if rc:
+        native.gemm_check(rc, f"moonep grouped GEMM ({kind})")
     return workspace
 
 
@@ -481,6 +504,50 @@ def _cutlass_wgrad_lp(dy, x, cu, epn, config):
 
 
 # --------------------------------------------------------------------------------------------
+# The ops' bodies after their checks: the custom ops below call them, and so does
+# moonep::moe_experts, itself one custom op that checks every argument once (the nested
+# dispatcher calls and repeated checks cost ~20-30 us each on the host).
+# --------------------------------------------------------------------------------------------
+
+def run_fwd(x, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
+    """moonep::grouped_mm without its checks (the caller made them)."""
+    O, I = w_local.shape[1], w_local.shape[2]
+    backend = backend_for(x, O, I)
+    if backend == "cutlass":
+        return _cutlass_fwd(x, w_local, w_slot, cu, config, zero_tail)
+    if backend == "torch":
+        return _torch_fwd(x, w_local, w_slot, cu, zero_tail)
+    return _ref_fwd(x, w_local, w_slot, cu)
+
+
+def run_dgrad(dy, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
+    """moonep::grouped_mm_dgrad without its checks (the caller made them)."""
+    O, I = w_local.shape[1], w_local.shape[2]
+    backend = backend_for(dy, O, I)
+    if backend == "cutlass":
+        return _cutlass_dgrad(dy, w_local, w_slot, cu, config, zero_tail)
+    if backend == "torch":
+        return _torch_dgrad(dy, w_local, w_slot, cu, zero_tail)
+    return _ref_dgrad(dy, w_local, w_slot, cu)
+
+
+def run_wgrad_into(dy, x, cu, grad_local, grad_slot, config: int = -1) -> None:
+    """moonep::grouped_mm_wgrad_into without its checks (the caller made them, memory overlap
+    of the written grads with the inputs included)."""
+    backend = backend_for(dy, dy.shape[1], x.shape[1])
+    if backend == "cutlass":
+        _cutlass_wgrad_into(dy, x, cu, grad_local, grad_slot, config)
+    elif backend == "torch":
+        epn = grad_local.shape[0]
+        dw = torch._grouped_mm(dy.t(), x, offs=cu)                       # [G, O, I]
+        full = _nonempty_G11(cu)
+        grad_local.copy_(dw[:epn].masked_fill_(~full[:epn], 0))
+        grad_slot.copy_(torch.where(full[epn:], dw[epn:], grad_slot))
+    else:
+        _ref_wgrad_into(dy, x, cu, grad_local, grad_slot)
+
+
+# --------------------------------------------------------------------------------------------
 # Custom ops
 # --------------------------------------------------------------------------------------------
 
@@ -492,13 +559,8 @@ def _cutlass_wgrad_lp(dy, x, cu, epn, config):
 def _grouped_mm_op(x: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
                    cu_seqlens: torch.Tensor, config: int = -1,
                    zero_tail: bool = True) -> torch.Tensor:
-    epn, O, I = _check_fwd(x, w_local, w_slot, cu_seqlens, config)
-    backend = backend_for(x, O, I)
-    if backend == "cutlass":
-        return _cutlass_fwd(x, w_local, w_slot, cu_seqlens, config, zero_tail)
-    if backend == "torch":
-        return _torch_fwd(x, w_local, w_slot, cu_seqlens, zero_tail)
-    return _ref_fwd(x, w_local, w_slot, cu_seqlens)
+    _check_fwd(x, w_local, w_slot, cu_seqlens, config)
+    return run_fwd(x, w_local, w_slot, cu_seqlens, config, zero_tail)
 
 
 @_grouped_mm_op.register_fake
@@ -514,13 +576,8 @@ def _(x, w_local, w_slot, cu_seqlens, config=-1, zero_tail=True):
 def _grouped_mm_dgrad_op(dy: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
                          cu_seqlens: torch.Tensor, config: int = -1,
                          zero_tail: bool = True) -> torch.Tensor:
-    epn, O, I = _check_dgrad(dy, w_local, w_slot, cu_seqlens, config)
-    backend = backend_for(dy, O, I)
-    if backend == "cutlass":
-        return _cutlass_dgrad(dy, w_local, w_slot, cu_seqlens, config, zero_tail)
-    if backend == "torch":
-        return _torch_dgrad(dy, w_local, w_slot, cu_seqlens, zero_tail)
-    return _ref_dgrad(dy, w_local, w_slot, cu_seqlens)
+    _check_dgrad(dy, w_local, w_slot, cu_seqlens, config)
+    return run_dgrad(dy, w_local, w_slot, cu_seqlens, config, zero_tail)
 
 
 @_grouped_mm_dgrad_op.register_fake
@@ -587,20 +644,9 @@ def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
 def _grouped_mm_wgrad_into_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
                               grad_local: torch.Tensor, grad_slot: torch.Tensor,
                               config: int = -1) -> None:
-    O, I = _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config,
-                              input_dtype=True)
+    _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, input_dtype=True)
     _check_wgrad_alias("grouped_mm_wgrad_into", dy, x, cu_seqlens, grad_local, grad_slot)
-    backend = backend_for(dy, O, I)
-    if backend == "cutlass":
-        _cutlass_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config)
-    elif backend == "torch":
-        epn = grad_local.shape[0]
-        dw = torch._grouped_mm(dy.t(), x, offs=cu_seqlens)               # [G, O, I]
-        full = _nonempty_G11(cu_seqlens)
-        grad_local.copy_(dw[:epn].masked_fill_(~full[:epn], 0))
-        grad_slot.copy_(torch.where(full[epn:], dw[epn:], grad_slot))
-    else:
-        _ref_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot)
+    run_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config)
 
 
 @_grouped_mm_wgrad_into_op.register_fake

@@ -36,7 +36,7 @@ from . import expert_weights as _ew  # noqa: F401  (registers moonep::prefetch_w
 from .checks import (ARG_ERRORS, call_device, check_no_overlap, device_error, has_real_tensor,
                      on_device, reject_call)
 from .quantize_fp8 import FP8_DTYPE, scale_cols
-from .swiglu import swiglu, swiglu_backward
+from .swiglu import run_swiglu, run_swiglu_backward
 
 
 PRECISIONS = ("bf16", "fp8")
@@ -112,9 +112,16 @@ def _pool(name: str) -> ExpertPool:
     return registry.lookup(name, ExpertPool)
 
 
+def _backend(pool: ExpertPool) -> Backend:
+    return registry.lookup(pool.backend_name, Backend)
+
+
 def _prefetch(pool: ExpertPool, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> None:
-    torch.ops.moonep.prefetch_weight(etc, [w1.detach(), w3.detach(), w2.detach()],
-                                     [pool.w1, pool.w3, pool.w2], pool.backend_name)
+    """moonep::prefetch_weight's body, called directly: _check_expert_args made every check of
+    that op (shapes, dtypes, devices, contiguity, experts_to_copy's values, the pool's slots
+    against every input), so the nested dispatcher call and its checks are skipped."""
+    _backend(pool).prefetch_weight(etc, [w1.detach(), w3.detach(), w2.detach()],
+                                   [pool.w1, pool.w3, pool.w2])
 
 
 def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
@@ -162,7 +169,8 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
         if tuple(t.shape) != want[name] or t.dtype != w1.dtype:
             raise ValueError(f"moe_experts_backward: {name} must be {list(want[name])} "
                              f"{w1.dtype}, got {list(t.shape)} {t.dtype}")
-    R = registry.lookup(pool.backend_name, Backend).spec.R
+    be = _backend(pool)
+    R = be.spec.R
     if etc.dtype != torch.int32 or tuple(etc.shape) != (R, B):
         raise ValueError(f"experts_to_copy must be int32 [R={R}, epn={B}], got "
                          f"{list(etc.shape)} {etc.dtype}")
@@ -172,6 +180,7 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
     if values:
         written = [(f"the pool's {n}", t) for n, t in zip(pool.tensor_names(), pool.tensors())]
         check_no_overlap("moe_experts", written, list(named_t.items()))
+        _ew.check_etc_values(etc, be)         # (prefetch_weight's value check: CPU by default)
 
 
 def checked(op: str, pool: ExpertPool, check, *args, values: bool = True, **kw):
@@ -200,10 +209,12 @@ def _moe_experts(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Ten
     checked("moe_experts", p, _check_expert_args, h, cu_seqlens, experts_to_copy, w1, w3, w2, p)
     _prefetch(p, experts_to_copy, w1, w3, w2)
     # Rows past cu_seqlens[-1]: nothing reads them (combine gathers by the plan's rows, the
-    # GEMMs and their backward read group rows only), so g, u, y leave them unwritten.
-    g = torch.ops.moonep.grouped_mm(h, w1, p.w1, cu_seqlens, -1, False)
-    u = torch.ops.moonep.grouped_mm(h, w3, p.w3, cu_seqlens, -1, False)
-    return torch.ops.moonep.grouped_mm(swiglu(g, u), w2, p.w2, cu_seqlens, -1, False), g, u
+    # GEMMs and their backward read group rows only), so g, u, y leave them unwritten.  The
+    # GEMMs and the SwiGLU run without their ops' checks: the arguments were checked above,
+    # and g, u, a are made here with the shapes the next call needs.
+    g = _gm.run_fwd(h, w1, p.w1, cu_seqlens, -1, False)
+    u = _gm.run_fwd(h, w3, p.w3, cu_seqlens, -1, False)
+    return _gm.run_fwd(run_swiglu(g, u), w2, p.w2, cu_seqlens, -1, False), g, u
 
 
 @_moe_experts.register_fake
@@ -226,21 +237,27 @@ def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlen
     _prefetch(p, experts_to_copy, w1, w3, w2)         # slots may hold another layer by now
     cu = cu_seqlens
     dy = dy.contiguous()
-    da = torch.ops.moonep.grouped_mm_dgrad(dy, w2, p.w2, cu, -1, False)   # tail unread
-    dg, du, a = swiglu_backward(g, u, da)
+    # The GEMMs, the SwiGLU backward and reduce_grad run without their ops' checks (made above
+    # for the inputs; the intermediates and grads are made here, in the shapes the calls need).
+    da = _gm.run_dgrad(dy, w2, p.w2, cu, -1, False)   # tail unread
+    dg, du, a = run_swiglu_backward(g, u, da)
     # One bf16 add (fp32 math, one rounding) of the two dgrads.  dh is h's gradient, zero past
     # the last group (its true value), so these two keep the zero tail.
-    dh = torch.ops.moonep.grouped_mm_dgrad(dg, w1, p.w1, cu) \
-        + torch.ops.moonep.grouped_mm_dgrad(du, w3, p.w3, cu)
+    dh = _gm.run_dgrad(dg, w1, p.w1, cu) + _gm.run_dgrad(du, w3, p.w3, cu)
     # Weight grads written once in the weights' dtype (fp32 accumulation inside the GEMM); slot
     # grads land in the shared pool, whose slots are zero outside a backward (reduce_grad
-    # re-zeroes what it consumes), so empty slot groups are not rewritten.
+    # re-zeroes what it consumes), so empty slot groups are not rewritten.  d1, d3, d2 are
+    # fresh, and the pool's grads were checked against every input: no written tensor of the
+    # wgrads or of reduce_grad can overlap another argument.
     d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
-    torch.ops.moonep.grouped_mm_wgrad_into(dg, h, cu, d1, p.g1)
-    torch.ops.moonep.grouped_mm_wgrad_into(du, h, cu, d3, p.g3)
-    torch.ops.moonep.grouped_mm_wgrad_into(dy, a, cu, d2, p.g2)
-    torch.ops.moonep.reduce_grad(experts_to_copy, [d1, d3, d2], [p.g1, p.g3, p.g2],
-                                 p.backend_name)
+    _gm.run_wgrad_into(dg, h, cu, d1, p.g1)
+    _gm.run_wgrad_into(du, h, cu, d3, p.g3)
+    _gm.run_wgrad_into(dy, a, cu, d2, p.g2)
+    if d1.dtype in _ew.GRAD_DTYPES:
+        _backend(p).reduce_grad(experts_to_copy, [d1, d3, d2], [p.g1, p.g3, p.g2])
+    else:       # the op raises its dtype error, reaching the peers (checks.reject_call)
+        torch.ops.moonep.reduce_grad(experts_to_copy, [d1, d3, d2], [p.g1, p.g3, p.g2],
+                                     p.backend_name)
     return dh, d1, d3, d2
 
 

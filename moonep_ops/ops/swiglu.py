@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from .. import native
-from ..runtime import sm_count
+from ..runtime import current_raw_stream, on_device_of, sm_count
+
 
 def _native_ok(*ts: Tensor) -> bool:
     t0 = ts[0]
@@ -36,7 +37,7 @@ def _native_ok(*ts: Tensor) -> bool:
 
 
 def _launch_args(t: Tensor):
-    return sm_count(t.device), torch.cuda.current_stream(t.device).cuda_stream
+    return sm_count(t.device), current_raw_stream(t.device)
 
 
 def _acc(t: Tensor) -> Tensor:
@@ -83,28 +84,43 @@ def _check_inputs(op: str, **named: Tensor) -> None:
 
 def swiglu(g_MF: Tensor, u_MF: Tensor) -> Tensor:
     _check_inputs("swiglu", g=g_MF, u=u_MF)
-    if not _native_ok(g_MF, u_MF):
-        return reference_swiglu(g_MF, u_MF)
-    a = torch.empty_like(g_MF)
-    sms, stream = _launch_args(g_MF)
-    with torch.cuda.device(g_MF.device):
-        rc = native.ep().ep_swiglu_fwd(g_MF.data_ptr(), u_MF.data_ptr(), a.data_ptr(), g_MF.numel(), sms,
-                           stream)
-    native.ep_check(rc, "moonep swiglu")
-    return a
+    return run_swiglu(g_MF, u_MF)
 
 
 def swiglu_backward(g_MF: Tensor, u_MF: Tensor, da_MF: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(dg, du, a) from the forward's inputs and the grad of its output."""
     _check_inputs("swiglu_backward", g=g_MF, u=u_MF, da=da_MF)
+    return run_swiglu_backward(g_MF, u_MF, da_MF)
+
+
+def run_swiglu(g_MF: Tensor, u_MF: Tensor) -> Tensor:
+    """``swiglu`` after its checks: callers whose g and u are the same shape and dtype by
+    construction (moonep::moe_experts, whose GEMMs made them)."""
+    if not _native_ok(g_MF, u_MF):
+        return reference_swiglu(g_MF, u_MF)
+    a = torch.empty_like(g_MF)
+    sms, stream = _launch_args(g_MF)
+    with on_device_of(g_MF.device):
+        rc = native.ep().ep_swiglu_fwd(g_MF.data_ptr(), u_MF.data_ptr(), a.data_ptr(),
+                                       g_MF.numel(), sms, stream)
+    if rc:
+        native.ep_check(rc, "moonep swiglu")
+    return a
+
+
+def run_swiglu_backward(g_MF: Tensor, u_MF: Tensor, da_MF: Tensor
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """``swiglu_backward`` after its checks (see ``run_swiglu``)."""
     if not _native_ok(g_MF, u_MF, da_MF):
         return reference_swiglu_backward(g_MF, u_MF, da_MF)
     dg, du, a = (torch.empty_like(g_MF) for _ in range(3))
     sms, stream = _launch_args(g_MF)
-    with torch.cuda.device(g_MF.device):
-        rc = native.ep().ep_swiglu_bwd(g_MF.data_ptr(), u_MF.data_ptr(), da_MF.data_ptr(), dg.data_ptr(),
-                           du.data_ptr(), a.data_ptr(), g_MF.numel(), sms, stream)
-    native.ep_check(rc, "moonep swiglu backward")
+    with on_device_of(g_MF.device):
+        rc = native.ep().ep_swiglu_bwd(g_MF.data_ptr(), u_MF.data_ptr(), da_MF.data_ptr(),
+                                       dg.data_ptr(), du.data_ptr(), a.data_ptr(), g_MF.numel(),
+                                       sms, stream)
+    if rc:
+        native.ep_check(rc, "moonep swiglu backward")
     return dg, du, a
 
 
