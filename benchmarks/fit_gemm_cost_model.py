@@ -41,14 +41,14 @@ tuning.EFFICIENCY[kind][config] = (eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us)
      candidates (oracle / pick: gm, min), and the never-lose rule (calls sent to the torch
      family; against torch: gm, min, cases < 0.98; against the best of every config: gm, min),
      next to the numbers under the constants in force before the fit.
-Writes the tuning file (default: the package's; kinds not fitted keep their constants and
-sources; the dense peak and copy bandwidth are kept unless every kind is refitted) and a JSON
-report (--report-out).
+Writes the tuning file whole, from TUNING_TEMPLATE and the fit (default: the package's; kinds
+not fitted keep the constants and sources in force; the dense peak and copy bandwidth are kept
+unless every kind is refitted; nothing of the file it replaces survives), and a JSON report
+(--report-out).
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import sys
@@ -475,22 +475,60 @@ def fit_margin(rows, weight: float = LOSS_WEIGHT) -> tuple[float | None, list]:
 # writing the constants file
 # ------------------------------------------------------------------------------------------
 
-def _replace_assign(src: str, name: str, new_text: str) -> str:
-    """Replace the top-level assignment ``name = ...`` (all its lines) with new_text, or append
-    it when the file has none."""
-    tree = ast.parse(src)
-    lines = src.splitlines(keepends=True)
-    for node in tree.body:
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-            a, b = node.lineno - 1, node.end_lineno
-            return "".join(lines[:a]) + new_text.rstrip("\n") + "\n" + "".join(lines[b:])
-    return src.rstrip("\n") + "\n\n" + new_text.rstrip("\n") + "\n"
+# The whole tuning file is written from this template and the fit: what the constants are and
+# where they come from, never how earlier fits went (that belongs in the commit message).
+TUNING_TEMPLATE = '''"""Fitted constants of the grouped-GEMM cost model (moonep_ops.gemm.cost_model).
+
+WRITTEN BY benchmarks/fit_gemm_cost_model.py from the committed measurements in
+moonep_ops/gemm/calibration/ (CALIBRATION_SOURCES names them); rerun the fit instead of editing.
+docs/grouped_gemm.md, "Cost model" and "Calibration", explains the model and the fit.
+
+PEAK_TFLOPS / HBM_TBPS: the measured dense bf16 ceiling and device-copy bandwidth of the H200;
+NUM_SMS: its SM count (the persistent grid's CTAs P when the device is not asked).
+EFFICIENCY[kind][config] = (eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us):
+  eta        fraction of PEAK_TFLOPS one tile's MMA mainloop reaches with this config;
+  bw_frac    fraction of HBM_TBPS reached by rounds bound by first-touch HBM bytes;
+  tau_sw_us  extra time of a round in which some CTA starts a new group (descriptor update);
+  tau0_us    launch + prologue + tail of one GEMM;
+  tau_epi_us epilogue time one tile adds to its mainloop (not overlapped: cooperative kernels).
+SEEDED[kind][config]: configs whose constants are seeds, not fitted on measurements of the config
+  itself (why, and from what); the fit drops a config from it once the config is measured.
+SELECT_TIE_TOL, SELECT_TIE_TOL_SMALL: the selection rule's tie window (cost_model.pick,
+  tie_tolerance; not fitted): predictions within it of the fastest tie and go to the least MMA
+  work; the wider window applies to small groups (a config with max_mean_rows is a candidate),
+  where every round streams weights and the predictions differ only by per-call constants.
+NEVER_LOSE_PROBE_TP, NEVER_LOSE_MARGIN[kind]: the never-lose rule (cost_model.family_for): a call
+  runs torch._grouped_mm's kernel family when the model, on the shape's balanced probe
+  histogram (token padding NEVER_LOSE_PROBE_TP), predicts it at most (1 + margin) times our best
+  candidate; a kind without a margin never uses the torch family.
+"""
+
+CALIBRATED = {calibrated!r}
+# Where each kind's constants come from (a partial refit, --kinds, keeps the others').
+{sources}
+CALIBRATION_SOURCE = "; ".join(f"{{k}}: {{v}}" for k, v in CALIBRATION_SOURCES.items())
+
+PEAK_TFLOPS = {peak:.1f}
+HBM_TBPS = {hbm:.3f}
+NUM_SMS = {num_sms!r}
+
+SELECT_TIE_TOL = {tie_tol!r}
+SELECT_TIE_TOL_SMALL = {tie_tol_small!r}
+
+NEVER_LOSE_PROBE_TP = {probe_tp!r}
+{margins}
+
+{seeded}
+
+{efficiency}
+'''
 
 
-def render_tuning(src: str, efficiency: dict, sources: dict, peak: float, hbm: float,
-                  seeded: dict, margins: dict) -> str:
+def render_tuning(efficiency: dict, sources: dict, peak: float, hbm: float, seeded: dict,
+                  margins: dict, *, num_sms: int, tie_tol: float, tie_tol_small: float,
+                  probe_tp: int, calibrated: bool = True) -> str:
+    """The tuning file, whole: the template filled with the fit's values (nothing of the file
+    it replaces survives, so no fit's history accumulates in it)."""
     eff = ["EFFICIENCY = {"]
     for kind, cfgs in efficiency.items():
         eff.append(f'    "{kind}": {{')
@@ -498,9 +536,7 @@ def render_tuning(src: str, efficiency: dict, sources: dict, peak: float, hbm: f
             eff.append(f'        "{n}": {tuple(float(x) for x in v)!r},')
         eff.append("    },")
     eff.append("}")
-    src = _replace_assign(src, "EFFICIENCY", "\n".join(eff))
     srcs = ["CALIBRATION_SOURCES = {"] + [f"    {k!r}: {v!r}," for k, v in sources.items()] + ["}"]
-    src = _replace_assign(src, "CALIBRATION_SOURCES", "\n".join(srcs))
     sd = ["SEEDED = {"]
     for kind, cfgs in seeded.items():
         if cfgs:
@@ -508,12 +544,12 @@ def render_tuning(src: str, efficiency: dict, sources: dict, peak: float, hbm: f
             sd += [f'        "{n}": {why!r},' for n, why in cfgs.items()]
             sd.append("    },")
     sd.append("}")
-    src = _replace_assign(src, "SEEDED", "\n".join(sd))
-    src = _replace_assign(src, "NEVER_LOSE_MARGIN", "NEVER_LOSE_MARGIN = {" + ", ".join(
-        f'"{k}": {float(v)!r}' for k, v in margins.items()) + "}")
-    src = _replace_assign(src, "PEAK_TFLOPS", f"PEAK_TFLOPS = {peak:.1f}")
-    src = _replace_assign(src, "HBM_TBPS", f"HBM_TBPS = {hbm:.3f}")
-    return src
+    mg = "NEVER_LOSE_MARGIN: dict = {" + ", ".join(
+        f'"{k}": {float(v)!r}' for k, v in margins.items()) + "}"
+    return TUNING_TEMPLATE.format(
+        calibrated=bool(calibrated), sources="\n".join(srcs), peak=peak, hbm=hbm,
+        num_sms=int(num_sms), tie_tol=float(tie_tol), tie_tol_small=float(tie_tol_small),
+        probe_tp=int(probe_tp), margins=mg, seeded="\n".join(sd), efficiency="\n".join(eff))
 
 
 # ------------------------------------------------------------------------------------------
@@ -668,16 +704,18 @@ def main(argv=None):
         print(f"wrote {args.report_out}")
     if not args.no_write:
         path = Path(args.write or tuning.__file__)
-        src = path.read_text() if path.exists() else Path(tuning.__file__).read_text()
         sources = dict(getattr(tuning, "CALIBRATION_SOURCES", {}))
         for k in kinds:
             ntr = sum(not c["held_out"] for c in data[k])
             sources[k] = (f"benchmarks/fit_gemm_cost_model.py on {' + '.join(meta['sources'])} "
                           f"({ntr} training cases, {len(data[k]) - ntr} held out)")
         sources = {k: sources[k] for k in cm.KINDS if k in sources}
-        path.write_text(render_tuning(src, new_eff, sources, peak, hbm, new_seeded,
-                                      {k: margins[k] for k in cm.KINDS
-                                       if margins.get(k) is not None}))
+        path.write_text(render_tuning(
+            new_eff, sources, peak, hbm, new_seeded,
+            {k: margins[k] for k in cm.KINDS if margins.get(k) is not None},
+            num_sms=tuning.NUM_SMS, tie_tol=tuning.SELECT_TIE_TOL,
+            tie_tol_small=tuning.SELECT_TIE_TOL_SMALL, probe_tp=tuning.NEVER_LOSE_PROBE_TP,
+            calibrated=getattr(tuning, "CALIBRATED", True)))
         print(f"wrote {path}")
     return 0
 

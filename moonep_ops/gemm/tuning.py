@@ -1,18 +1,27 @@
 """Fitted constants of the grouped-GEMM cost model (moonep_ops.gemm.cost_model).
 
-THIS FILE IS REWRITTEN by ``benchmarks/fit_gemm_cost_model.py`` (from the committed measurements
-in moonep_ops/gemm/calibration/); edit by hand only to seed it.
+WRITTEN BY benchmarks/fit_gemm_cost_model.py from the committed measurements in
+moonep_ops/gemm/calibration/ (CALIBRATION_SOURCES names them); rerun the fit instead of editing.
+docs/grouped_gemm.md, "Cost model" and "Calibration", explains the model and the fit.
 
-PEAK_TFLOPS / HBM_TBPS: the measured dense bf16 ceiling and device-copy bandwidth of the H200.
+PEAK_TFLOPS / HBM_TBPS: the measured dense bf16 ceiling and device-copy bandwidth of the H200;
+NUM_SMS: its SM count (the persistent grid's CTAs P when the device is not asked).
 EFFICIENCY[kind][config] = (eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us):
   eta        fraction of PEAK_TFLOPS one tile's MMA mainloop reaches with this config;
   bw_frac    fraction of HBM_TBPS reached by rounds bound by first-touch HBM bytes;
   tau_sw_us  extra time of a round in which some CTA starts a new group (descriptor update);
   tau0_us    launch + prologue + tail of one GEMM;
   tau_epi_us epilogue time one tile adds to its mainloop (not overlapped: cooperative kernels).
-SEEDED[kind][config]: configs whose constants are SEEDS, not fitted on measurements of the config
+SEEDED[kind][config]: configs whose constants are seeds, not fitted on measurements of the config
   itself (why, and from what); the fit drops a config from it once the config is measured.
-NEVER_LOSE_MARGIN[kind]: the margin of the never-lose rule (cost_model.family_for), fitted.
+SELECT_TIE_TOL, SELECT_TIE_TOL_SMALL: the selection rule's tie window (cost_model.pick,
+  tie_tolerance; not fitted): predictions within it of the fastest tie and go to the least MMA
+  work; the wider window applies to small groups (a config with max_mean_rows is a candidate),
+  where every round streams weights and the predictions differ only by per-call constants.
+NEVER_LOSE_PROBE_TP, NEVER_LOSE_MARGIN[kind]: the never-lose rule (cost_model.family_for): a call
+  runs torch._grouped_mm's kernel family when the model, on the shape's balanced probe
+  histogram (token padding NEVER_LOSE_PROBE_TP), predicts it at most (1 + margin) times our best
+  candidate; a kind without a margin never uses the torch family.
 """
 
 CALIBRATED = True
@@ -20,7 +29,7 @@ CALIBRATED = True
 CALIBRATION_SOURCES = {
     'fwd': 'benchmarks/fit_gemm_cost_model.py on moonep_ops/gemm/calibration/zoo_2026-12-04_no_tail.json + moonep_ops/gemm/calibration/zoo_2026-12-01_families.json (545 training cases, 175 held out)',
     'dgrad': 'benchmarks/fit_gemm_cost_model.py on moonep_ops/gemm/calibration/zoo_2026-12-04_no_tail.json + moonep_ops/gemm/calibration/zoo_2026-12-01_families.json (545 training cases, 175 held out)',
-    'wgrad': 'benchmarks/calibrate_grouped_gemm.py refit from calib_s11.json, 2026-11-30',
+    'wgrad': "benchmarks/calibrate_grouped_gemm.py on its calibration set, measured on the H200 2026-11-30 (the fp32 += is not in the model zoo; that run's JSON is not committed)",
     'wgrad_lp': 'benchmarks/fit_gemm_cost_model.py on moonep_ops/gemm/calibration/zoo_2026-12-01_families.json (285 training cases, 91 held out)',
 }
 CALIBRATION_SOURCE = "; ".join(f"{k}: {v}" for k, v in CALIBRATION_SOURCES.items())
@@ -29,35 +38,12 @@ PEAK_TFLOPS = 796.2
 HBM_TBPS = 4.243
 NUM_SMS = 132
 
-# Not fitted (kept by the calibration script): predictions within this fraction of the fastest
-# count as a tie, broken towards less MMA work (gemm_cost_model.pick).  0.5 %: no pick on the
-# calibration set changes up to 2 %, and the 64-row streaming case is an exact tie.
 SELECT_TIE_TOL = 0.005
-# On small groups (gemm_cost_model.tie_tolerance: a config with max_mean_rows is a candidate)
-# every round streams weights and the predictions differ only by fitted per-call constants;
-# 2 %: the fwd picks on the calibration set's five such cases rise from 0.947-1.0 to 1.0.
 SELECT_TIE_TOL_SMALL = 0.02
 
-# The never-lose rule (cost_model.family_for): a call runs torch._grouped_mm's kernel family
-# when the model, on the shape's balanced probe histogram (cost_model.balanced_probe, token
-# padding NEVER_LOSE_PROBE_TP), predicts it at most (1 + margin) times our best candidate.  Fitted
-# per kind by benchmarks/fit_gemm_cost_model.py on the training cases (the best mean log ratio
-# to torch minus LOSS_WEIGHT x the mean shortfall below 0.98x torch); a kind without an entry
-# never uses the torch family.
 NEVER_LOSE_PROBE_TP = 128
-# The fit of zoo_2026-12-01_families.json (every config of both families measured) turns the rule
-# off for fwd (-0.05: no call sent) and dgrad (no entry); for wgrad_lp its margin (-0.0075) sent
-# 73 of 285 training calls to the torch family and lowered their gm against torch._grouped_mm
-# from 1.112 to 1.073 (against the best config: 0.957, min 0.543): the model cannot rank the two
-# families within a few percent, so the rule stays off there too (MOONEP_GEMM_FAMILY=torch forces
-# the torch family).  The pooled fit of zoo_2026-12-04_no_tail.json + zoo_2026-12-01_families.json
-# finds +0.005 for fwd and dgrad: held-out calls below 0.98x torch 25 -> 21 (fwd) and 18 -> 17
-# (dgrad) for a held-out gm of 1.060 -> 1.042 and 1.067 -> 1.038 against torch._grouped_mm (62
-# of 175 calls sent): the same trade, so that refit was written with --keep-margins.
 NEVER_LOSE_MARGIN: dict = {}
 
-# Configs without measurements of their own yet: their constants are seeds (refit them from a
-# zoo run that measures them: benchmarks/bench_gemm_zoo.py, then fit_gemm_cost_model.py).
 SEEDED = {
 }
 
