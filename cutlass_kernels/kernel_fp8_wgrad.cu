@@ -271,7 +271,7 @@ Layout layout(int G, int sm_count) {
 // and a tile of group g runs kb_g = ceil(M_g / 128) K blocks:
 //   work_c = T_c * (per_round_c * nonempty + per_kblock_c * sum_g kb_g)     (tile-us)
 //   t_c = fixed_c + max(work_c / slots_c, per_round_c + per_kblock_c * max_g kb_g,
-//                       bytes / mem_bytes_per_us)
+//                       bytes / mem_bytes_per_us)        (the middle term 0 without a tile)
 // slots_c = sm_count (x2 ping-pong: two tiles in flight per SM); the LPT order makes the
 // balanced bound work / slots nearly exact when tiles outnumber the SMs, and the one-tile term
 // bounds it when they do not.  bytes: the e4m3 operands (M_g * (O + I)) and the bf16 dW
@@ -299,7 +299,7 @@ __device__ __forceinline__ int warp_max_i(int v) {
 
 struct PrepParams {
   const int* cu;
-  int G, epn, M;        // M: the clamp bound of the offsets, 128 * (Nb - G) + 127 (see the launcher)
+  int G, epn, M;        // M: the offsets' clamp bound, 128 * (Nb - G) + 127 (the launcher)
   int O, I, Mp;         // dW_g is O x I; the token-major operands have Mp = 128 * Nb columns
   int config;           // >= 0: forced; -1: the cost model chooses
   int sm_count;
@@ -336,7 +336,8 @@ constexpr int kMaxZeroBlocks = 128;
 // bounds).  Block 0: warp 0 chooses the config, the other warps write the problem arrays in LPT
 // order.  Blocks >= 1: zero the dW of the empty groups g < zero_groups (an empty group is a
 // 0 x I x 0 problem: no tiles, so the GEMM never writes its dW).
-__global__ void __launch_bounds__(kPrepThreads) prep_fp8_wgrad(const __grid_constant__ PrepParams p) {
+__global__ void __launch_bounds__(kPrepThreads)
+    prep_fp8_wgrad(const __grid_constant__ PrepParams p) {
   // The GEMM is a programmatic dependent of this grid (MOONEP_GEMM_PDL): let its CTAs launch now;
   // it waits for this grid's completion before reading anything written here.
   asm volatile("griddepcontrol.launch_dependents;");
@@ -392,8 +393,11 @@ __global__ void __launch_bounds__(kPrepThreads) prep_fp8_wgrad(const __grid_cons
               __fadd_rn(__fmul_rn(p.tune.per_round[c], (float)nonempty),
                         __fmul_rn(p.tune.per_kblock[c], (float)kb_sum));
           const float balanced = __fdiv_rn(__fmul_rn((float)tiles, per_tile_sum), slots);
+          // (no tile at all when every group is empty: the call costs its fixed part)
           const float one_tile =
-              __fadd_rn(p.tune.per_round[c], __fmul_rn(p.tune.per_kblock[c], (float)kb_max));
+              nonempty > 0
+                  ? __fadd_rn(p.tune.per_round[c], __fmul_rn(p.tune.per_kblock[c], (float)kb_max))
+                  : 0.f;
           t[c] = __fadd_rn(p.tune.fixed[c], fmaxf(fmaxf(balanced, one_tile), t_mem));
           best = fminf(best, t[c]);
         }

@@ -14,11 +14,11 @@ and the max of kb_g:
     t_c    = fixed_c + max(work_c / slots_c, per_round_c + per_kblock_c * max kb,
                            bytes / MEM_BYTES_PER_US)
 
-slots_c = sm_count (x2 for ping-pong: two tiles in flight per SM).  The groups run largest first
+slots_c = sm_count (x2 for ping-pong: two tiles in flight per SM). The groups run largest first
 (LPT), so the balanced bound work / slots is close when tiles outnumber the SMs, and the
-one-tile term bounds a call with few tiles.  bytes = sum over non-empty groups of
-M_g * (O + I) (the e4m3 operands) + 2 * O * I (the bf16 dW).  The cheapest prediction wins; one
-within TIE_TOL of it ties and goes to the lower index.  Constants:
+one-tile term (0 when every group is empty) bounds a call with few tiles. bytes = sum over
+non-empty groups of M_g * (O + I) (the e4m3 operands) + 2 * O * I (the bf16 dW). The cheapest
+prediction wins; one within TIE_TOL of it ties and goes to the lower index. Constants:
 :mod:`moonep_ops.gemm.tuning_fp8_wgrad` (seeded, not yet fitted).
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ def predict(counts: Sequence[int], O: int, I: int, sm_count: int,
         slots = f(sm_count * (2 if cfg.pingpong else 1))
         per_tile_sum = f(f(per_round * f(n)) + f(per_kb * f(kb_sum)))
         balanced = f(f(f(tiles_per_group(O, I, cfg)) * per_tile_sum) / slots)
-        one_tile = f(per_round + f(per_kb * f(kb_max)))
+        one_tile = f(per_round + f(per_kb * f(kb_max))) if n else f(0.0)
         out[cfg.name] = float(f(fixed + max(balanced, one_tile, t_mem)))
     return out
 
