@@ -118,8 +118,11 @@ def quantize_rows(x_MI: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     return q, s
 
 
-def quantize_blocks(w: Tensor, pow2: bool, transpose: bool = False) -> tuple[Tensor, Tensor]:
-    """(q, scale) of w [..., O, I]; transpose: of w^T, q [..., I, O] and scale [..., C, P]."""
+def quantize_blocks(w: Tensor, pow2: bool, transpose: bool = False, out=None
+                    ) -> tuple[Tensor, Tensor]:
+    """(q, scale) of w [..., O, I]; transpose: of w^T, q [..., I, O] and scale [..., C, P].
+    ``out``: (q, scale) to write into (contiguous, of those shapes and dtypes; the FP8 weight
+    cache's buffers, refreshed in place so that a captured graph keeps reading them)."""
     w = w.contiguous()
     *lead, O, I = w.shape
     n = 1
@@ -127,8 +130,14 @@ def quantize_blocks(w: Tensor, pow2: bool, transpose: bool = False) -> tuple[Ten
         n *= d
     P, C = triton.cdiv(O, TILE), triton.cdiv(I, TILE)
     qshape, sshape = ((*lead, I, O), (*lead, C, P)) if transpose else ((*lead, O, I), (*lead, P, C))
-    q = torch.empty(qshape, dtype=torch.float8_e4m3fn, device=w.device)
-    s = torch.empty(sshape, dtype=torch.float32, device=w.device)
+    if out is None:
+        q = torch.empty(qshape, dtype=torch.float8_e4m3fn, device=w.device)
+        s = torch.empty(sshape, dtype=torch.float32, device=w.device)
+    else:
+        q, s = out
+        assert (tuple(q.shape), q.dtype, tuple(s.shape), s.dtype) == (
+            qshape, torch.float8_e4m3fn, sshape, torch.float32) and q.is_contiguous() \
+            and s.is_contiguous(), "quantize_blocks: out must be (q, scale) of the result's layout"
     if n and O and I:
         # 16 warps: 1.12-1.24x the 8-warp kernel (2.9-3.0 TB/s vs 2.4-2.7) on DeepSeek-V3's
         # [32, 2048, 7168] / [32, 7168, 2048] and on held-out Qwen3-235B shapes, both layouts;
