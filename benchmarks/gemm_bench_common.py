@@ -1,8 +1,9 @@
 """Shared pieces of the grouped-GEMM benchmarks (bench_gemm_zoo.py, fit_gemm_cost_model.py).
 
-* ``gemm_modules()``: the cost model, its tuning constants and the ops module, wherever the package
-  keeps them (the restructure moves moonep_ops/gemm_cost_model.py to moonep_ops/gemm/cost_model.py,
-  gemm_tuning.py to gemm/tuning.py and grouped_gemm.py to ops/grouped_mm.py; both layouts work).
+* ``gemm_modules()``: the cost model (moonep_ops/gemm/cost_model.py), its tuning constants
+  (gemm/tuning.py) and the ops module (ops/grouped_mm.py); it also finds them under the flat
+  module names of older trees (moonep_ops.gemm_cost_model, .gemm_tuning, .grouped_gemm), so a
+  benchmark can run against an older checkout.
 * ``time_interleaved()``: the timing method of benchmarks/bench_grouped_gemm.py (contenders
   interleaved round robin with a rotating order, CUDA events, warm-up, median per contender),
   extended for small problems: each sample is ``k`` back-to-back launches between one pair of

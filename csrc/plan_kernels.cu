@@ -1,7 +1,9 @@
 // The MoonEP planner on the device (policies "moonep" and "cost"), bit-exact with moonep::plan
 // (moonep_ops/planner.py: plan_group with floor/ceil caps, rank_quotas "max", split_quotas
 // "max", layout, assign_slots, _rank_outputs; policy "cost": cost_plan, in the section "Policy
-// cost" below, between steps 1 and 2).  docs/planner.md has the algorithm.
+// cost" below, between steps 1 and 2).  docs/planner.md has the algorithm.  Shape letters:
+// docs/architecture.md, "Shape legend"; the local scalars of this file differ: T is the group's
+// token copies (the legend's T*K), C a chunk's entries and P a pieces-table size.
 //
 // Launch 1, plan_group_kernel, grid 1 + nchunks, 1024 threads (R <= 12: 512, kSmallGroupThreads):
 //   block 0   steps 1-3 for the whole group from the [R, E+3] histogram (validation included):
@@ -29,22 +31,11 @@
 //     when the values leave room for the index bits (2T < 2^(31 - log2 R)), else two.
 //     When R < 32 a spare warp scans the piece counts during step 3 (no block scan in step 4),
 //     and errors go straight to the error word (no end-of-kernel barrier).
-//     Tried and measured slower at R = 8: one lane per donor walking its experts
-//     sorted by count (sorted by the idle warps during step 1), and register argmaxes over all
-//     R balances in step 1; a lane's dependent shared loads and stores cost more per greedy
-//     round than the two warp reductions they replace, and the sort lengthened step 1.
-//     Also slower (R = 8 one_group split 2x the packed loop's cycles): every lane
-//     running the greedy as one predicated scalar recurrence over register copies of <= 8
-//     quotas and <= 8 partly used experts, with the experts pre-sorted; a round became ~100
-//     instructions of selects, while the packed loop's round is ~40 instructions around two warp
-//     reductions.  Nor did a sorted prefix that only replaced the rounds which use up their
-//     expert (quotas in registers, no reduction): ~160 cycles a round against ~180 for the packed
-//     loop (one warp runs dependent scalar code at well under one instruction per cycle), and its
-//     set-up and hand-over cost more than that saved.  The split is ~40 sequential rounds for a
-//     donor refilling 7 ranks (one_group), ~4 us, whichever way a round is computed; nor did
-//     lane 0 alone with sorted register lists (~210 cycles a round).  What does pay is fewer
-//     sequential steps: split_batches checks up to 8 rounds at once
-//     (one_group at R = 8: split 10.2k -> 4.9k cycles).
+//     The split is a chain of dependent greedy rounds (~40 for a donor refilling 7 ranks), so
+//     what pays is fewer sequential steps: split_batches checks up to 8 rounds at once
+//     (one_group at R = 8: split 10.2k -> 4.9k cycles).  The alternatives measured and rejected
+//     (per-lane donors, register argmaxes, predicated scalar recurrences, ...) are listed once,
+//     with their measured reasons, in docs/planner.md, "Design notes".
 //   Programmatic dependent launch: launch and shared-memory set-up overlap the previous kernel
 //     (the histogram barrier triggers its dependents at its start); see grid_dep_wait.
 //   blocks 1.. per chunk of C = tpc*K entries of topk: the expert histogram of the chunk.
