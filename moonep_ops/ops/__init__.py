@@ -10,6 +10,7 @@ with its schema, fake kernel, CPU reference, kernel binding and autograd:
   quantize_fp8_tokens.py  moonep::quantize_fp8_tokens, quantize_fp8_rows_tokens,
                      scale_rows_backward_fp8_tokens (the FP8 wgrad's token-major operands)
   grouped_mm_fp8_wgrad.py  moonep::grouped_mm_fp8_wgrad, grouped_mm_fp8_wgrad_into
+  fp8_weight_cache.py  FP8WeightCache; moonep::fp8_weight_cache_refresh
   swiglu.py          moonep::swiglu, swiglu_backward
   moe_experts.py     moonep::moe_experts, moe_experts_backward; ExpertPool
   moe_experts_fp8.py moonep::moe_experts_fp8, moe_experts_fp8_backward
@@ -18,4 +19,4 @@ Importing ``moonep_ops`` registers them all.
 """
 from . import (dispatch, expert_weights, grouped_mm, grouped_mm_fp8, moe_experts,  # noqa: F401
                moe_experts_fp8, quantize_fp8, swiglu)
-from . import grouped_mm_fp8_wgrad, quantize_fp8_tokens  # noqa: F401  (the FP8 wgrad)
+from . import fp8_weight_cache, grouped_mm_fp8_wgrad, quantize_fp8_tokens  # noqa: F401

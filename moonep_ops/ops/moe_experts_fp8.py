@@ -31,6 +31,20 @@ experts of one rank in FP8 (the DeepSeek-V3 recipe), fed by ``moonep::dispatch_f
         Buffer's dtype with fp32 accumulation.
       So quantisation is straight-through: the gradient of x and of the route weights is that
       of the bf16 layer evaluated at the FP8 forward's values.
+    weight_cache (the registry name of an FP8WeightCache, ops/fp8_weight_cache.py; "" for
+      none): the home experts' quantisation of both layouts is read from the cache instead of
+      computed (it is recomputed there only when the parameters changed), so micro-batches
+      between two optimizer steps quantise no weight.
+    fp8_wgrad=True (the backward): the three wgrads in FP8 too (DeepSeek-V3's Wgrad), both
+      operands quantised along each group's tokens (quantize_fp8_tokens.py) and multiplied by
+      moonep::grouped_mm_fp8_wgrad_into (bf16 out, fp32 accumulation):
+        q(dy) rows + tokens, d_rows = scale_rows_backward_fp8_tokens(dz, w_M, y)  (one read)
+        q(dg), q(du) rows + tokens = quantize_fp8_rows_tokens(dg / du)           (one read each)
+        h tokens = quantize_fp8_tokens(h, h_scale)   from the dispatched e4m3 rows, in fp32
+        a tokens = quantize_fp8_tokens(a)            the recomputed bf16 SwiGLU output
+        dw1 = dg^T h, dw3 = du^T h, dw2 = dy^T a     FP8 x FP8, per group over its tokens
+      (no bf16 dy and no dequantised h_bf16 are made).  The bf16 wgrads above stay the
+      default of the op (fp8_wgrad=False); the layer's MoEArgs choose.
     Elementwise passes fused (quantize_fp8.py's ops, one Triton kernel each on CUDA, bitwise
     the torch formulation written above; the torch formulation itself elsewhere):
       z                    moonep::scale_rows(y, w_M)
@@ -60,7 +74,10 @@ from . import dispatch as _dispatch  # noqa: F401  (registers moonep::combine)
 from . import expert_weights as _ew  # noqa: F401  (registers moonep::prefetch_weight, reduce_grad)
 from . import grouped_mm as _gm
 from . import grouped_mm_fp8 as g8
+from . import grouped_mm_fp8_wgrad as _gw  # noqa: F401  (registers the FP8 wgrad ops)
 from . import quantize_fp8 as qf
+from . import quantize_fp8_tokens as _qt  # noqa: F401  (registers the token quantisers)
+from .fp8_weight_cache import FP8WeightCache
 from .checks import call_device, check_no_overlap, device_error, on_device
 from .moe_experts import ExpertPool, checked
 from .swiglu import swiglu_backward
@@ -85,9 +102,35 @@ def quantised_weights(w1: Tensor, w3: Tensor, w2: Tensor, pow2: bool,
     return out
 
 
+def _home_weights(cache: str, w1: Tensor, w3: Tensor, w2: Tensor, pow2: bool,
+                  transpose: bool = False) -> list[Tensor]:
+    """The home experts' quantisation: from the layer's FP8WeightCache (fresh by its version
+    keys, ops/fp8_weight_cache.py) when it has one, else computed now."""
+    if cache:
+        return registry.lookup(cache, FP8WeightCache).weights(w1, w3, w2, transpose)
+    return quantised_weights(w1, w3, w2, pow2, transpose)
+
+
+def _check_cache(op: str, cache, B: int, F: int, D: int, pow2: bool, device) -> None:
+    if not isinstance(cache, str):
+        raise qf.FP8ArgumentError(f"{op}: weight_cache must be a str (a cache's name, or \"\")")
+    if not cache:
+        return
+    c = registry.lookup(cache, FP8WeightCache)
+    if (c.B, c.F, c.D) != (B, F, D):
+        raise ValueError(f"{op}: the weight cache holds B={c.B}, F={c.F}, D={c.D}; the weights "
+                         f"are B={B}, F={F}, D={D}")
+    if c.pow2_scales != pow2:
+        raise ValueError(f"{op}: the weight cache quantises with pow2_scales={c.pow2_scales}, "
+                         f"the call passes {pow2}")
+    if device.type != "meta" and c.q1.device != device:
+        raise ValueError(f"{op}: the weight cache is on {c.q1.device}, the weights on {device}")
+
+
 @qf.fp8_checks
 def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, values=True,
-           x=None, rw=None, dst=None, total=None, **more) -> tuple[int, int, int, int]:
+           x=None, rw=None, dst=None, total=None, cache="", fp8_wgrad=False,
+           **more) -> tuple[int, int, int, int]:
     """Every check of the two ops, before the first write (the pool's slots) and the first
     collective (prefetch_weight).  Returns (B, F, D, M)."""
     if pool.precision != "fp8":
@@ -124,6 +167,9 @@ def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, valu
         raise ValueError(f"{op}: expert weights hold B={B} experts, the Buffer has epn="
                          f"{pool.w1.shape[0]}")
     g8._check_align(op, F, D, names=("F", "D"))
+    if not isinstance(fp8_wgrad, bool):
+        raise qf.FP8ArgumentError(f"{op}: fp8_wgrad must be a bool, got {type(fp8_wgrad).__name__}")
+    _check_cache(op, cache, B, F, D, pow2, w1.device)
     M, _ = qf.check_rows_fp8(op, "h", h, hs, cols=D)
     if wM.dtype != torch.float32 or tuple(wM.shape) != (M,):
         raise ValueError(f"{op}: row_weights must be [M={M}] float32, got {list(wM.shape)} "
@@ -182,23 +228,25 @@ _TAGS = ()   # capturable when the Buffer's backend is (as moe_experts)
 
 _FWD_SCHEMA = ("(Tensor h, Tensor h_scale, Tensor row_weights, Tensor cu_seqlens, "
                "Tensor experts_to_copy, Tensor w1, Tensor w3, Tensor w2, str pool, Tensor x, "
-               "Tensor route_weights, Tensor dst, int total_num_tokens, bool pow2_scales=False)"
-               " -> (Tensor, Tensor, Tensor, Tensor)")
+               "Tensor route_weights, Tensor dst, int total_num_tokens, bool pow2_scales=False, "
+               "str weight_cache=\"\", bool fp8_wgrad=False) -> (Tensor, Tensor, Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor dz, Tensor h, Tensor h_scale, Tensor row_weights, Tensor y, Tensor g, "
                "Tensor u, Tensor cu_seqlens, Tensor experts_to_copy, Tensor w1, Tensor w3, "
-               "Tensor w2, str pool, Tensor dst, int total_num_tokens, bool pow2_scales=False)"
+               "Tensor w2, str pool, Tensor dst, int total_num_tokens, bool pow2_scales=False, "
+               "str weight_cache=\"\", bool fp8_wgrad=False)"
                " -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("moonep::moe_experts_fp8", mutates_args=(), schema=_FWD_SCHEMA,
                          tags=_TAGS)
 def _moe_experts_fp8(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x,
-                     route_weights, dst, total_num_tokens, pow2_scales=False):
+                     route_weights, dst, total_num_tokens, pow2_scales=False, weight_cache="",
+                     fp8_wgrad=False):
     p = _pool(pool)
     checked("moe_experts_fp8", p, _check, "moe_experts_fp8", p, h, h_scale, row_weights,
             cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales, x=x, rw=route_weights, dst=dst,
-            total=total_num_tokens)
-    q1, s1, q3, s3, q2, s2 = quantised_weights(w1, w3, w2, pow2_scales)
+            total=total_num_tokens, cache=weight_cache, fp8_wgrad=fp8_wgrad)
+    q1, s1, q3, s3, q2, s2 = _home_weights(weight_cache, w1, w3, w2, pow2_scales)
     _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2])
     cu = cu_seqlens
     mm = torch.ops.moonep.grouped_mm_fp8
@@ -213,11 +261,12 @@ def _moe_experts_fp8(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w
 
 @_moe_experts_fp8.register_fake
 def _(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x, route_weights,
-      dst, total_num_tokens, pow2_scales=False):
+      dst, total_num_tokens, pow2_scales=False, weight_cache="", fp8_wgrad=False):
     p = _pool(pool)
     B, F, D, M = checked("moe_experts_fp8", p, _check, "moe_experts_fp8", p, h, h_scale,
                          row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales,
-                         values=False, x=x, rw=route_weights, dst=dst, total=total_num_tokens)
+                         values=False, x=x, rw=route_weights, dst=dst, total=total_num_tokens,
+                         cache=weight_cache, fp8_wgrad=fp8_wgrad)
     return (w1.new_empty((M, D)), w1.new_empty((M, D)), w1.new_empty((M, F)),
             w1.new_empty((M, F)))
 
@@ -225,19 +274,26 @@ def _(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x,
 @torch.library.custom_op("moonep::moe_experts_fp8_backward", mutates_args=(), schema=_BWD_SCHEMA,
                          tags=_TAGS)
 def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, experts_to_copy,
-                              w1, w3, w2, pool, dst, total_num_tokens, pow2_scales=False):
+                              w1, w3, w2, pool, dst, total_num_tokens, pow2_scales=False,
+                              weight_cache="", fp8_wgrad=False):
     p = _pool(pool)
     checked("moe_experts_fp8_backward", p, _check, "moe_experts_fp8_backward", p, h, h_scale,
             row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales, dst=dst,
-            total=total_num_tokens, dz=dz, y=y, g=g, u=u)
+            total=total_num_tokens, cache=weight_cache, fp8_wgrad=fp8_wgrad, dz=dz, y=y, g=g,
+            u=u)
     # The dgrads dy @ W_g are forward GEMMs on W^T (K-major, as the sm90 FP8 MMA wants): the
     # home weights are quantised straight into the transposed layout (bitwise quantise(W)^T)
     # and pushed into the slots viewed transposed, so no e4m3 tensor is ever transposed.
     # The slots may hold another layer's (or the forward's) experts: re-prefetch.
-    q1, s1, q3, s3, q2, s2 = quantised_weights(w1, w3, w2, pow2_scales, transpose=True)
+    q1, s1, q3, s3, q2, s2 = _home_weights(weight_cache, w1, w3, w2, pow2_scales,
+                                           transpose=True)
     t1, ts1, t3, ts3, t2, ts2 = _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2],
                                           transposed=True)
     cu = cu_seqlens
+    if fp8_wgrad:
+        return _backward_fp8_wgrad(p, dz, h, h_scale, row_weights, y, g, u, cu, experts_to_copy,
+                                   w1, w3, w2, dst, total_num_tokens, pow2_scales,
+                                   (q1, s1, q3, s3, q2, s2), (t1, ts1, t3, ts3, t2, ts2))
     # One pass over dz and y: dy = bf16(fp32(dz) * w_M), its 1 x 128 tiles, and the grad of
     # row_weights d_rows = sum_D fp32(dz) * fp32(y) (fp32, summed in the kernel).
     dy, dyq, dys, d_rows = torch.ops.moonep.scale_rows_backward_fp8(dz, row_weights, y,
@@ -261,13 +317,43 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     return dx, drw, d1, d3, d2
 
 
+def _backward_fp8_wgrad(p, dz, h, h_scale, row_weights, y, g, u, cu, etc, w1, w3, w2, dst,
+                        total_num_tokens, pow2, home, slots):
+    """The backward with the wgrads in FP8 (the docstring's fp8_wgrad=True): each operand is
+    quantised once per layout it feeds (rows for the dgrads, tokens for the wgrads)."""
+    q1, s1, q3, s3, q2, s2 = home
+    t1, ts1, t3, ts3, t2, ts2 = slots
+    mm = torch.ops.moonep.grouped_mm_fp8
+    # one pass over dz and y: q(dy) by rows and by tokens, and d_rows (no bf16 dy)
+    dyq, dys, dyT, dyTs, d_rows = torch.ops.moonep.scale_rows_backward_fp8_tokens(
+        dz, row_weights, y, cu, pow2)
+    da = mm(dyq, dys, q2, s2, t2, ts2, cu, False)                  # dy @ w2_g  [M, F]
+    dg, du, a = swiglu_backward(g, u, da)
+    rt = torch.ops.moonep.quantize_fp8_rows_tokens
+    gq, gs_, gT, gTs = rt(dg, cu, pow2)                            # one pass over dg
+    uq, us_, uT, uTs = rt(du, cu, pow2)                            # one pass over du
+    dh = mm(gq, gs_, q1, s1, t1, ts1, cu, False) + mm(uq, us_, q3, s3, t3, ts3, cu, False)
+    tok = torch.ops.moonep.quantize_fp8_tokens
+    hT, hTs = tok(h, cu, h_scale, pow2)                            # the forward's rows, in fp32
+    aT, aTs = tok(a, cu, None, pow2)
+    d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
+    wg = torch.ops.moonep.grouped_mm_fp8_wgrad_into
+    wg(gT, gTs, hT, hTs, cu, d1, p.g1)
+    wg(uT, uTs, hT, hTs, cu, d3, p.g3)
+    wg(dyT, dyTs, aT, aTs, cu, d2, p.g2)
+    torch.ops.moonep.reduce_grad(etc, [d1, d3, d2], [p.g1, p.g3, p.g2], p.backend_name)
+    dx, drw = torch.ops.moonep.combine(dh, d_rows, dst, p.backend_name, total_num_tokens)
+    return dx, drw, d1, d3, d2
+
+
 @_moe_experts_fp8_backward.register_fake
 def _(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool, dst,
-      total_num_tokens, pow2_scales=False):
+      total_num_tokens, pow2_scales=False, weight_cache="", fp8_wgrad=False):
     p = _pool(pool)
     checked("moe_experts_fp8_backward", p, _check, "moe_experts_fp8_backward", p, h, h_scale,
             row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales, values=False,
-            dst=dst, total=total_num_tokens, dz=dz, y=y, g=g, u=u)
+            dst=dst, total=total_num_tokens, cache=weight_cache, fp8_wgrad=fp8_wgrad, dz=dz,
+            y=y, g=g, u=u)
     be = registry.lookup(p.backend_name, Backend)
     K, D = be.spec.K, w1.shape[2]
     s = dst.shape[0] // K
@@ -276,9 +362,10 @@ def _(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, experts_to_copy, w1, w3,
 
 
 def _setup(ctx, inputs, output):
-    (h, hs, wM, cu, etc, w1, w3, w2, pool, x, rw, dst, total, pow2) = inputs
+    (h, hs, wM, cu, etc, w1, w3, w2, pool, x, rw, dst, total, pow2, cache, fp8_wgrad) = inputs
     _, y, g, u = output
     ctx.pool, ctx.total, ctx.pow2 = pool, total, pow2
+    ctx.cache, ctx.fp8_wgrad = cache, fp8_wgrad
     ctx.save_for_backward(h, hs, wM, y, g, u, cu, etc, w1, w3, w2, dst)
 
 
@@ -286,8 +373,9 @@ def _backward(ctx, dz, _dy, _dg, _du):
     h, hs, wM, y, g, u, cu, etc, w1, w3, w2, dst = ctx.saved_tensors
     dx, drw, d1, d3, d2 = torch.ops.moonep.moe_experts_fp8_backward(
         dz.contiguous(), h, hs, wM, y, g, u, cu, etc, w1, w3, w2, ctx.pool, dst, ctx.total,
-        ctx.pow2)
-    return (None, None, None, None, None, d1, d3, d2, None, dx, drw, None, None, None)
+        ctx.pow2, ctx.cache, ctx.fp8_wgrad)
+    return (None, None, None, None, None, d1, d3, d2, None, dx, drw, None, None, None, None,
+            None)
 
 
 _moe_experts_fp8.register_autograd(_backward, setup_context=_setup)
