@@ -50,12 +50,14 @@ plans as "moonep" bit for bit; replica_cost = 0 gives MoonEP's plan at any slack
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from . import native, runtime
+from .runtime import current_raw_stream, on_device_of
 from .geometry import Geometry, ceil_div, check_cost_args, slack_cap
 
 POLICIES = ("moonep", "lean", "cost")
@@ -699,6 +701,7 @@ def device_planner_available() -> bool:
     return native.ep() is not None
 
 
+@functools.lru_cache(maxsize=1024, typed=True)   # a function of the sizes: once per shape
 def workspace_bytes(R: int, E: int, s: int, K: int) -> int:
     n = int(native.require_ep().plan_workspace_bytes(R, E, s, K))
     if n == 0:
@@ -743,6 +746,9 @@ def _check_device_args(hist_RX: Tensor, topk_sK: Tensor, rank, R, S, token_paddi
     return hist_RX.shape[1] - 3, int(s), int(K)
 
 
+# Ints in, a frozen Geometry out (an error is raised again on every call: lru_cache keeps
+# results only), so a dispatch validates its sizes once per shape, not on every call.
+@functools.lru_cache(maxsize=1024, typed=True)
 def _geometry(R, E, S, K, token_padding, NvS, rank, s, slack_ppm=0, replica_cost=0) -> Geometry:
     check_cost_args("cost", slack_ppm, replica_cost)
     # E % R, R*NvS, K <= 127; NvS with the slack's larger receive bound
@@ -790,10 +796,19 @@ def plan_into(hist_RX: Tensor, topk_sK: Tensor, rank: int, R: int, S: int, token
     if ws.device != hist_RX.device or not ws.is_contiguous() or \
             ws.numel() * ws.element_size() < workspace_bytes(R, E, s, K):
         raise ValueError("workspace too small or not on the device")
-    stream = torch.cuda.current_stream(hist_RX.device).cuda_stream
+    _plan_into(hist_RX, topk_sK, rank, R, E, S, s, K, token_padding, NvS, err, bufs,
+               group_only, slack_ppm, replica_cost)
+
+
+def _plan_into(hist_RX, topk_sK, rank, R, E, S, s, K, token_padding, NvS, err, bufs, group_only,
+               slack_ppm, replica_cost) -> None:
+    """plan_into's launch, its arguments checked (plan_into, or plan_on_device, which made the
+    buffers)."""
+    stream = current_raw_stream(hist_RX.device)
+    ws = bufs.workspace
     nbytes = ws.numel() * ws.element_size()
     lib = native.require_ep()
-    with torch.cuda.device(hist_RX.device):     # the library launches on the current device
+    with on_device_of(hist_RX.device):          # the library launches on the current device
         _launch(lib, group_only, hist_RX, topk_sK, s, K, rank, R, E, S, token_padding, NvS, bufs,
                 ws, nbytes, err, stream, slack_ppm, replica_cost)
 
@@ -805,13 +820,15 @@ def _launch(lib, group_only, hist_RX, topk_sK, s, K, rank, R, E, S, token_paddin
                             slack_ppm, replica_cost, bufs.cu.data_ptr(), bufs.etc.data_ptr(),
                             bufs.zf.data_ptr(), bufs.stats.data_ptr(), ws.data_ptr(), nbytes,
                             err.data_ptr(), stream)
-        native.ep_check(rc, "moonep_plan_group")
+        if rc:
+            native.ep_check(rc, "moonep_plan_group")
     else:
         rc = lib.plan(hist_RX.data_ptr(), topk_sK.data_ptr(), s, K, rank, R, E, S, token_padding,
                       NvS, slack_ppm, replica_cost, bufs.dst.data_ptr(), bufs.cu.data_ptr(),
                       bufs.etc.data_ptr(), bufs.zf.data_ptr(), bufs.stats.data_ptr(),
                       ws.data_ptr(), nbytes, err.data_ptr(), stream)
-        native.ep_check(rc, "moonep_plan")
+        if rc:
+            native.ep_check(rc, "moonep_plan")
 
 
 def plan_on_device(hist_RX: Tensor, topk_sK: Tensor, rank: int, R: int, S: int,
@@ -829,9 +846,9 @@ def plan_on_device(hist_RX: Tensor, topk_sK: Tensor, rank: int, R: int, S: int,
     """
     E, s, K = _check_device_args(hist_RX, topk_sK, rank, R, S, token_padding, NvS, err)
     _geometry(R, E, S, K, token_padding, NvS, rank, s, slack_ppm, replica_cost)
-    bufs = allocate(hist_RX, s, K, R)
-    plan_into(hist_RX, topk_sK, rank, R, S, token_padding, NvS, err, bufs,
-              slack_ppm=slack_ppm, replica_cost=replica_cost)
+    bufs = allocate(hist_RX, s, K, R)          # the buffers plan_into would check, made here
+    _plan_into(hist_RX, topk_sK, rank, R, E, S, s, K, token_padding, NvS, err, bufs, False,
+               slack_ppm, replica_cost)
     return bufs.dst, bufs.cu, bufs.etc, bufs.zf, bufs.stats
 
 

@@ -261,4 +261,4 @@ moonep::moe_experts_backward(Tensor dy, Tensor h, Tensor g, Tensor u, Tensor cu_
         torch.manual_seed(0)
         buf = Buffer(8, D, K, E, token_padding=TP, dtype=torch.float32)
         layer = MoonEPMoE.for_buffer(buf, F)
-        self.assertExpectedInline(" ".join(_graph_ops(layer, torch.randn(8, D))), """.reshape .to linear .float softmax .detach add topk getitem .gather .to .detach moonep.dispatch getitem getitem getitem getitem getitem moonep.moe_experts getitem .float getitem mul .to moonep.combine getitem .view""")
+        self.assertExpectedInline(" ".join(_graph_ops(layer, torch.randn(8, D))), """.reshape .to linear .float softmax .detach add topk getitem .gather .to .detach moonep.dispatch getitem getitem getitem getitem getitem moonep.moe_experts getitem getitem mul .to moonep.combine getitem .view""")

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from .. import native
 from ..geometry import GroupSpec, ceil_div
+from ..runtime import current_raw_stream
 from .. import planner as _plan
 from .base import Backend, DispatchFP8Result, DispatchResult
 from .collective import _row_bytes
@@ -290,8 +291,11 @@ class VirtualHeap(SymmetricHeap):
 # ---------------------------------------------------------------------------------------------
 
 def _call(name: str, *args) -> None:
-    """One data-plane launcher of libmoonep_ep.so (prototypes: moonep_ops/native.py)."""
-    native.ep_check(getattr(native.require_ep(), "ep_" + name)(*args), f"moonep_ep_{name}")
+    """One data-plane launcher of libmoonep_ep.so (prototypes: moonep_ops/native.py).  The
+    message is only formatted on an error: a dispatch makes six of these calls."""
+    rc = getattr(native.require_ep(), "ep_" + name)(*args)
+    if rc:
+        native.ep_check(rc, f"moonep_ep_{name}")
 
 
 def _ptrs(values: Sequence[int]):
@@ -416,15 +420,17 @@ class SymmBackend(Backend):
         self.err.zero_()
 
     # -- helpers ------------------------------------------------------------------------------
-    def _stream(self):
-        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+    def _stream(self) -> int:
+        """The current stream of the Buffer's device (a raw cudaStream_t); each op reads it
+        once and passes it to every launch and barrier it makes."""
+        return current_raw_stream(self.device)
 
-    def barrier(self, what: str) -> None:
-        """One cross-rank barrier; ``what`` names it (native.BARRIER_CODE) for a timeout's
-        report."""
+    def barrier(self, what: str, stream: Optional[int] = None) -> None:
+        """One cross-rank barrier on ``stream`` (default: the current one); ``what`` names it
+        (native.BARRIER_CODE) for a timeout's report."""
         _call("barrier", self.sig_peers.data_ptr(), self.epoch.data_ptr(), self.rank,
               self.world_size, self.err.data_ptr(), self.timeout_ns, native.BARRIER_CODE[what],
-              self._stream())
+              self._stream() if stream is None else stream)
 
     # -- Backend methods ----------------------------------------------------------------------
     def _plan(self, x_sD, topk_sK, total, reject):
@@ -446,9 +452,10 @@ class SymmBackend(Backend):
         # the error word (Buffer.check_errors) instead of a host read.
         s = x_sD.shape[0]
         R, E, K = spec.R, spec.E, spec.K
+        stream = self._stream()
         _call("hist_publish", topk_sK.data_ptr(), s * K, E, self.rank, R, s, total,
-              self.hist_peers.data_ptr(), self.err.data_ptr(), self._stream())
-        self.barrier("hist")
+              self.hist_peers.data_ptr(), self.err.data_ptr(), stream)
+        self.barrier("hist", stream)
         hist_RX = self.hist.view(R, E + 3)
         # The torch planner (planner="torch", or a policy the device planner lacks) runs on
         # device tensors: sync-free, many small kernels.  Ids the histogram kernel flagged as
@@ -497,11 +504,11 @@ class SymmBackend(Backend):
               self.rank, spec.R, spec.S, spec.NvS, nvs_s, self.x_stage.data_ptr(),
               self.desc_peers.data_ptr(), self.wland_peers.data_ptr(), self.epoch.data_ptr(),
               self.err.data_ptr(), stream)
-        self.barrier("sent")
+        self.barrier("sent", stream)
         _call("dispatch_recv", h.data_ptr(), w.data_ptr(), nvs_s, row_bytes,
               self.desc.data_ptr(), self.wland.data_ptr(), self.x_peers.data_ptr(), spec.R, spec.S,
               self.epoch.data_ptr(), self.err.data_ptr(), self.num_sms, stream)
-        self.barrier("received")
+        self.barrier("received", stream)
         return w
 
     def combine(self, h_MD, w_M, dst_N):
@@ -519,14 +526,14 @@ class SymmBackend(Backend):
             _call("combine_stage", h_MD.data_ptr(), n_rows, self.row_bytes, w_ptr,
                   self.y_stage.data_ptr(), self.w_stage.data_ptr(), stream)
             rows_of, y_peers, w_peers = None, self.y_peers.data_ptr(), self.w_peers.data_ptr()
-        self.barrier("staged")
+        self.barrier("staged", stream)
         y = torch.empty((s, spec.D), dtype=h_MD.dtype, device=h_MD.device)
         w_sK = (torch.empty((s, spec.K), dtype=torch.float32, device=h_MD.device)
                 if w_M is not None else None)
         _call("combine_recv", y.data_ptr(), w_sK.data_ptr() if w_sK is not None else None, s,
               spec.K, spec.D, _DTYPE_CODE[h_MD.dtype], dst_N.data_ptr(), spec.NvS, spec.NvS,
               rows_of, y_peers, w_peers, spec.R, self.err.data_ptr(), stream)
-        self.barrier("gathered")       # peers have read this rank's rows before it may reuse them
+        self.barrier("gathered", stream)   # peers have read this rank's rows before their reuse
         return y, w_sK
 
     def _table(self, local, slots, what):
@@ -541,20 +548,22 @@ class SymmBackend(Backend):
             return
         spec = self.spec
         n, lp, pp, rb = self._table(local, slots, "prefetch_weight")
-        self.barrier("slots_free")        # peers are done with the slots' previous contents
+        stream = self._stream()
+        self.barrier("slots_free", stream)    # peers are done with the slots' previous contents
         _call("push_weights", n, lp, pp, rb, etc_RB.data_ptr(), spec.R, spec.epn, self.rank,
-              self.err.data_ptr(), self.num_sms, self._stream())
-        self.barrier("slots_filled")        # every slot filled before anyone computes with it
+              self.err.data_ptr(), self.num_sms, stream)
+        self.barrier("slots_filled", stream)  # every slot filled before anyone computes with it
 
     def reduce_grad(self, etc_RB, local, slots):
         if not local:
             return
         spec = self.spec
         n, lp, pp, rb = self._table(local, slots, "reduce_grad")
-        self.barrier("grads_complete")        # every rank's slot grads are complete
+        stream = self._stream()
+        self.barrier("grads_complete", stream)    # every rank's slot grads are complete
         _call("reduce_grads", n, lp, pp, rb, etc_RB.data_ptr(), spec.R, spec.epn, self.rank,
-              self.err.data_ptr(), self.num_sms, _DTYPE_CODE[local[0].dtype], self._stream())
-        self.barrier("grads_read")        # every owner has read the slots
+              self.err.data_ptr(), self.num_sms, _DTYPE_CODE[local[0].dtype], stream)
+        self.barrier("grads_read", stream)        # every owner has read the slots
         sp = _ptrs([t.data_ptr() for t in slots])
         _call("zero_slots", n, sp, rb, etc_RB.data_ptr(), spec.epn, self.rank, self.num_sms,
-              self._stream())
+              stream)

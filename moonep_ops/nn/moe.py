@@ -83,7 +83,11 @@ def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_
         h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
         y, _, _ = torch.ops.moonep.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2,
                                                pool_name)
-        z = (y.float() * w_M[:, None]).to(x_sD.dtype)
+        # The weights in fp32: bf16 / fp16 / fp32 y promotes in the multiplication, which then
+        # computes from y's exact fp32 value (bitwise y.float() * w, forward and backward)
+        # without an [M, D] fp32 copy of y; a wider y is rounded to fp32 first, as documented.
+        yw = y if y.dtype.itemsize <= 4 else y.float()
+        z = (yw * w_M[:, None]).to(x_sD.dtype)
     out, _ = buf.combine(plan, z)
     return out
 
@@ -424,7 +428,8 @@ class MoonEPMoE(nn.Module):
         shared_out = None
         side = self._side if not torch.compiler.is_compiling() else None
         if self.shared is not None and side is not None:
-            side.wait_stream(torch.cuda.current_stream())
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared_out = self._shared(x_sD)
         out = routed_experts(buf, self.pool_name, x_sD, ids_sK, w_sK, self.w1, self.w3, self.w2,
@@ -433,8 +438,8 @@ class MoonEPMoE(nn.Module):
                              total_num_tokens=total_num_tokens)
         if self.shared is not None:
             if side is not None:
-                torch.cuda.current_stream().wait_stream(side)
-                shared_out.record_stream(torch.cuda.current_stream())
+                main.wait_stream(side)
+                shared_out.record_stream(main)
             else:
                 shared_out = self._shared(x_sD)
             out = out + shared_out

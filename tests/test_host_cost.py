@@ -1,0 +1,135 @@
+"""What the host-cost work of the hot path keeps (CPU): the shortcuts change no behaviour.
+
+* runtime.env reads the environment as os.environ.get does, changes at run time included;
+* moonep::moe_experts and its backward make no nested op calls (their GEMMs, SwiGLU, prefetch
+  and reduce run as plain calls after one set of checks), and their results equal the op-by-op
+  composition;
+* the grouped GEMM's per-shape launch constants follow the environment switches and
+  clear_plan_cache;
+* the device planner's cached size validation still raises on every bad call.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moonep_ops import Buffer, planner, runtime
+from moonep_ops.ops import grouped_mm as gm
+from moonep_ops.ops.swiglu import swiglu, swiglu_backward
+
+
+def test_env_matches_os_environ(monkeypatch):
+    name = "MOONEP_TEST_HOST_COST_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    assert runtime.env(name, "auto") == os.environ.get(name, "auto") == "auto"
+    monkeypatch.setenv(name, "torch")
+    assert runtime.env(name, "auto") == "torch"
+    os.environ[name] = ""                                   # set but empty: not the default
+    assert runtime.env(name, "auto") == os.environ.get(name, "auto") == ""
+    del os.environ[name]
+    assert runtime.env(name, "x") == "x"
+    monkeypatch.setenv("MOONEP_VALIDATE", "0")
+    assert runtime.validate_mode() == "0" and not runtime.should_validate(torch.empty(1))
+
+
+def test_on_device_of_cpu_is_a_no_op():
+    with runtime.on_device_of(torch.device("cpu")) as ctx:
+        assert ctx.prev == -1
+
+
+def _expert_case(D=16, F=24, E=4, K=2, s=12, tp=4, dtype=torch.float32):
+    torch.manual_seed(0)
+    buf = Buffer(s, D, K, E, token_padding=tp, dtype=dtype)
+    pool = buf.expert_pool(D, F, dtype)
+    x = torch.randn(s, D, dtype=dtype)
+    ids = torch.randint(0, E, (s, K), dtype=torch.int32)
+    h, _, cu, plan = buf.dispatch(x, ids)
+    w1, w3 = torch.randn(E, F, D, dtype=dtype), torch.randn(E, F, D, dtype=dtype)
+    w2 = torch.randn(E, D, F, dtype=dtype)
+    return buf, pool, h, cu, plan.experts_to_copy, w1, w3, w2
+
+
+def _moonep_ops_called(fn) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name.startswith("moonep::")]
+
+
+def test_moe_experts_makes_no_nested_op_calls():
+    buf, pool, h, cu, etc, w1, w3, w2 = _expert_case()
+    ops = torch.ops.moonep
+    out = {}
+    fwd = _moonep_ops_called(lambda: out.update(
+        f=ops.moe_experts(h, cu, etc, w1, w3, w2, pool.name)))
+    assert set(fwd) == {"moonep::moe_experts"}, fwd
+    y, g, u = out["f"]
+    dy = torch.randn_like(y)
+    bwd = _moonep_ops_called(lambda: out.update(
+        b=ops.moe_experts_backward(dy, h, g, u, cu, etc, w1, w3, w2, pool.name)))
+    assert set(bwd) == {"moonep::moe_experts_backward"}, bwd
+    # the same values as the ops composed one by one (R = 1: the slots stay unused)
+    zs = torch.zeros_like(w1)
+    g_ref = gm.grouped_mm(h, w1, zs, cu, zero_tail=False)
+    u_ref = gm.grouped_mm(h, w3, zs, cu, zero_tail=False)
+    rows = int(cu[-1])
+    assert torch.equal(g[:rows], g_ref[:rows]) and torch.equal(u[:rows], u_ref[:rows])
+    y_ref = gm.grouped_mm(swiglu(g, u), w2, torch.zeros_like(w2), cu, zero_tail=False)
+    assert torch.equal(y[:rows], y_ref[:rows])
+    dh, d1, d3, d2 = out["b"]
+    da = gm.grouped_mm_dgrad(dy, w2, torch.zeros_like(w2), cu, zero_tail=False)
+    dg, du, a = swiglu_backward(g, u, da)
+    dh_ref = gm.grouped_mm_dgrad(dg, w1, zs, cu) + gm.grouped_mm_dgrad(du, w3, zs, cu)
+    assert torch.equal(dh, dh_ref)
+    d2_ref, _ = gm.grouped_mm_wgrad(dy, a, cu, w2.shape[0], out_dtype=w2.dtype)
+    assert torch.equal(d2, d2_ref)
+    buf.destroy()
+
+
+def test_moe_experts_checks_etc_values_before_staging():
+    buf, pool, h, cu, etc, w1, w3, w2 = _expert_case()
+    bad = etc.clone()
+    bad[0, 0] = 99                                          # expert id >= E
+    before = [t.clone() for t in pool.slot_weights()]
+    with pytest.raises(ValueError, match="experts_to_copy values"):
+        torch.ops.moonep.moe_experts(h, cu, bad, w1, w3, w2, pool.name)
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.slot_weights()))
+    buf.destroy()
+
+
+def test_gemm_call_constants_follow_env_and_clear(monkeypatch):
+    monkeypatch.setattr(gm, "_workspace_bytes", lambda kid, G, sm: 4096 + G)   # no library here
+    for v in ("MOONEP_GEMM_FAMILY", "MOONEP_GEMM_CANDIDATES"):
+        monkeypatch.delenv(v, raising=False)
+    gm.clear_plan_cache()
+    kid, table, mask, nbytes = gm._call_constants("fwd", 8192, 32, 768, 2048, 132)
+    assert (kid, nbytes) == (0, 4096 + 32)
+    assert mask == gm.candidate_mask("fwd", 8192, 32, 768, 2048, 132)
+    assert list(table) == pytest.approx(gm.gemm_cost_model.tuning_table(
+        "fwd", gm.gemm_cost_model.tie_tolerance("fwd", 8192, 32)))
+    assert gm._call_constants("fwd", 8192, 32, 768, 2048, 132)[1] is table     # built once
+    monkeypatch.setenv("MOONEP_GEMM_FAMILY", "moonep")
+    m2 = gm._call_constants("fwd", 8192, 32, 768, 2048, 132)[2]
+    assert m2 == gm.candidate_mask("fwd", 8192, 32)
+    monkeypatch.setenv("MOONEP_GEMM_FAMILY", "bogus")
+    with pytest.raises(ValueError, match="MOONEP_GEMM_FAMILY"):
+        gm._call_constants("fwd", 8192, 32, 768, 2048, 132)
+    monkeypatch.delenv("MOONEP_GEMM_FAMILY")
+    assert gm._CALLS
+    gm.clear_plan_cache()
+    assert not gm._CALLS and not gm._tables
+
+
+def test_device_planner_size_checks_raise_every_time():
+    args = (2, 8, 16, 2, 4, 64, 0, 16)                      # R E S K tp NvS rank s
+    geo = planner._geometry(*args)
+    assert planner._geometry(*args) is geo                  # validated once per shape
+    for _ in range(2):
+        with pytest.raises(ValueError, match="NvS"):
+            planner._geometry(2, 8, 16, 2, 4, 1, 0, 16)     # NvS too small
+        with pytest.raises(TypeError):
+            planner._geometry(2, 8, 16, True, 4, 64, 0, 16)  # a bool K (True == 1 as a key)
+    planner._geometry(2, 8, 16, 1, 4, 64, 0, 16)
+    with pytest.raises(TypeError):
+        planner._geometry(2, 8, 16, True, 4, 64, 0, 16)
