@@ -39,6 +39,7 @@ from ..buffer import Buffer
 from ..geometry import slack_to_ppm
 from ..ops import moe_experts as _moe_experts  # noqa: F401  (registers moonep::moe_experts)
 from ..ops import moe_experts_fp8 as _moe_experts_fp8  # noqa: F401  (moonep::moe_experts_fp8)
+from ..ops.fp8_weight_cache import FP8WeightCache
 from ..ops.grouped_mm_fp8 import ALIGN as FP8_ALIGN
 from ..ops.moe_experts import PRECISIONS
 from ..planner import POLICIES
@@ -65,7 +66,8 @@ def check_precision(precision: str, pow2_scales: bool, dtype: torch.dtype, D: in
 
 def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_sK: Tensor,
                    w1: Tensor, w3: Tensor, w2: Tensor, *, precision: str = "bf16",
-                   pow2_scales: bool = False, total_num_tokens: Optional[int] = None) -> Tensor:
+                   pow2_scales: bool = False, total_num_tokens: Optional[int] = None,
+                   weight_cache: str = "", fp8_wgrad: bool = False) -> Tensor:
     """dispatch -> routed SwiGLU experts -> route weights -> combine, in one precision:
     ``[s, D]``, differentiable in x, the route weights and the experts.
 
@@ -78,7 +80,8 @@ def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_
                                                 pow2_scales=pow2_scales)
         z, _, _, _ = torch.ops.moonep.moe_experts_fp8(h, hs, w_M, cu, plan.experts_to_copy, w1,
                                                       w3, w2, pool_name, x_sD, w_sK, plan.dst,
-                                                      plan.total_num_tokens, pow2_scales)
+                                                      plan.total_num_tokens, pow2_scales,
+                                                      weight_cache, fp8_wgrad)
     else:
         h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
         y, _, _ = torch.ops.moonep.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2,
@@ -143,6 +146,14 @@ class MoEArgs:
       GEMMs and their dgrads in FP8 with fp32 accumulation and bf16 outputs, weight grads in
       bf16, combine in bf16 with fp32 accumulation.  Needs a bf16 layer with D and F multiples
       of 16.  fp8_pow2_scales: round every scale up to a power of two.
+      fp8_weight_cache (fp8 only, default True): keep the home experts' e4m3 weights of both
+      layouts in an FP8WeightCache (``layer.fp8_cache``; the size of the bf16 experts), re-
+      quantised only when the parameters change (their version counters), so micro-batches
+      between optimizer steps quantise no weight (moonep_ops/ops/fp8_weight_cache.py: under
+      CUDA-graph capture, ``attach_fp8_weight_caches(model, optimizer)`` or
+      ``layer.refresh_fp8_weights()`` after the update keep the captured graph reading it).
+      fp8_wgrad (fp8 only, default True): the three weight grads in FP8 too, both operands
+      quantised per 1 x 128 tile along each expert's tokens (DeepSeek-V3's Wgrad), bf16 out.
     """
 
     num_experts: int = 8
@@ -171,6 +182,8 @@ class MoEArgs:
     side_stream: bool = True
     precision: str = "bf16"
     fp8_pow2_scales: bool = False
+    fp8_weight_cache: bool = True
+    fp8_wgrad: bool = True
 
     def router_kwargs(self) -> dict:
         names = ("score_func", "topk_before_score", "route_norm", "route_norm_eps", "route_scale",
@@ -240,8 +253,13 @@ class MoonEPMoE(nn.Module):
                 self.shared_gate = nn.Linear(dim, 1, bias=False, dtype=dtype, device=device)
         elif args.shared_gate:
             raise ValueError("shared_gate needs num_shared_experts >= 1")
+        for name in ("fp8_weight_cache", "fp8_wgrad"):
+            if not isinstance(getattr(args, name), bool):
+                raise TypeError(f"MoEArgs.{name} must be a bool, got "
+                                f"{type(getattr(args, name)).__name__}")
         # EP state, set by bind (plain attributes, not submodules: traced through, not lifted)
         self.buffer: Optional[Buffer] = None
+        self.fp8_cache: Optional[FP8WeightCache] = None   # bind: precision "fp8" with the cache
         self.expert_offset = 0          # global id of this rank's first home expert
         self._side = None
         self.last_logits: Optional[Tensor] = None
@@ -390,6 +408,11 @@ class MoonEPMoE(nn.Module):
         if isinstance(self.router, Router) and self.router.balance_group is None:
             self.router.balance_group = buffer.group
         self.pool_name = pool.name
+        if a.precision == "fp8" and a.fp8_weight_cache:
+            # a submodule of non-persistent buffers: moves with the layer, never in state_dict
+            self.fp8_cache = FP8WeightCache(B, self.hidden_dim, self.dim,
+                                            pow2_scales=a.fp8_pow2_scales, device=dev)
+            self.fp8_cache.bind(self.w1, self.w3, self.w2)
         self.buffer, self.expert_offset = buffer, r * B
         self._side = (torch.cuda.Stream(device=dev) if self.args.side_stream and dev.type == "cuda"
                       and self.shared is not None else None)
@@ -435,7 +458,9 @@ class MoonEPMoE(nn.Module):
         out = routed_experts(buf, self.pool_name, x_sD, ids_sK, w_sK, self.w1, self.w3, self.w2,
                              precision=self.args.precision,
                              pow2_scales=self.args.fp8_pow2_scales,
-                             total_num_tokens=total_num_tokens)
+                             total_num_tokens=total_num_tokens,
+                             weight_cache=self.fp8_cache.name if self.fp8_cache is not None else "",
+                             fp8_wgrad=self.args.precision == "fp8" and self.args.fp8_wgrad)
         if self.shared is not None:
             if side is not None:
                 main.wait_stream(side)
@@ -452,6 +477,17 @@ class MoonEPMoE(nn.Module):
         return out
 
     # -- training-step hooks --------------------------------------------------------------------
+    def refresh_fp8_weights(self) -> None:
+        """Re-quantise the FP8 weight cache now (after a parameter update; a no-op without a
+        cache).  Eagerly this only saves the next forward the work; inside a compiled or
+        captured step, after the update, it is the step refresh that CUDA-graph replays rely on
+        (the cache is then told so: ``refresh_by_step``)."""
+        if self.fp8_cache is not None:
+            if not torch.compiler.is_compiling():
+                self.fp8_cache.refresh_by_step(True)
+            with torch.no_grad():
+                self.fp8_cache.refresh(self.w1, self.w3, self.w2)
+
     @torch.no_grad()
     def update_balance(self) -> None:
         """Quantile-Balancing step of the built-in router from the last forward's logits (after
@@ -478,6 +514,13 @@ class MoonEPMoE(nn.Module):
 
 def moe_layers(model: nn.Module) -> Iterable[MoonEPMoE]:
     return (m for m in model.modules() if isinstance(m, MoonEPMoE))
+
+
+def attach_fp8_weight_caches(model: nn.Module, optimizer: torch.optim.Optimizer) -> list:
+    """Refresh every bound FP8 layer's weight cache after each ``optimizer.step()`` (a step
+    post-hook per layer; CUDA-graph captures then read the caches).  Returns the hooks' handles."""
+    return [layer.fp8_cache.attach(optimizer, layer.w1, layer.w3, layer.w2)
+            for layer in moe_layers(model) if layer.fp8_cache is not None]
 
 
 def bind_moe(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
@@ -507,4 +550,4 @@ def bind_moe(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
 
 
 __all__ = ["MoEArgs", "MoonEPMoE", "SwiGLU", "bind_moe", "moe_layers", "check_backend_dims",
-           "check_precision", "routed_experts"]
+           "check_precision", "routed_experts", "attach_fp8_weight_caches"]
