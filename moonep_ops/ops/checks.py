@@ -91,8 +91,7 @@ def _hits(t: Tensor, lo: int, hi: int) -> bool:
 
 def _extent(t):
     """(storage address, lo, hi) of t: the bytes [lo, hi) of its storage it may touch; None
-    when t has no storage (not a tensor, empty, meta, fake).  Computed once per tensor of a
-    call, so that the pairwise comparisons are integer compares."""
+    when t has no storage (not a tensor, empty, meta, fake)."""
     if not _has_storage(t):
         return None
     lo, hi = _span(t)
@@ -132,22 +131,38 @@ def overlaps(a: Tensor, b: Tensor) -> bool:
     return ea is not None and eb is not None and _extents_overlap(a, b, ea, eb)
 
 
+def _stored(pairs: Named) -> list:
+    """[(name, tensor, storage address)] of the pairs whose tensor has storage."""
+    return [(n, t, t.untyped_storage().data_ptr()) for n, t in pairs if _has_storage(t)]
+
+
 def check_no_overlap(op: str, written: Named, read: Named = ()) -> None:
     """Raise ValueError when two written tensors, or a written and a read tensor, share memory.
 
     ``written`` / ``read``: (argument name, tensor or None) pairs; None and non-tensors are
-    skipped (the ops' type checks report those)."""
-    w = [(n, t, e) for n, t in written if (e := _extent(t)) is not None]
+    skipped (the ops' type checks report those).  Tensors of different storages never share a
+    byte, so only pairs in one storage get their byte ranges compared (an op's arguments are
+    nearly always in storages of their own: one address read per tensor is the usual cost)."""
+    w = _stored(written)
     if not w:
         return
-    r = [(n, t, e) for n, t in read if (e := _extent(t)) is not None]
-    for i, (na, a, ea) in enumerate(w):
-        for nb, b, eb in w[i + 1:]:
-            if _extents_overlap(a, b, ea, eb):
+    ptrs = {p for _, _, p in w}
+    r = [x for x in _stored(read) if x[2] in ptrs]
+    ext = {}
+
+    def hit(a, b) -> bool:
+        for t in (a, b):
+            if id(t) not in ext:
+                ext[id(t)] = _extent(t)
+        return _extents_overlap(a, b, ext[id(a)], ext[id(b)])
+
+    for i, (na, a, pa) in enumerate(w):
+        for nb, b, pb in w[i + 1:]:
+            if pa == pb and hit(a, b):
                 raise ValueError(f"{op}: {na} and {nb} overlap in memory; the op writes {na} and "
                                  f"{nb}, so each must have memory of its own")
-        for nb, b, eb in r:
-            if _extents_overlap(a, b, ea, eb):
+        for nb, b, pb in r:
+            if pa == pb and hit(a, b):
                 raise ValueError(f"{op}: {na} (written) and {nb} (read) overlap in memory; "
                                  f"writing {na} would change {nb} while the op reads it")
 
