@@ -27,6 +27,8 @@ groups are never rewritten.
 from __future__ import annotations
 
 import torch
+from torch.autograd import _profiler_enabled
+from torch.autograd.profiler import record_function
 from torch import Tensor
 
 from .. import registry
@@ -116,12 +118,22 @@ def _backend(pool: ExpertPool) -> Backend:
     return registry.lookup(pool.backend_name, Backend)
 
 
+def _call(name: str, fn, *args):
+    """``fn(*args)``, one of the bodies the expert ops call directly; while a profiler runs, in a
+    range named like the op it used to be called through (``moonep::grouped_mm``, ...), so
+    profiles still show the phases.  One C call otherwise."""
+    if _profiler_enabled():
+        with record_function(name):
+            return fn(*args)
+    return fn(*args)
+
+
 def _prefetch(pool: ExpertPool, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> None:
     """moonep::prefetch_weight's body, called directly: _check_expert_args made every check of
     that op (shapes, dtypes, devices, contiguity, experts_to_copy's values, the pool's slots
     against every input), so the nested dispatcher call and its checks are skipped."""
-    _backend(pool).prefetch_weight(etc, [w1.detach(), w3.detach(), w2.detach()],
-                                   [pool.w1, pool.w3, pool.w2])
+    _call("moonep::prefetch_weight", _backend(pool).prefetch_weight, etc,
+          [w1.detach(), w3.detach(), w2.detach()], [pool.w1, pool.w3, pool.w2])
 
 
 def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
@@ -212,9 +224,11 @@ def _moe_experts(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Ten
     # GEMMs and their backward read group rows only), so g, u, y leave them unwritten.  The
     # GEMMs and the SwiGLU run without their ops' checks: the arguments were checked above,
     # and g, u, a are made here with the shapes the next call needs.
-    g = _gm.run_fwd(h, w1, p.w1, cu_seqlens, -1, False)
-    u = _gm.run_fwd(h, w3, p.w3, cu_seqlens, -1, False)
-    return _gm.run_fwd(run_swiglu(g, u), w2, p.w2, cu_seqlens, -1, False), g, u
+    mm = "moonep::grouped_mm"
+    g = _call(mm, _gm.run_fwd, h, w1, p.w1, cu_seqlens, -1, False)
+    u = _call(mm, _gm.run_fwd, h, w3, p.w3, cu_seqlens, -1, False)
+    a = _call("moonep::swiglu", run_swiglu, g, u)
+    return _call(mm, _gm.run_fwd, a, w2, p.w2, cu_seqlens, -1, False), g, u
 
 
 @_moe_experts.register_fake
@@ -239,22 +253,25 @@ def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlen
     dy = dy.contiguous()
     # The GEMMs, the SwiGLU backward and reduce_grad run without their ops' checks (made above
     # for the inputs; the intermediates and grads are made here, in the shapes the calls need).
-    da = _gm.run_dgrad(dy, w2, p.w2, cu, -1, False)   # tail unread
-    dg, du, a = run_swiglu_backward(g, u, da)
+    dgrad, wgrad = "moonep::grouped_mm_dgrad", "moonep::grouped_mm_wgrad_into"
+    da = _call(dgrad, _gm.run_dgrad, dy, w2, p.w2, cu, -1, False)   # tail unread
+    dg, du, a = _call("moonep::swiglu_backward", run_swiglu_backward, g, u, da)
     # One bf16 add (fp32 math, one rounding) of the two dgrads.  dh is h's gradient, zero past
     # the last group (its true value), so these two keep the zero tail.
-    dh = _gm.run_dgrad(dg, w1, p.w1, cu) + _gm.run_dgrad(du, w3, p.w3, cu)
+    dh = _call(dgrad, _gm.run_dgrad, dg, w1, p.w1, cu) + _call(dgrad, _gm.run_dgrad, du, w3,
+                                                               p.w3, cu)
     # Weight grads written once in the weights' dtype (fp32 accumulation inside the GEMM); slot
     # grads land in the shared pool, whose slots are zero outside a backward (reduce_grad
     # re-zeroes what it consumes), so empty slot groups are not rewritten.  d1, d3, d2 are
     # fresh, and the pool's grads were checked against every input: no written tensor of the
     # wgrads or of reduce_grad can overlap another argument.
     d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
-    _gm.run_wgrad_into(dg, h, cu, d1, p.g1)
-    _gm.run_wgrad_into(du, h, cu, d3, p.g3)
-    _gm.run_wgrad_into(dy, a, cu, d2, p.g2)
+    _call(wgrad, _gm.run_wgrad_into, dg, h, cu, d1, p.g1)
+    _call(wgrad, _gm.run_wgrad_into, du, h, cu, d3, p.g3)
+    _call(wgrad, _gm.run_wgrad_into, dy, a, cu, d2, p.g2)
     if d1.dtype in _ew.GRAD_DTYPES:
-        _backend(p).reduce_grad(experts_to_copy, [d1, d3, d2], [p.g1, p.g3, p.g2])
+        _call("moonep::reduce_grad", _backend(p).reduce_grad, experts_to_copy, [d1, d3, d2],
+              [p.g1, p.g3, p.g2])
     else:       # the op raises its dtype error, reaching the peers (checks.reject_call)
         torch.ops.moonep.reduce_grad(experts_to_copy, [d1, d3, d2], [p.g1, p.g3, p.g2],
                                      p.backend_name)
