@@ -295,9 +295,9 @@ class MoonEPRoutedExperts(RoutedExperts):
 
     def forward(self, x_BLD: Tensor, topk_scores_BLK: Tensor, topk_expert_ids_BLK: Tensor,
                 num_local_tokens_per_expert_E: Tensor) -> Tensor:
-        """Same contract as ``RoutedExperts.forward``: ``[B, L, D]`` out, the routed experts'
-        weighted sum per token.  ``num_local_tokens_per_expert_E`` is unused under MoonEP (the
-        Buffer exchanges its own histograms)."""
+        """Same contract as ``RoutedExperts.forward``: ``[batch, seqlen, D]`` out, the routed
+        experts' weighted sum per token.  ``num_local_tokens_per_expert_E`` is unused under MoonEP
+        (the Buffer exchanges its own histograms)."""
         if self.moonep_buffer is None:
             if self.ep_group is None:            # EP = 1 and unbound: torchtitan's local path
                 return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK,
