@@ -1,4 +1,4 @@
-"""The FP8 expert op with the weight cache and the FP8 wgrad (issue 53), on real gloo ranks (CPU
+"""The FP8 expert op with the weight cache and the FP8 wgrad, on real gloo ranks (CPU
 reference kernels):
 
   * with an FP8WeightCache, moe_experts_fp8 and its backward give bitwise the results of the op
@@ -149,5 +149,68 @@ def test_cache_argument_errors():
         with pytest.raises(ValueError, match="no live"):
             torch.ops.moonep.moe_experts_fp8(*args, "moonep_fp8cache_nope", False)
         assert m8  # the module is importable beside the ops
+    finally:
+        buf.destroy()
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer: MoEArgs(precision="fp8") uses both, by default
+# ---------------------------------------------------------------------------------------------
+
+def _train(cache: bool, attach: bool = False, steps=3, micro=2):
+    from moonep_ops.nn.moe import attach_fp8_weight_caches
+    buf = Buffer(S, D, K, E, token_padding=TP, dtype=BF16)
+    try:
+        layer = make_layer(buf, "fp8", fp8_weight_cache=cache)
+        opt = torch.optim.AdamW([layer.w1, layer.w3, layer.w2], lr=1e-2)
+        if attach:
+            attach_fp8_weight_caches(layer, opt)
+        out = []
+        for step in range(steps):
+            for mb in range(micro):
+                x, gy = tokens(0, S, seed=10 * step + mb)
+                y = layer(x)
+                (y.float() * gy).sum().backward()
+                out.append(y.detach())
+            out += [layer.w1.grad.clone(), layer.w2.grad.clone()]
+            opt.step()
+            opt.zero_grad()
+        return out, layer.fp8_cache
+    finally:
+        buf.destroy()
+
+
+def test_layer_defaults_and_training_never_reads_a_stale_weight():
+    from moonep_ops.nn.moe import MoEArgs
+    assert MoEArgs().fp8_weight_cache and MoEArgs().fp8_wgrad
+    ref, none = _train(cache=False)
+    assert none is None
+    got, cache = _train(cache=True)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)              # every step's outputs and grads: bitwise
+    assert cache.refreshes == {"fwd": 3, "bwd": 3}   # once per step, not per micro-batch
+    got2, cache2 = _train(cache=True, attach=True)
+    for a, b in zip(got2, ref):
+        assert torch.equal(a, b)
+    # the first micro-batch computed it, the post-hook refreshed it after each of the 3 steps,
+    # and no forward or backward recomputed it
+    assert cache2.refreshes == {"fwd": 4, "bwd": 4}
+
+
+def test_layer_cache_is_state_free_and_checked():
+    from moonep_ops.nn.moe import MoEArgs, MoonEPMoE
+    buf = Buffer(S, D, K, E, token_padding=TP, dtype=BF16)
+    try:
+        layer = make_layer(buf, "fp8")
+        assert isinstance(layer.fp8_cache, FP8WeightCache)
+        assert not [k for k in layer.state_dict() if "fp8_cache" in k]
+        assert layer.fp8_cache.nbytes() == sum(b.numel() * b.element_size()
+                                               for n, b in layer.named_buffers()
+                                               if n.startswith("fp8_cache."))
+        assert make_layer(buf, "bf16").fp8_cache is None
+        layer.refresh_fp8_weights()
+        assert layer.fp8_cache.is_fresh(layer.w1, layer.w3, layer.w2, transpose=True)
+        with pytest.raises(TypeError, match="fp8_wgrad"):
+            MoonEPMoE(MoEArgs(num_experts=E, top_k=K, fp8_wgrad=1), D, F, dtype=BF16)
     finally:
         buf.destroy()

@@ -1,4 +1,4 @@
-"""The FP8 weight gradient on CPU (issue 53): the token-major quantisers
+"""The FP8 weight gradient on CPU: the token-major quantisers
 (moonep_ops/ops/quantize_fp8_tokens.py), moonep::grouped_mm_fp8_wgrad(_into)
 (moonep_ops/ops/grouped_mm_fp8_wgrad.py), its cost model's host mirror
 (moonep_ops/gemm/fp8_wgrad_cost.py) against the kernel source, and the ABI gate in native.py.
