@@ -215,7 +215,10 @@ def _pdl_flag() -> int:
 
 
 def _launch(dyT, dys, xT, xs, cu, grad_local, grad_slot, keep_empty_slots: bool,
-            config=None) -> None:
+            config=None, pdl: bool | None = None) -> Tensor:
+    """One call on the current stream; returns the workspace (its first int32: the config
+    that ran, written on the device).  ``config``: None (MOONEP_GEMM_FP8_WGRAD_CONFIG, else
+    the device's choice), a name or an index; ``pdl``: None (MOONEP_GEMM_PDL) or forced."""
     lib = native.require_gemm_fp8_wgrad()
     env = os.environ.get("MOONEP_GEMM_FP8_WGRAD_CONFIG") or None
     cfg = fp8_wgrad_cost.config_index(env if config is None else config)
@@ -226,7 +229,8 @@ def _launch(dyT, dys, xT, xs, cu, grad_local, grad_slot, keep_empty_slots: bool,
     sms = sm_count(dev)
     nbytes = _workspace_bytes(G, sms)
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    flags = _pdl_flag() | (_KEEP_EMPTY_SLOTS if keep_empty_slots else 0)
+    flags = (_pdl_flag() if pdl is None else (_PDL if pdl else 0)) | \
+        (_KEEP_EMPTY_SLOTS if keep_empty_slots else 0)
     stream = torch.cuda.current_stream(dev).cuda_stream
     with torch.cuda.device(dev):
         rc = lib.grouped_gemm_fp8_wgrad(dyT.data_ptr(), dys.data_ptr(), xT.data_ptr(),
@@ -235,6 +239,7 @@ def _launch(dyT, dys, xT, xs, cu, grad_local, grad_slot, keep_empty_slots: bool,
                                         cfg, _tuning_table(), flags, workspace.data_ptr(),
                                         nbytes, sms, stream)
     native.gemm_check(rc, "moonep FP8 wgrad grouped GEMM")
+    return workspace
 
 
 # --------------------------------------------------------------------------------------------
