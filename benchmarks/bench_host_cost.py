@@ -17,9 +17,12 @@ measured in alternating rounds with its torch counterpart (median over --rounds)
              calls; torch's own CUTLASS kernels and its C++ dispatch);
      op      torch.ops.moonep.grouped_mm / _dgrad / _wgrad_into (what moonep::moe_experts calls);
      api     the public Python functions of moonep_ops.ops.grouped_mm;
+     body    the op's body without the custom-op dispatch and the checks (run_fwd, ...: what
+             moonep::moe_experts calls; packages that have it);
      native  the library's launch alone: libmoonep_gemm.so's moonep_grouped_gemm through ctypes
              with every argument prepared (prep kernel + fused GEMM launch, the C++ host
-             work; CUDA with the library only);
+             work; CUDA with the library only), beside the cost of a ctypes call of a trivial
+             export of the same library (the floor: native - floor is the launcher's own work);
    target: op <= 1.5 x torch.
 2. The layer's ops at one layer shape (R = 1, the CUDA symmetric-memory backend): router,
    dispatch, moe_experts forward and backward, combine, swiglu, prefetch / reduce, beside the
@@ -185,21 +188,25 @@ def gemm_rows(shapes, dev, calls, rounds) -> list[dict]:
         out_f = torch.empty(M, F, device=dev, dtype=bf)
         out_d = torch.empty(M, D, device=dev, dtype=bf)
         tail = gm.tail_flags(False)
+        body = {k: getattr(gm, f"run_{k}", None) for k in ("fwd", "dgrad", "wgrad_into")}
         cases = {
             "fwd": dict(
                 torch=lambda: torch._grouped_mm(x, w_all.transpose(-2, -1), offs=cu),
                 op=lambda: torch.ops.moonep.grouped_mm(x, wl, ws, cu, -1, False),
                 api=lambda: gm.grouped_mm(x, wl, ws, cu, zero_tail=False),
+                body=body["fwd"] and (lambda: body["fwd"](x, wl, ws, cu, -1, False)),
                 native=native_launcher("fwd", x, wl, ws, out_f, None, cu, epn, M, F, D, tail)),
             "dgrad": dict(
                 torch=lambda: torch._grouped_mm(dy, w_all, offs=cu),
                 op=lambda: torch.ops.moonep.grouped_mm_dgrad(dy, wl, ws, cu, -1, False),
                 api=lambda: gm.grouped_mm_dgrad(dy, wl, ws, cu, zero_tail=False),
+                body=body["dgrad"] and (lambda: body["dgrad"](dy, wl, ws, cu, -1, False)),
                 native=native_launcher("dgrad", dy, wl, ws, out_d, None, cu, epn, M, F, D, tail)),
             "wgrad": dict(
                 torch=lambda: torch._grouped_mm(dy.t(), x, offs=cu),
                 op=lambda: torch.ops.moonep.grouped_mm_wgrad_into(dy, x, cu, gl, gs, -1),
                 api=lambda: gm.grouped_mm_wgrad_into(dy, x, cu, gl, gs),
+                body=body["wgrad_into"] and (lambda: body["wgrad_into"](dy, x, cu, gl, gs)),
                 native=native_launcher("wgrad_lp", dy, x, None, gl, gs, cu, epn, M, F, D, 1)),
         }
         for kind, fns in cases.items():
@@ -214,13 +221,40 @@ def gemm_rows(shapes, dev, calls, rounds) -> list[dict]:
     return rows
 
 
+def ctypes_floor(dev, rounds) -> float | None:
+    """us of host time of a ctypes call of a trivial export of the GEMM library (None without
+    it): the cost of crossing into the library at all."""
+    lib = native.gemm()
+    if lib is None or dev.type != "cuda":
+        return None
+    sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    fn = lib.gemm_workspace_bytes
+    return compare({"floor": lambda: fn(0, 16, sm)}, 200, rounds, dev)["floor"]
+
+
+def gemm_call(shape, dev):
+    """A zero-argument forward op call at ``shape`` (the section's first), for the profile."""
+    D, F, G, M = shape
+    epn = G // 2
+    bf = torch.bfloat16
+    cu = torch.tensor(_counts(M, G, torch.Generator().manual_seed(0)),
+                      dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+    x = torch.randn(M, D, device=dev, dtype=bf)
+    wl = torch.randn(epn, F, D, device=dev, dtype=bf)
+    ws = torch.randn(epn, F, D, device=dev, dtype=bf)
+
+    def call():
+        torch.ops.moonep.grouped_mm(x, wl, ws, cu, -1, False)
+    return call
+
+
 def gemm_table(rows) -> list[str]:
     out = ["", "### 1. Grouped GEMMs: host us per call", "",
            "One call on an idle GPU (median); the last two columns: n calls back to back, "
            "unsynchronised (a full launch queue can block the host there).",
-           "", "| D | F | G | M | dir | torch | op | api | native | op / torch | api / torch | "
-           "target (api) | torch, stream | op, stream |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "", "| D | F | G | M | dir | torch | op | api | body | native | op / torch | "
+           "api / torch | target (api) | torch, stream | op, stream |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     missed = []
     for r in rows:
         ratio, api = r["op"] / r["torch"], r["api"] / r["torch"]
@@ -229,7 +263,8 @@ def gemm_table(rows) -> list[str]:
             missed.append(f"D={r['D']} G={r['G']} M={r['M']} {r['kind']} {api:.2f}")
         out.append(f"| {r['D']} | {r['F']} | {r['G']} | {r['M']} | {r['kind']} | "
                    f"{_fmt(r['torch'])} | {_fmt(r['op'])} | {_fmt(r['api'])} | "
-                   f"{_fmt(r['native'])} | {ratio:.2f} | {api:.2f} | <= {GEMM_TARGET} "
+                   f"{_fmt(r.get('body'))} | {_fmt(r['native'])} | {ratio:.2f} | {api:.2f} | "
+                   f"<= {GEMM_TARGET} "
                    f"{'met' if ok else 'MISSED'} | {_fmt(r['torch_stream'])} | "
                    f"{_fmt(r['op_stream'])} |")
     out += ["", "GEMM host-cost target (api <= 1.5 x torch): "
@@ -378,11 +413,13 @@ _GROUPS = [("moonep_ops/ops/", "moonep_ops.ops (op bodies, checks, launches)"),
            ("torch/", "torch (other Python)")]
 
 
-def profile(step, n: int) -> tuple[list[str], list[str]]:
-    """cProfile of n eager steps: top functions by self time, and self time per package (us
-    per step; cProfile roughly doubles Python's own cost, so read the shares).  A C function
-    called from Python (a torch op's C++ dispatch and kernel launch) appears as a built-in;
-    a ctypes call's C++ host time counts in its caller's self time."""
+def profile(step, n: int, title: str, per: str = "step", top_n: int = 30
+            ) -> tuple[list[str], list[str]]:
+    """cProfile of n calls of ``step``: self time per package (the summary) and the top
+    functions by self and by cumulative time (the detail), in us per call (cProfile roughly
+    doubles Python's own cost, so read the shares).  A C function called from Python (a torch
+    op's C++ dispatch and kernel launch) appears as a built-in; a ctypes call's C++ host time
+    counts in its caller's self time."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):
@@ -396,8 +433,7 @@ def profile(step, n: int) -> tuple[list[str], list[str]]:
         label = "C / built-in calls (torch kernels' C++ host, ctypes, ...)" if fname == "~" \
             else next((lab for key, lab in _GROUPS if key in f), "other Python")
         groups[label] = groups.get(label, 0.0) + tt
-    out = ["", f"### 3b. Where the host time of our eager step goes (cProfile, {n} steps)", "",
-           "| group | us / step | share |", "|---|---|---|"]
+    out = ["", title, "", f"| group | us / {per} | share |", "|---|---|---|"]
     for lab, tt in sorted(groups.items(), key=lambda kv: -kv[1]):
         out.append(f"| {lab} | {tt * 1e6 / n:.0f} | {tt / total:.0%} |")
     def short(key):
@@ -409,18 +445,19 @@ def profile(step, n: int) -> tuple[list[str], list[str]]:
                 break
         return func if fname == "~" else f"{f}:{line}({func})"
 
-    def top(sort_key, keep, title):
+    def top(sort_key, keep, head):
         items = [(k, v) for k, v in st.stats.items() if keep(k)]
         items.sort(key=lambda kv: -kv[1][sort_key])
-        rows = ["", title, "",
-                "| function | calls / step | self us / step | cumulative us / step |",
+        rows = ["", head, "",
+                f"| function | calls / {per} | self us / {per} | cumulative us / {per} |",
                 "|---|---|---|---|"]
-        for k, (cc, nc, tt, ct, _) in items[:30]:
-            rows.append(f"| {short(k)} | {nc / n:g} | {tt * 1e6 / n:.0f} | {ct * 1e6 / n:.0f} |")
+        for k, (cc, nc, tt, ct, _) in items[:top_n]:
+            rows.append(f"| {short(k)} | {nc / n:g} | {tt * 1e6 / n:.1f} | {ct * 1e6 / n:.1f} |")
         return rows
 
-    detail = top(2, lambda k: True, "Top 30 functions by self time:")
-    detail += top(3, lambda k: "moonep_ops" in k[0], "moonep_ops functions by cumulative time:")
+    detail = top(2, lambda k: True, f"{title}: top {top_n} functions by self time")
+    detail += top(3, lambda k: "moonep_ops" in k[0],
+                  f"{title}: moonep_ops functions by cumulative time")
     return out, detail
 
 
@@ -461,9 +498,23 @@ def main(argv=None) -> int:
     doc = dict(device=name, torch=torch.__version__, package=pkg)
     if "gemm" in sections:
         try:
-            rows = gemm_rows(TINY_GEMM if a.tiny else GEMM_SHAPES, dev, a.calls, a.rounds)
+            shapes = TINY_GEMM if a.tiny else GEMM_SHAPES
+            rows = gemm_rows(shapes, dev, a.calls, a.rounds)
             doc["gemm"] = rows
             lines += gemm_table(rows)
+            floor = ctypes_floor(dev, a.rounds)
+            if floor is not None:
+                doc["ctypes_floor_us"] = floor
+                lines += ["", f"A ctypes call of a trivial export of libmoonep_gemm.so "
+                          f"(moonep_gemm_workspace_bytes, 3 ints): {floor:.1f} us; native minus "
+                          "that is the launcher's own C++ host work (prep kernel, CUTLASS "
+                          "arguments of the family's configs, two launches)."]
+            summary, detail = profile(gemm_call(shapes[0], dev), 200,
+                                      "### 1b. Where the host time of one grouped_mm op call "
+                                      f"goes (cProfile, 200 calls, D, F, G, M = {shapes[0]})",
+                                      per="call", top_n=15)
+            lines += summary
+            details += detail
         except Exception as e:                             # noqa: BLE001
             traceback.print_exc()
             errors.append(f"gemm: {type(e).__name__}: {e}")
@@ -486,7 +537,9 @@ def main(argv=None) -> int:
                       "| layer | host ms / step |", "|---|---|",
                       f"| titan-style | {h['titan']:.3f} |", f"| ours | {h['ours']:.3f} |",
                       f"| ours / titan | {h['ours'] / h['titan']:.2f} |"]
-            summary, detail = profile(st["step"], a.profile_steps)
+            summary, detail = profile(
+                st["step"], a.profile_steps, "### 3b. Where the host time of our eager step goes "
+                f"(cProfile, {a.profile_steps} steps)")
             lines += summary
             details += detail
         except Exception as e:                             # noqa: BLE001

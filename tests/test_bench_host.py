@@ -23,12 +23,14 @@ def test_host_cost_tiny_runs(tmp_path):
                                  "--steps", "1", "--profile-steps", "1",
                                  "--out", str(tmp_path)]) == 0
     md = (tmp_path / "host_cost.md").read_text()
-    for section in ("### 1. Grouped GEMMs", "### 2. The layer's ops", "### 3a. One eager",
-                    "### 3b. Where the host time", "Top 30 functions by self time"):
+    for section in ("### 1. Grouped GEMMs", "### 1b. Where the host time of one grouped_mm",
+                    "### 2. The layer's ops", "### 3a. One eager", "### 3b. Where the host time",
+                    "top 30 functions by self time"):
         assert section in md, section
     doc = json.loads((tmp_path / "host_cost.json").read_text())
     assert {r["kind"] for r in doc["gemm"]} == {"fwd", "dgrad", "wgrad"}
-    assert all(r["torch"] > 0 and r["op"] > 0 and r["api"] > 0 for r in doc["gemm"])
+    assert all(r["torch"] > 0 and r["op"] > 0 and r["api"] > 0 and r["body"] > 0
+               for r in doc["gemm"])
     assert all(r["native"] is None for r in doc["gemm"])      # no library on CPU
     ops = {row[0]: row for row in doc["layer"]["rows"]}
     assert not [r for r in ops.values() if "FAILED" in r[3]]
@@ -68,6 +70,15 @@ def test_titan_style_layer_is_the_same_layer():
     gy = torch.randn(48, 32)
     (titan(x).float() * gy).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in titan.parameters())
+    for p in titan.parameters():
+        p.grad = None
+    gy = torch.randn(48, 32)
+    bench_layer_r1.check_same(ours, titan, x, gy)          # forward and backward agree
+    assert all(p.grad is None for m in (ours, titan) for p in m.parameters())
+    h = titan.w2.register_hook(lambda g: 2 * g)             # a wrong grad of one weight
+    with pytest.raises(AssertionError, match="grad of w2"):
+        bench_layer_r1.check_same(ours, titan, x, gy)
+    h.remove()
     with torch.no_grad():
         titan.w2.mul_(2)
     with pytest.raises(AssertionError, match="disagree"):
