@@ -5,7 +5,8 @@
 Model: token embedding -> L blocks of (RMSNorm -> MoonEPMoE, residual) -> RMSNorm -> LM head, one
 rank (R = 1 Buffer), bf16 parameters, AdamW.  Only the routed experts change with --precision:
 "bf16" (moonep::moe_experts) or "fp8" (docs/fp8.md: e4m3 rows per 1x128, weights per 128x128
-blocks, fp32 accumulation, dgrad in FP8, wgrad in bf16).  Data: sequences of a fixed random
+blocks cached between updates, fp32 accumulation, dgrad and wgrad in FP8; --bf16-wgrad: the
+wgrads in bf16, the recipe before the FP8 wgrad).  Data: sequences of a fixed random
 order-1 Markov chain over V tokens (a learnable structure, so the loss falls well below log V),
 the same batches for both runs.  Prints the loss curve of both runs and the relative difference
 of the mean loss over the last 10 steps; exits 1 when it exceeds --tolerance (default 1 %).
@@ -24,21 +25,23 @@ from moonep_ops import Buffer, MoonEPMoE
 
 
 class Block(nn.Module):
-    def __init__(self, buf: Buffer, hidden: int, precision: str):
+    def __init__(self, buf: Buffer, hidden: int, precision: str, fp8_wgrad: bool = True):
         super().__init__()
         self.norm = nn.RMSNorm(buf.D, dtype=buf.dtype, device=buf.device)
-        self.moe = MoonEPMoE.for_buffer(buf, hidden, precision=precision)
+        self.moe = MoonEPMoE.for_buffer(buf, hidden, precision=precision, fp8_wgrad=fp8_wgrad)
 
     def forward(self, x):
         return x + self.moe(self.norm(x))
 
 
 class TinyMoELM(nn.Module):
-    def __init__(self, buf: Buffer, vocab: int, hidden: int, layers: int, precision: str):
+    def __init__(self, buf: Buffer, vocab: int, hidden: int, layers: int, precision: str,
+                 fp8_wgrad: bool = True):
         super().__init__()
         dt, dev = buf.dtype, buf.device
         self.emb = nn.Embedding(vocab, buf.D, dtype=dt, device=dev)
-        self.blocks = nn.ModuleList(Block(buf, hidden, precision) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(buf, hidden, precision, fp8_wgrad)
+                                    for _ in range(layers))
         self.norm = nn.RMSNorm(buf.D, dtype=dt, device=dev)
         self.head = nn.Linear(buf.D, vocab, bias=False, dtype=dt, device=dev)
 
@@ -68,7 +71,7 @@ def train(precision: str, a, batches, device) -> list[float]:
     torch.manual_seed(a.seed)
     buf = Buffer(a.tokens, a.dim, a.topk, a.experts, token_padding=a.token_padding,
                  dtype=torch.bfloat16, device=device)
-    model = TinyMoELM(buf, a.vocab, a.hidden, a.layers, precision)
+    model = TinyMoELM(buf, a.vocab, a.hidden, a.layers, precision, not a.bf16_wgrad)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     losses = []
     for ids, tgt in batches:
@@ -96,12 +99,15 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tolerance", type=float, default=0.01)
+    ap.add_argument("--bf16-wgrad", action="store_true",
+                    help="fp8 run with the wgrads in bf16 (MoEArgs(fp8_wgrad=False))")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     batches = markov_batches(a.vocab, a.tokens, a.steps, dev)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU'}; "
           f"D {a.dim} F {a.hidden} E {a.experts} K {a.topk} layers {a.layers} V {a.vocab}, "
-          f"{a.tokens} tokens/step, {a.steps} steps, AdamW lr {a.lr}; log V = {math.log(a.vocab):.3f}")
+          f"{a.tokens} tokens/step, {a.steps} steps, AdamW lr {a.lr}; log V = {math.log(a.vocab):.3f}; "
+          f"fp8 wgrad {'bf16' if a.bf16_wgrad else 'FP8'}")
     runs = {}
     for p in ("bf16", "fp8"):
         t0 = time.time()
