@@ -59,7 +59,7 @@ from .comm_stream import EventHandle, StreamOrder, check_async_args, check_comm_
 from .geometry import (PPM, GroupSpec, check_cost_args, check_pool_fingerprints, pool_fingerprint,
                        rejection, slack_to_ppm)
 from .gemm import plan_cost
-from .ops import dispatch as _dispatch_ops  # noqa: F401  (registers moonep::dispatch, combine)
+from .ops import dispatch as _dispatch_ops  # moonep::dispatch, combine and their eager entries
 from .ops.checks import ARG_ERRORS, reject_call
 from .ops.moe_experts import PRECISIONS, ExpertPool
 from .ops.quantize_fp8 import FP8ArgumentError
@@ -368,8 +368,8 @@ class Buffer:
         if plan is not None:
 
             def reuse():
-                return torch.ops.moonep.dispatch_with_plan(x_sD, route_weights_sK, plan.dst,
-                                                           self.name, plan.total_num_tokens)
+                return _dispatch_ops.dispatch_with_plan(x_sD, route_weights_sK, plan.dst,
+                                                        self.name, plan.total_num_tokens)
 
             (h, w), ev = self._run(reuse, (x_sD, route_weights_sK, plan.dst), async_op,
                                    previous_event)
@@ -377,7 +377,7 @@ class Buffer:
             return out + (ev,) if async_op else out
 
         def fresh():
-            return torch.ops.moonep.dispatch(x_sD, topk_ids_sK, route_weights_sK, self.name, tot)
+            return _dispatch_ops.dispatch(x_sD, topk_ids_sK, route_weights_sK, self.name, tot)
 
         (h, w, cu, dst, etc, zf, stats), ev = self._run(
             fresh, (x_sD, topk_ids_sK, route_weights_sK), async_op, previous_event)
@@ -450,8 +450,7 @@ class Buffer:
             raise self._refuse("combine", "combine", e) from None
 
         def launch():
-            return torch.ops.moonep.combine(h_MD, w_M, plan.dst, self.name,
-                                            plan.total_num_tokens)
+            return _dispatch_ops.combine(h_MD, w_M, plan.dst, self.name, plan.total_num_tokens)
 
         (y, w), ev = self._run(launch, (h_MD, w_M, plan.dst), async_op, previous_event)
         out = (y, (w if w_M is not None else None))

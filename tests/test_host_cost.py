@@ -146,3 +146,114 @@ def test_device_planner_size_checks_raise_every_time():
     planner._geometry(2, 8, 16, 1, 4, 64, 0, 16)
     with pytest.raises(TypeError):
         planner._geometry(2, 8, 16, True, 4, 64, 0, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops' eager entry (moonep_ops/ops/fastpath.py)
+# ---------------------------------------------------------------------------------------------
+
+class _NoopFunctionMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _NoopDispatchMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_fastpath_only_where_the_op_would_do_the_same():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from moonep_ops.ops import fastpath
+    x = torch.randn(4, 4)
+    assert fastpath.eager(x, [x, x], "name", 3, None)
+    assert fastpath.eager(torch.nn.Parameter(x))
+    assert not fastpath.eager(x.to("meta"))
+    assert not fastpath.eager(x.as_subclass(_Sub))
+    assert not fastpath.eager([x, x.to("meta")])
+    with _NoopFunctionMode():
+        assert not fastpath.eager(x)
+    with _NoopDispatchMode():
+        assert not fastpath.eager(x)
+    with FakeTensorMode():
+        assert not fastpath.eager(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not fastpath.eager(x)
+    seen = []
+    torch.func.vmap(lambda r: seen.append(fastpath.eager(r)) or r)(x)
+    assert seen == [False]
+    assert fastpath.eager(x)
+    y = x.clone().requires_grad_()
+    assert fastpath.needs_grad(x, y) and not fastpath.needs_grad(x, 3)
+    with torch.no_grad():
+        assert not fastpath.needs_grad(y)
+
+
+_LAYER_OPS = ("dispatch", "dispatch_with_plan", "combine", "moe_experts", "moe_experts_backward")
+
+
+def _layer_step(layer, x, gy):
+    out = layer(x)
+    (out * gy).sum().backward()
+    grads = [p.grad.clone() for p in layer.parameters()]
+    for p in layer.parameters():
+        p.grad = None
+    return out.detach(), grads
+
+
+def test_layer_step_without_the_dispatcher_equals_the_ops(monkeypatch):
+    """An eager layer step calls no op through the dispatcher, and gives bitwise what the ops
+    give (while a profiler runs, every call goes through them, backward included)."""
+    from moonep_ops import MoonEPMoE
+    torch.manual_seed(0)
+    buf = Buffer(24, 16, 2, 4, token_padding=4, dtype=torch.float32)
+    layer = MoonEPMoE.for_buffer(buf, 8, num_shared_experts=1)
+    x, gy = torch.randn(24, 16), torch.randn(24, 16)
+    calls = {n: 0 for n in _LAYER_OPS}
+    for n in _LAYER_OPS:
+        packet = getattr(torch.ops.moonep, n)
+
+        def counted(*a, _n=n, _p=packet, **k):
+            calls[_n] += 1
+            return _p(*a, **k)
+        monkeypatch.setattr(torch.ops.moonep, n, counted)
+    fast = _layer_step(layer, x, gy)
+    assert not any(calls.values()), calls
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        slow = _layer_step(layer, x, gy)
+    assert all(calls[n] for n in _LAYER_OPS), calls
+    assert torch.equal(fast[0], slow[0])
+    assert all(torch.equal(a, b) for a, b in zip(fast[1], slow[1]))
+    buf.destroy()
+
+
+def test_gemm_api_entry_keeps_errors_and_versions():
+    torch.manual_seed(0)
+    x = torch.randn(12, 8, dtype=torch.float64)
+    wl, ws = torch.randn(2, 6, 8, dtype=torch.float64), torch.randn(2, 6, 8, dtype=torch.float64)
+    cu = torch.tensor([3, 6, 9, 12], dtype=torch.int32)
+    y = gm.grouped_mm(x, wl, ws, cu)
+    with _NoopFunctionMode():
+        assert torch.equal(y, gm.grouped_mm(x, wl, ws, cu))
+    with pytest.raises(Exception) as fast_err:
+        gm.grouped_mm(x, wl, ws, cu, config=1.5)           # not an int: the op reports it
+    with pytest.raises(Exception) as op_err:
+        torch.ops.moonep.grouped_mm(x, wl, ws, cu, 1.5, True)
+    assert type(fast_err.value) is type(op_err.value)
+    xg = x.clone().requires_grad_()
+    gm.grouped_mm(xg, wl, ws, cu).sum().backward()         # autograd through the entry
+    assert torch.equal(xg.grad, gm.grouped_mm_dgrad(torch.ones(12, 6, dtype=torch.float64),
+                                                    wl, ws, cu))
+    dy = torch.randn(12, 6, dtype=torch.float64)
+    gl, gs = torch.zeros_like(wl), torch.zeros_like(ws)
+    v = (gl._version, gs._version)
+    gm.grouped_mm_wgrad_into(dy, x, cu, gl, gs)
+    assert gl._version > v[0] and gs._version > v[1]    # autograd sees them modified, as by the op
+    ol, os_ = torch.zeros_like(wl), torch.zeros_like(ws)
+    with _NoopFunctionMode():                                   # through the op
+        gm.grouped_mm_wgrad_into(dy, x, cu, ol, os_)
+    assert torch.equal(gl, ol) and torch.equal(gs, os_)

@@ -37,7 +37,7 @@ from torch.nn.functional import silu
 
 from ..buffer import Buffer
 from ..geometry import slack_to_ppm
-from ..ops import moe_experts as _moe_experts  # noqa: F401  (registers moonep::moe_experts)
+from ..ops import moe_experts as _moe_experts  # registers moonep::moe_experts; its eager entry
 from ..ops import moe_experts_fp8 as _moe_experts_fp8  # noqa: F401  (moonep::moe_experts_fp8)
 from ..ops.fp8_weight_cache import FP8WeightCache
 from ..ops.grouped_mm_fp8 import ALIGN as FP8_ALIGN
@@ -84,8 +84,7 @@ def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_
                                                       weight_cache, fp8_wgrad)
     else:
         h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
-        y, _, _ = torch.ops.moonep.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2,
-                                               pool_name)
+        y, _, _ = _moe_experts.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2, pool_name)
         # The weights in fp32: bf16 / fp16 / fp32 y promotes in the multiplication, which then
         # computes from y's exact fp32 value (bitwise y.float() * w, forward and backward)
         # without an [M, D] fp32 copy of y; a wider y is rounded to fp32 first, as documented.

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from .. import registry, runtime
 from ..backends.base import Backend
+from . import fastpath
 from .checks import ARG_ERRORS, call_device, device_error, has_real_tensor, on_device, reject_call
 from .quantize_fp8 import FP8_DTYPE, FP8ArgumentError, fp8_checks, rows_fp8, scale_cols
 
@@ -167,9 +168,9 @@ _DISPATCH_SCHEMA = ("(Tensor x, Tensor topk_ids, Tensor? route_weights, str buff
                     "Tensor)")
 
 
-@torch.library.custom_op("moonep::dispatch", mutates_args=(), schema=_DISPATCH_SCHEMA, tags=_TAGS)
-def _dispatch(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], buffer: str,
-              total_num_tokens: int):
+def dispatch_body(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], buffer: str,
+                  total_num_tokens: int):
+    """moonep::dispatch's kernel (every device; the backend does the work)."""
     be = _backend(buffer)
     try:
         check_dispatch_args(x, topk_ids, route_weights, be, total_num_tokens)
@@ -177,6 +178,10 @@ def _dispatch(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], buff
         raise reject_call(be, "dispatch", "dispatch", e) from None
     return tuple(be.dispatch(x, topk_ids, route_weights, total_num_tokens,
                              _id_values(topk_ids, be)))
+
+
+_dispatch = torch.library.custom_op("moonep::dispatch", dispatch_body, mutates_args=(),
+                                    schema=_DISPATCH_SCHEMA, tags=_TAGS)
 
 
 def _id_values(topk_ids, be) -> str:
@@ -221,13 +226,19 @@ def _dispatch_setup(ctx, inputs, output):
 
 def _dispatch_backward(ctx, grad_h, grad_w, *_plan_grads):
     (dst,) = ctx.saved_tensors
-    gx, gw = torch.ops.moonep.combine(grad_h.contiguous(),
-                                      grad_w.contiguous() if ctx.has_w else None,
-                                      dst, ctx.buffer, ctx.total)
+    gx, gw = combine(grad_h.contiguous(), grad_w.contiguous() if ctx.has_w else None,
+                     dst, ctx.buffer, ctx.total)
     return gx, None, (gw if ctx.has_w else None), None, None
 
 
 _dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+_DispatchFn = fastpath.function("DispatchFn", dispatch_body, _dispatch_setup, _dispatch_backward)
+
+
+def dispatch(x, topk_ids, route_weights, buffer: str, total_num_tokens: int):
+    """``torch.ops.moonep.dispatch(...)``; in eager mode without the dispatcher (fastpath)."""
+    return fastpath.call(torch.ops.moonep.dispatch, dispatch_body, _DispatchFn, x, topk_ids,
+                         route_weights, buffer, total_num_tokens)
 
 # ---------------------------------------------------------------------------------------------
 # moonep::dispatch_with_plan  (scatter only)
@@ -237,10 +248,9 @@ _REUSE_SCHEMA = ("(Tensor x, Tensor? route_weights, Tensor dst, str buffer, int 
                  " -> (Tensor, Tensor)")
 
 
-@torch.library.custom_op("moonep::dispatch_with_plan", mutates_args=(), schema=_REUSE_SCHEMA,
-                         tags=_TAGS)
-def _dispatch_with_plan(x: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer: str,
-                        total_num_tokens: int):
+def dispatch_with_plan_body(x: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer: str,
+                            total_num_tokens: int):
+    """moonep::dispatch_with_plan's kernel."""
     be = _backend(buffer)
     try:
         s = check_reuse_args(x, route_weights, dst, be, total_num_tokens)
@@ -248,6 +258,11 @@ def _dispatch_with_plan(x: Tensor, route_weights: Optional[Tensor], dst: Tensor,
     except ARG_ERRORS as e:
         raise reject_call(be, "dispatch_with_plan", "dispatch_with_plan", e) from None
     return be.dispatch_with_plan(x, route_weights, dst, be.spec.nvs_s(s, total_num_tokens))
+
+
+_dispatch_with_plan = torch.library.custom_op("moonep::dispatch_with_plan",
+                                              dispatch_with_plan_body, mutates_args=(),
+                                              schema=_REUSE_SCHEMA, tags=_TAGS)
 
 
 @_dispatch_with_plan.register_fake
@@ -267,13 +282,20 @@ def _reuse_setup(ctx, inputs, output):
 
 def _reuse_backward(ctx, grad_h, grad_w):
     (dst,) = ctx.saved_tensors
-    gx, gw = torch.ops.moonep.combine(grad_h.contiguous(),
-                                      grad_w.contiguous() if ctx.has_w else None,
-                                      dst, ctx.buffer, ctx.total)
+    gx, gw = combine(grad_h.contiguous(), grad_w.contiguous() if ctx.has_w else None,
+                     dst, ctx.buffer, ctx.total)
     return gx, (gw if ctx.has_w else None), None, None, None
 
 
 _dispatch_with_plan.register_autograd(_reuse_backward, setup_context=_reuse_setup)
+_ReuseFn = fastpath.function("DispatchWithPlanFn", dispatch_with_plan_body, _reuse_setup,
+                             _reuse_backward)
+
+
+def dispatch_with_plan(x, route_weights, dst, buffer: str, total_num_tokens: int):
+    """``torch.ops.moonep.dispatch_with_plan(...)``; in eager mode without the dispatcher."""
+    return fastpath.call(torch.ops.moonep.dispatch_with_plan, dispatch_with_plan_body, _ReuseFn,
+                         x, route_weights, dst, buffer, total_num_tokens)
 
 # ---------------------------------------------------------------------------------------------
 # moonep::combine
@@ -283,9 +305,9 @@ _COMBINE_SCHEMA = ("(Tensor h, Tensor? route_weights, Tensor dst, str buffer, in
                    " -> (Tensor, Tensor)")
 
 
-@torch.library.custom_op("moonep::combine", mutates_args=(), schema=_COMBINE_SCHEMA, tags=_TAGS)
-def _combine(h: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer: str,
-             total_num_tokens: int):
+def combine_body(h: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer: str,
+                 total_num_tokens: int):
+    """moonep::combine's kernel."""
     be = _backend(buffer)
     try:
         s = check_combine_args(h, route_weights, dst, be, total_num_tokens)
@@ -296,6 +318,10 @@ def _combine(h: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer: st
     if w is None:
         w = torch.zeros((s, be.spec.K), dtype=torch.float32, device=h.device)
     return y, w
+
+
+_combine = torch.library.custom_op("moonep::combine", combine_body, mutates_args=(),
+                                   schema=_COMBINE_SCHEMA, tags=_TAGS)
 
 
 @_combine.register_fake
@@ -314,9 +340,8 @@ def _combine_setup(ctx, inputs, output):
 
 def _combine_backward(ctx, grad_y, grad_w):
     (dst,) = ctx.saved_tensors
-    gh, gw = torch.ops.moonep.dispatch_with_plan(grad_y.contiguous(),
-                                                 grad_w.contiguous() if ctx.has_w else None,
-                                                 dst, ctx.buffer, ctx.total)
+    gh, gw = dispatch_with_plan(grad_y.contiguous(), grad_w.contiguous() if ctx.has_w else None,
+                                dst, ctx.buffer, ctx.total)
     pad = ctx.rows - gh.shape[0]                 # h had NvS rows: the tail gets zero gradient
     if pad:
         gh = torch.nn.functional.pad(gh, (0, 0, 0, pad))
@@ -325,6 +350,13 @@ def _combine_backward(ctx, grad_y, grad_w):
 
 
 _combine.register_autograd(_combine_backward, setup_context=_combine_setup)
+_CombineFn = fastpath.function("CombineFn", combine_body, _combine_setup, _combine_backward)
+
+
+def combine(h, route_weights, dst, buffer: str, total_num_tokens: int):
+    """``torch.ops.moonep.combine(...)``; in eager mode without the dispatcher (fastpath)."""
+    return fastpath.call(torch.ops.moonep.combine, combine_body, _CombineFn, h, route_weights,
+                         dst, buffer, total_num_tokens)
 
 
 

@@ -61,6 +61,7 @@ from .. import native
 from ..backends import symm as _symm
 from ..gemm import cost_model as gemm_cost_model
 from ..runtime import current_raw_stream, env, on_device_of, should_validate, sm_count
+from . import fastpath
 from .checks import check_no_overlap
 
 __all__ = [
@@ -551,16 +552,19 @@ def run_wgrad_into(dy, x, cu, grad_local, grad_slot, config: int = -1) -> None:
 # Custom ops
 # --------------------------------------------------------------------------------------------
 
-# Explicit schemas: `int` (not the inferred SymInt) so epn and config are static in traces.
-@torch.library.custom_op(
-    "moonep::grouped_mm", mutates_args=(),
-    schema="(Tensor x, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, "
-           "bool zero_tail=True) -> Tensor")
-def _grouped_mm_op(x: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
-                   cu_seqlens: torch.Tensor, config: int = -1,
-                   zero_tail: bool = True) -> torch.Tensor:
+def grouped_mm_body(x: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
+                    cu_seqlens: torch.Tensor, config: int = -1,
+                    zero_tail: bool = True) -> torch.Tensor:
+    """moonep::grouped_mm's kernel: its checks, then run_fwd."""
     _check_fwd(x, w_local, w_slot, cu_seqlens, config)
     return run_fwd(x, w_local, w_slot, cu_seqlens, config, zero_tail)
+
+
+# Explicit schemas: `int` (not the inferred SymInt) so epn and config are static in traces.
+_grouped_mm_op = torch.library.custom_op(
+    "moonep::grouped_mm", grouped_mm_body, mutates_args=(),
+    schema="(Tensor x, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, "
+           "bool zero_tail=True) -> Tensor")
 
 
 @_grouped_mm_op.register_fake
@@ -569,15 +573,18 @@ def _(x, w_local, w_slot, cu_seqlens, config=-1, zero_tail=True):
     return x.new_empty(x.shape[0], O)
 
 
-@torch.library.custom_op(
-    "moonep::grouped_mm_dgrad", mutates_args=(),
-    schema="(Tensor dy, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, "
-           "bool zero_tail=True) -> Tensor")
-def _grouped_mm_dgrad_op(dy: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
-                         cu_seqlens: torch.Tensor, config: int = -1,
-                         zero_tail: bool = True) -> torch.Tensor:
+def grouped_mm_dgrad_body(dy: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
+                          cu_seqlens: torch.Tensor, config: int = -1,
+                          zero_tail: bool = True) -> torch.Tensor:
+    """moonep::grouped_mm_dgrad's kernel: its checks, then run_dgrad."""
     _check_dgrad(dy, w_local, w_slot, cu_seqlens, config)
     return run_dgrad(dy, w_local, w_slot, cu_seqlens, config, zero_tail)
+
+
+_grouped_mm_dgrad_op = torch.library.custom_op(
+    "moonep::grouped_mm_dgrad", grouped_mm_dgrad_body, mutates_args=(),
+    schema="(Tensor dy, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, "
+           "bool zero_tail=True) -> Tensor")
 
 
 @_grouped_mm_dgrad_op.register_fake
@@ -637,16 +644,20 @@ def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
     _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, values=False)
 
 
-@torch.library.custom_op(
-    "moonep::grouped_mm_wgrad_into", mutates_args=("grad_local", "grad_slot"),
-    schema="(Tensor dy, Tensor x, Tensor cu_seqlens, Tensor(a!) grad_local, "
-           "Tensor(b!) grad_slot, int config=-1) -> ()")
-def _grouped_mm_wgrad_into_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
-                              grad_local: torch.Tensor, grad_slot: torch.Tensor,
-                              config: int = -1) -> None:
+def grouped_mm_wgrad_into_body(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
+                               grad_local: torch.Tensor, grad_slot: torch.Tensor,
+                               config: int = -1) -> None:
+    """moonep::grouped_mm_wgrad_into's kernel: its checks, then run_wgrad_into."""
     _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, input_dtype=True)
     _check_wgrad_alias("grouped_mm_wgrad_into", dy, x, cu_seqlens, grad_local, grad_slot)
     run_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config)
+
+
+_grouped_mm_wgrad_into_op = torch.library.custom_op(
+    "moonep::grouped_mm_wgrad_into", grouped_mm_wgrad_into_body,
+    mutates_args=("grad_local", "grad_slot"),
+    schema="(Tensor dy, Tensor x, Tensor cu_seqlens, Tensor(a!) grad_local, "
+           "Tensor(b!) grad_slot, int config=-1) -> ()")
 
 
 @_grouped_mm_wgrad_into_op.register_fake
@@ -730,6 +741,7 @@ def _backward(ctx, dy):
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+_GroupedMMFn = fastpath.function("GroupedMMFn", grouped_mm_body, _setup_context, _backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -770,8 +782,11 @@ def grouped_mm(x_MI: torch.Tensor, w_local_BOI: torch.Tensor, w_slot_BOI: torch.
     """
     _require_tensors(x_MI=x_MI, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
                      cu_seqlens_G=cu_seqlens_G)
-    return torch.ops.moonep.grouped_mm(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G,
-                                       _config_arg(config, "fwd"), _check_zero_tail(zero_tail))
+    args = (x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G, _config_arg(config, "fwd"),
+            _check_zero_tail(zero_tail))
+    if type(args[4]) is int:             # else the op's schema reports a bad config's type
+        return fastpath.call(torch.ops.moonep.grouped_mm, grouped_mm_body, _GroupedMMFn, *args)
+    return torch.ops.moonep.grouped_mm(*args)
 
 
 def grouped_mm_dgrad(dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G, *, config=None,
@@ -780,9 +795,12 @@ def grouped_mm_dgrad(dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G, *, config=Non
     (``zero_tail=False``: undefined, as in `grouped_mm`)."""
     _require_tensors(dy_MO=dy_MO, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
                      cu_seqlens_G=cu_seqlens_G)
-    return torch.ops.moonep.grouped_mm_dgrad(dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G,
-                                             _config_arg(config, "dgrad"),
-                                             _check_zero_tail(zero_tail))
+    args = (dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G, _config_arg(config, "dgrad"),
+            _check_zero_tail(zero_tail))
+    if type(args[4]) is int:
+        return fastpath.call(torch.ops.moonep.grouped_mm_dgrad, grouped_mm_dgrad_body, None,
+                             *args)
+    return torch.ops.moonep.grouped_mm_dgrad(*args)
 
 
 def grouped_mm_wgrad(dy_MO, x_MI, cu_seqlens_G, epn: int, *, config=None, out_dtype=None):
@@ -802,8 +820,18 @@ def grouped_mm_wgrad_into(dy_MO, x_MI, cu_seqlens_G, grad_local_BOI, grad_slot_B
     slots are zero outside a backward, so the unused ones are not rewritten every step)."""
     _require_tensors(dy_MO=dy_MO, x_MI=x_MI, cu_seqlens_G=cu_seqlens_G,
                      grad_local_BOI=grad_local_BOI, grad_slot_BOI=grad_slot_BOI)
-    torch.ops.moonep.grouped_mm_wgrad_into(dy_MO, x_MI, cu_seqlens_G, grad_local_BOI,
-                                           grad_slot_BOI, _config_arg(config, "wgrad_lp"))
+    args = (dy_MO, x_MI, cu_seqlens_G, grad_local_BOI, grad_slot_BOI,
+            _config_arg(config, "wgrad_lp"))
+    if type(args[5]) is int and _increment_version is not None and fastpath.eager(*args) \
+            and not fastpath.needs_grad(*args):
+        grouped_mm_wgrad_into_body(*args)
+        # what the op's in-place registration does: autograd sees the grads as modified
+        _increment_version((grad_local_BOI, grad_slot_BOI))
+        return
+    torch.ops.moonep.grouped_mm_wgrad_into(*args)
+
+
+_increment_version = getattr(torch.autograd.graph, "increment_version", None)
 
 
 def grouped_mm_wgrad_accumulate(dy_MO, x_MI, cu_seqlens_G, grad_local_BOI, grad_slot_BOI, *,

@@ -35,6 +35,7 @@ from .. import registry
 from ..backends.base import Backend
 from . import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm*)
 from . import expert_weights as _ew  # noqa: F401  (registers moonep::prefetch_weight, reduce_grad)
+from . import fastpath
 from .checks import (ARG_ERRORS, call_device, check_no_overlap, device_error, has_real_tensor,
                      on_device, reject_call)
 from .quantize_fp8 import FP8_DTYPE, scale_cols
@@ -213,9 +214,8 @@ def checked(op: str, pool: ExpertPool, check, *args, values: bool = True, **kw):
 _TAGS = ()
 
 
-@torch.library.custom_op("moonep::moe_experts", mutates_args=(), tags=_TAGS)
-def _moe_experts(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Tensor, w3: Tensor,
-                 w2: Tensor, pool: str) -> tuple[Tensor, Tensor, Tensor]:
+def moe_experts_body(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Tensor,
+                     w3: Tensor, w2: Tensor, pool: str) -> tuple[Tensor, Tensor, Tensor]:
     """SwiGLU over 2*epn groups; stages the redundant slots first.  Returns (y, gate, up)."""
     p = _pool(pool)
     checked("moe_experts", p, _check_expert_args, h, cu_seqlens, experts_to_copy, w1, w3, w2, p)
@@ -231,6 +231,10 @@ def _moe_experts(h: Tensor, cu_seqlens: Tensor, experts_to_copy: Tensor, w1: Ten
     return _call(mm, _gm.run_fwd, a, w2, p.w2, cu_seqlens, -1, False), g, u
 
 
+_moe_experts = torch.library.custom_op("moonep::moe_experts", moe_experts_body, mutates_args=(),
+                                       tags=_TAGS)
+
+
 @_moe_experts.register_fake
 def _(h, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
     p = _pool(pool)
@@ -240,10 +244,9 @@ def _(h, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
     return h.new_empty(M, w2.shape[1]), h.new_empty(M, F), h.new_empty(M, F)
 
 
-@torch.library.custom_op("moonep::moe_experts_backward", mutates_args=(), tags=_TAGS)
-def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlens: Tensor,
-                          experts_to_copy: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, pool: str
-                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def moe_experts_backward_body(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlens: Tensor,
+                              experts_to_copy: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
+                              pool: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dh, dw1, dw3, dw2) for this rank's home experts, every rank's slot grads included."""
     p = _pool(pool)
     checked("moe_experts_backward", p, _check_expert_args, h, cu_seqlens, experts_to_copy, w1,
@@ -278,6 +281,11 @@ def _moe_experts_backward(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlen
     return dh, d1, d3, d2
 
 
+_moe_experts_backward = torch.library.custom_op("moonep::moe_experts_backward",
+                                                moe_experts_backward_body, mutates_args=(),
+                                                tags=_TAGS)
+
+
 @_moe_experts_backward.register_fake
 def _(dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
     p = _pool(pool)
@@ -296,11 +304,24 @@ def _experts_setup(ctx, inputs, output):
 
 def _experts_backward(ctx, dy, _dg, _du):
     h, g, u, cu, etc, w1, w3, w2 = ctx.saved_tensors
-    dh, d1, d3, d2 = torch.ops.moonep.moe_experts_backward(dy, h, g, u, cu, etc, w1, w3, w2,
-                                                           ctx.pool)
+    dh, d1, d3, d2 = moe_experts_backward(dy, h, g, u, cu, etc, w1, w3, w2, ctx.pool)
     return dh, None, None, d1, d3, d2, None
 
 
 _moe_experts.register_autograd(_experts_backward, setup_context=_experts_setup)
+_ExpertsFn = fastpath.function("MoeExpertsFn", moe_experts_body, _experts_setup,
+                               _experts_backward)
+
+
+def moe_experts(h, cu_seqlens, experts_to_copy, w1, w3, w2, pool: str):
+    """``torch.ops.moonep.moe_experts(...)``; in eager mode without the dispatcher (fastpath)."""
+    return fastpath.call(torch.ops.moonep.moe_experts, moe_experts_body, _ExpertsFn, h,
+                         cu_seqlens, experts_to_copy, w1, w3, w2, pool)
+
+
+def moe_experts_backward(dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool: str):
+    """``torch.ops.moonep.moe_experts_backward(...)``; in eager mode without the dispatcher."""
+    return fastpath.call(torch.ops.moonep.moe_experts_backward, moe_experts_backward_body, None,
+                         dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool)
 
 
