@@ -58,6 +58,7 @@ from moonep_ops import native, registry  # noqa: E402
 from moonep_ops.gemm import cost_model  # noqa: E402
 from moonep_ops.nn.train_step import sgd_step  # noqa: E402
 from moonep_ops.ops import grouped_mm as gm  # noqa: E402
+from moonep_ops.ops import moe_experts as me  # noqa: E402
 from moonep_ops.ops.moe_experts import ExpertPool  # noqa: E402
 
 # (D, F, G = 2 * epn, M rows): D 2048-7168, G 16-128, 4k-32k rows
@@ -307,17 +308,20 @@ def layer_rows(shape, dev, calls, rounds, tp) -> tuple[list[tuple], dict]:
     t_inputs = [th_g, titan.w1, titan.w3, titan.w2]
     dty = torch.randn_like(ty_g)
     xg = x.detach().requires_grad_()
+    # the layer's entry points where the package has them (fastpath), else the ops
+    experts = getattr(me, "moe_experts", ops.moe_experts)
+    experts_bwd = getattr(me, "moe_experts_backward", ops.moe_experts_backward)
     cases = [
         ("router", lambda: ours.router(x), lambda: titan.route(x), ""),
         ("dispatch (histograms, plan, scatter)", lambda: buf.dispatch(x, ids, w),
          lambda: titan.permute(x, tw, tids), "titan: scatter_add counts, cumsum, argsort, gather"),
         ("dispatch, x requiring grad", lambda: buf.dispatch(xg, ids, w),
          lambda: titan.permute(xg, tw, tids), "the autograd nodes included"),
-        ("moe_experts forward (op)", lambda: ops.moe_experts(h, cu, etc, ours.w1, ours.w3,
-                                                              ours.w2, pool),
+        ("moe_experts forward (as the layer calls it)",
+         lambda: experts(h, cu, etc, ours.w1, ours.w3, ours.w2, pool),
          lambda: titan.experts(th, toffs), "ours: prefetch + 3 GEMMs + swiglu"),
-        ("moe_experts backward (op)",
-         lambda: ops.moe_experts_backward(dy, h, g, u, cu, etc, ours.w1, ours.w3, ours.w2, pool),
+        ("moe_experts backward (as the layer calls it)",
+         lambda: experts_bwd(dy, h, g, u, cu, etc, ours.w1, ours.w3, ours.w2, pool),
          lambda: torch.autograd.grad(ty_g, t_inputs, dty, retain_graph=True),
          "titan: autograd of its experts"),
         ("weights + combine", lambda: buf.combine(plan, (y.float() * w_M[:, None]).to(x.dtype)),
@@ -330,6 +334,9 @@ def layer_rows(shape, dev, calls, rounds, tp) -> tuple[list[tuple], dict]:
         ("prefetch_weight (op)", lambda: ops.prefetch_weight(etc, pw, slots, buf.name), None,
          "R = 1: barriers only"),
         ("reduce_grad (op)", lambda: ops.reduce_grad(etc, grads, sgrads, buf.name), None, ""),
+        ("moe_experts forward, through the dispatcher",
+         lambda: ops.moe_experts(h, cu, etc, ours.w1, ours.w3, ours.w2, pool), None,
+         "torch.ops.moonep.moe_experts"),
         ("layer forward, no grad", lambda: _nograd(ours, x), lambda: _nograd(titan, x), ""),
     ]
     rows = []
