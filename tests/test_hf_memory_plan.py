@@ -207,7 +207,7 @@ def test_fsdp_arithmetic_is_what_fully_shard_makes():
             acc = memory.account(model, fsdp=N, rank=rank)
             experts = {model.get_parameter(n) for n in hf.expert_parameter_names(model)}
             mesh = init_device_mesh("cpu", (N,))
-            for unit in memory._units(model) + [model]:
+            for unit in memory._decoder_layers(model) + [model]:
                 fully_shard(unit, mesh=mesh, ignored_params=experts)
             local = sum(p._local_tensor.numel() for p in model.parameters()
                         if p not in experts)

@@ -64,6 +64,7 @@ from ...geometry import GroupSpec
 from ...ops.moe_experts import ExpertPool
 from ... import registry
 from .convert import converted_blocks, convert_model, expert_parameter_names
+from .fsdp import _decoder_layers     # the FSDP units below the root that fully_shard_dense makes
 
 GiB = 1 << 30
 
@@ -290,13 +291,6 @@ def _tensor_bytes(obj) -> int:
     return n
 
 
-def _units(model: nn.Module) -> list[nn.Module]:
-    """The FSDP units below the root that ``hf.fully_shard_dense`` makes: the decoder layers (the
-    classes transformers lists in ``_no_split_modules``)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
-
-
 def account(model: nn.Module, *, fsdp: int = 1, rank: int = 0, shard_experts: bool = False,
             precision: Precision = Precision()) -> dict:
     """Per-rank bytes of a converted model (any device, meta included): ``{"parts": {name:
@@ -350,7 +344,7 @@ def account(model: nn.Module, *, fsdp: int = 1, rank: int = 0, shard_experts: bo
                     sum(p.numel() * (precision.grad_dtype or p.dtype).itemsize
                         for p in ps if p.requires_grad), sum(p.numel() for p in ps))
         in_layers, layers = set(), []
-        for u in _units(model):
+        for u in _decoder_layers(model):
             ps = list(u.parameters())
             in_layers |= {id(p) for p in ps}
             layers.append(unsharded(ps))
