@@ -560,7 +560,9 @@ def main(argv=None) -> int:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         head = (f"bench_host_cost: torch {torch.__version__}, {name}, package {pkg}\n")
         (Path(a.out) / "host_cost.json").write_text(json.dumps(doc, indent=1, default=str))
-        (Path(a.out) / "host_cost.md").write_text(head + text + "\n" + "\n".join(details) + "\n")
+        (Path(a.out) / "host_cost.md").write_text(
+            head + text + "\n\n## Details: the profiles by function\n" + "\n".join(details)
+            + "\n")
     else:
         print("\n".join(details))
     if errors:

@@ -109,8 +109,7 @@ host() {
   fi
   # the tables, for the stage's summary (the log holds the progress lines too)
   echo "==== summary"
-  grep -v "^  " "$OUT/host_cost.md" | sed -n '/^### 1/,/^### 3b/p' | grep -v "^$"
-  sed -n '/^### 3b/,/^Top 30/p' "$OUT/host_cost.md" | grep "^|"
+  sed '/^## Details/,$d' "$OUT/host_cost.md" | grep -v "^$"
   grep -v "^$" "$OUT/layer_r1.md"
   [ -f "$OUT/baseline_host.md" ] && echo "baseline: $(grep -c MISSED "$OUT/baseline_host.md") \
 MISSED lines, tables in baseline_host.md"
