@@ -99,12 +99,13 @@ host() {
   $PY benchmarks/bench_host_cost.py --out "$OUT" || rc=1
   $PY benchmarks/bench_layer_r1.py --out "$OUT" || rc=1
   if [ -d .gpu_carry/baseline/moonep_ops ]; then
-    # the same benchmarks on the carried copy of an older package (the libraries of this tree)
+    # the same benchmarks, lighter, on the carried copy of an older package (with this tree's
+    # libraries): the "before" of the host-cost tables, on the same GPU
     local base=$PWD/.gpu_carry/baseline
-    { PYTHONPATH=$base:$PYTHONPATH MOONEP_LIB_DIR=$PWD/moonep_ops/lib $PY \
-        benchmarks/bench_host_cost.py --sections gemm,step --rounds 3 || rc=1
-      PYTHONPATH=$base:$PYTHONPATH MOONEP_LIB_DIR=$PWD/moonep_ops/lib $PY \
-        benchmarks/bench_layer_r1.py --modes eager --rounds 3 || rc=1
+    { PYTHONPATH=$base:$PYTHONPATH MOONEP_LIB_DIR=$PWD/moonep_ops/lib timeout 120 $PY \
+        benchmarks/bench_host_cost.py --sections gemm,step --rounds 2 --calls 100 || rc=1
+      PYTHONPATH=$base:$PYTHONPATH MOONEP_LIB_DIR=$PWD/moonep_ops/lib timeout 120 $PY \
+        benchmarks/bench_layer_r1.py --modes eager --rounds 2 --steps 4 || rc=1
     } > "$OUT/baseline_host.md" 2>&1
   fi
   # the tables, for the stage's summary (the log holds the progress lines too)
@@ -115,7 +116,7 @@ host() {
 MISSED lines, tables in baseline_host.md"
   return $rc
 }
-TAIL=${TAIL:-150} stage host 480 host
+TAIL=${TAIL:-150} stage host 560 host
 if [ "$NG" -ge 2 ]; then
   stage nccl 300 env MOONEP_TEST_DIST=nccl $PY -m pytest -q -rs tests/test_data_plane.py \
     tests/test_moe.py -p no:cacheprovider
