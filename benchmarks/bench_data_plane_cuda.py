@@ -23,11 +23,8 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")   # virtual ranks: se
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-
 from moonep_ops import Buffer, MoonEPMoE  # noqa: E402
-from moonep_ops.backends import VirtualGroup  # noqa: E402
-from virtual_ranks import run_threads  # noqa: E402
+from moonep_ops.testing.virtual_ranks import VirtualGroup, run_threads  # noqa: E402
 
 
 def _time(fn, iters=20, warm=3):
@@ -46,7 +43,7 @@ def _time(fn, iters=20, warm=3):
 
 
 def bandwidth(R=1, S=8192, H=7168, K=8, E=256, tp=128, combine="auto"):
-    """Per rank (one thread and stream each, tests/virtual_ranks.py): op times; max over ranks."""
+    """Per rank (one thread and stream each, moonep_ops/testing/virtual_ranks.py): op times; max over ranks."""
     vg = VirtualGroup(R)
     dev = vg.device
     p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.0      # Zipf-skewed routing

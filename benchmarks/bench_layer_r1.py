@@ -5,7 +5,7 @@
                                         [--no-hf] [--out DIR] [--tiny]
 
 One training step = forward, loss = sum(fp32(out) * gy), backward, SGD on every parameter
-(moonep_ops.nn.train_step.sgd_step), fresh tokens (so fresh routing) every step.  Both layers
+(moonep_ops.testing.train_step.sgd_step), fresh tokens (so fresh routing) every step.  Both layers
 are bf16, have the same sizes, one shared SwiGLU expert of width F, a bf16 softmax top-k router
 without renormalisation, and the same weights (``TitanStyleMoE.copy_from``): they route every
 token identically, and the benchmark checks that their outputs agree before timing them.
@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE))
 from titan_style_layer import TitanStyleMoE  # noqa: E402
 
 from moonep_ops import Buffer, MoonEPMoE  # noqa: E402
-from moonep_ops.nn.train_step import enable_backward_tracing, sgd_step  # noqa: E402
+from moonep_ops.testing.train_step import enable_backward_tracing, sgd_step  # noqa: E402
 
 # name: (tokens, D, F, E, K): the four shapes of the targets
 SHAPES = {

@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from moonep_ops import Buffer, MoonEPMoE
-from moonep_ops.nn.train_step import enable_backward_tracing, sgd_step
+from moonep_ops.testing.train_step import enable_backward_tracing, sgd_step
 
 
 def main(argv=None) -> int:

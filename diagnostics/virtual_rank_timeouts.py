@@ -1,7 +1,7 @@
 """Virtual ranks at R = 8 on one GPU, each case as the first multi-rank work of a fresh process
 (diagnostic, one H200).
 
-Virtual ranks (moonep_ops.backends.VirtualGroup) queue every rank's ops from the host before any
+Virtual ranks (moonep_ops.testing.virtual_ranks.VirtualGroup) queue every rank's ops from the host before any
 rank's barrier can complete on the device.  In a fresh process, R >= 4, the other ranks' first
 kernels do not start until rank 0's histogram barrier has timed out, although the host calls of
 every rank are the same as in a process that ran the case at R = 1 first (which passes):
@@ -28,7 +28,8 @@ and the MoE layer against its dense reference, each in a fresh process, as
                        autograd): which ops queued while rank 0's barrier spins hold it up;
   fresh_noprime, premove_noprime, fresh_noprime_device
                        without the prime that VirtualGroup runs once per device and
-                       run_threads once per thread (symm._prime_device, symm.prime_thread);
+                       run_threads once per thread (_prime_device, prime_thread of
+                       moonep_ops/testing/virtual_ranks.py);
                        noprime_device: without the device prime only.  Every other mode runs
                        with both (they were measured before the primes existed, i.e. as
                        noprime: docs/multi_gpu.md keeps those results);
@@ -68,8 +69,7 @@ import torch
 import test_symm_cuda as t
 import test_moe_symm_cuda as m
 from moonep_ops import Buffer
-from moonep_ops.backends import VirtualGroup
-from virtual_ranks import run_threads
+from moonep_ops.testing.virtual_ranks import VirtualGroup, run_threads
 
 
 LOG, T0 = [], time.time()
@@ -235,18 +235,16 @@ if MODE.endswith("reserve"):      # the caching allocator holds freed blocks of 
             for n in [512 << 10] * 256 + [8 << 20] * 64 + [256 << 20] * 16 + [4 << 30] * 2]
     del keep
 if "nocopyprime" in MODE:         # the primes without their host <-> device copies
-    from moonep_ops.backends import symm
-    import virtual_ranks
+    from moonep_ops.testing import virtual_ranks
 
     def _gemm_only(device):
         a = torch.ones(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
         (a @ a).float().sum().backward()
         torch.cuda.current_stream(device).synchronize()
-    symm.prime_thread = virtual_ranks.prime_thread = _gemm_only
+    virtual_ranks.prime_thread = _gemm_only
 if "noprime" in MODE:             # without the library's prime (VirtualGroup, run_threads)
-    from moonep_ops.backends import symm
-    import virtual_ranks
-    symm._PRIMED.add(torch.cuda.current_device())
+    from moonep_ops.testing import virtual_ranks
+    virtual_ranks._PRIMED.add(torch.cuda.current_device())
     if "noprime_device" not in MODE:
         virtual_ranks.prime_thread = lambda device: None
 t0 = time.time()

@@ -69,7 +69,7 @@ if torch.cuda.is_available():
     def gloo_parallelize(fn):
         return fn
 else:
-    from moonep_ops.integrations.torchtitan_cpu import gloo_parallelize  # FSDP over gloo
+    from moonep_ops.testing.torchtitan_cpu import gloo_parallelize  # FSDP over gloo
 
 
 # -- synthetic tokens (what the Trainer builds from config; no downloads) --------------------------

@@ -2,7 +2,7 @@
 shared initial weights: what examples/torchtitan_moonep.py trains and tests/test_integrations_torchtitan.py
 checks.  Imports only torchtitan's models (no Trainer, tokenizer or dataset packages).
 
-On a CPU-only torch, importing this module applies moonep_ops.integrations.torchtitan_cpu's shims
+On a CPU-only torch, importing this module applies moonep_ops.testing.torchtitan_cpu's shims
 first (torchtitan's models assume CUDA/triton at import); on a machine with CUDA it does not.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 if not torch.cuda.is_available():
-    from moonep_ops.integrations import torchtitan_cpu
+    from moonep_ops.testing import torchtitan_cpu
 
     torchtitan_cpu.install("torchtitan.models.qwen3", "torchtitan.models.deepseek_v3")
 

@@ -3,28 +3,28 @@
 Importing the package registers every ``torch.ops.moonep.*`` custom op (schemas and fake kernels
 are pure Python, so they exist without any compiled library).  Architecture: docs/architecture.md.
 
-  Buffer                   one EP group: dispatch / combine / prefetch_weight / reduce_grad
-  MoonEPMoE, Router        the MoE layer (moonep_ops.nn)
-  plan, plan_all_ranks     the planner (moonep_ops.planner)
-  grouped_mm*              the grouped GEMMs (moonep_ops.ops.grouped_mm)
-  backends, gemm, testing  backend contract and implementations, GEMM tuning, test helpers
-"""
-from . import backends, gemm, ops  # noqa: F401  (ops: registers torch.ops.moonep.*)
-from .backends import (Backend, CollectiveBackend, SingleRankBackend, SymmBackend,
-                       TorchDistBackend, VirtualGroup)
-from .buffer import Buffer
-from .comm_stream import EventHandle
-from .geometry import Geometry, GroupSpec, align_up
-from .nn import AllToAllEPMoE, MoEArgs, MoonEPMoE, Router, bind_moe
-from .ops.grouped_mm import (grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad,
-                             grouped_mm_wgrad_accumulate, grouped_mm_wgrad_into)
-from .ops.moe_experts import ExpertPool
-from .ops.swiglu import swiglu
-from .planner import POLICIES, GroupResult, Plan, plan, plan_all_ranks
+The top level exports what a user calls, one name per thing they do (docs/api.md):
 
-__all__ = ["Buffer", "EventHandle", "Geometry", "GroupSpec", "align_up", "Plan", "GroupResult",
-           "plan", "plan_all_ranks", "POLICIES", "grouped_mm", "grouped_mm_dgrad",
-           "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate", "grouped_mm_wgrad_into", "swiglu",
-           "MoonEPMoE", "MoEArgs", "bind_moe", "Router", "AllToAllEPMoE", "ExpertPool", "Backend", "CollectiveBackend",
-           "TorchDistBackend", "SingleRankBackend", "SymmBackend", "VirtualGroup"]
+  MoEArgs, MoonEPMoE, bind_moe, Router   put the MoE layer in a model (the front door)
+  Buffer                                 one EP group's data plane, for a layer of one's own
+  plan, plan_all_ranks, Plan, POLICIES   the planner: one rank's plan, every rank's, the policies
+  grouped_mm, grouped_mm_dgrad,          the expert path's building blocks: the grouped GEMM
+  grouped_mm_wgrad, swiglu               forward, its two backward GEMMs, the activation
+
+Everything else is imported from the package that owns it: types the API returns (GroupResult,
+EventHandle, ExpertPool: moonep_ops.planner, .comm_stream, .ops.moe_experts), sizes
+(moonep_ops.geometry), the in-place wgrad forms (moonep_ops.ops.grouped_mm), backends and their
+contract (moonep_ops.backends: what a backend author subclasses), and the helpers of tests,
+benchmarks and the main job (moonep_ops.testing: virtual ranks, the all-to-all baseline, the
+training step, torchtitan's CPU shims, synthetic routings), which the library never imports.
+"""
+from . import ops  # noqa: F401  (registers torch.ops.moonep.*)
+from .buffer import Buffer
+from .nn import MoEArgs, MoonEPMoE, Router, bind_moe
+from .ops.grouped_mm import grouped_mm, grouped_mm_dgrad, grouped_mm_wgrad
+from .ops.swiglu import swiglu
+from .planner import POLICIES, Plan, plan, plan_all_ranks
+
+__all__ = ["MoEArgs", "MoonEPMoE", "bind_moe", "Router", "Buffer", "plan", "plan_all_ranks",
+           "Plan", "POLICIES", "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "swiglu"]
 __version__ = "0.2.0"

@@ -1,8 +1,8 @@
 import os
 import sys
 
-# Virtual EP ranks (tests/virtual_ranks.py) spin in device barriers waiting for each other's
-# streams; with the default 8 hardware queues two ranks' streams can share one, and a spinning
+# Virtual EP ranks (moonep_ops/testing/virtual_ranks.py) spin in device barriers waiting for each
+# other's streams; with the default 8 hardware queues two ranks' streams can share one, and a spinning
 # kernel would block its peer queued behind it.  Read when the CUDA context is created.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 # Lazy module loading can need a context-wide synchronisation at a kernel's first launch, which

@@ -1,4 +1,4 @@
-"""The plain all-to-all EP baseline (moonep_ops/nn/baseline.py) on real gloo ranks: it equals
+"""The plain all-to-all EP baseline (moonep_ops/testing/baseline.py) on real gloo ranks: it equals
 the dense reference, and the main job's MoonEP and baseline builds compute the same loss and
 the same gradients from the same weights, data and routing."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import moonep_ops  # noqa: F401
-from moonep_ops.nn.baseline import AllToAllEPMoE
+from moonep_ops.testing.baseline import AllToAllEPMoE
 from moonep_ops.buffer import Buffer
 from apps.job.model import (ForcedRouter, batch, build_model, full_weights, load_weights,
                                   step_routing)

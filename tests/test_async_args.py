@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moonep_ops import Buffer, TorchDistBackend
+from moonep_ops import Buffer
+from moonep_ops.backends import TorchDistBackend
 from moonep_ops.comm_stream import EventHandle, check_async_args, check_comm_stream
 
 from test_data_plane import routing, token_inputs

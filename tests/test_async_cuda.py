@@ -32,7 +32,7 @@ BF16 = torch.bfloat16
 def _virtual_buffers(R, S, H, K, E, tp=1, dtype=BF16, comm_stream=None):
     """comm_stream: None (lazy), True, or "explicit" (a torch.cuda.Stream per virtual rank: the
     ranks must not share one, a rank's barrier would block its peers' ops queued behind it)."""
-    from moonep_ops.backends import VirtualGroup
+    from moonep_ops.testing.virtual_ranks import VirtualGroup
     vg = VirtualGroup(R)
     return [Buffer(S, H, K, E, token_padding=tp, dtype=dtype, device=vg.device,
                    backend=vg.backend(r),

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 import moonep_ops  # noqa: F401
 from moonep_ops.buffer import Buffer
 from moonep_ops.nn.moe import MoEArgs, MoonEPMoE
-from moonep_ops.nn.train_step import enable_backward_tracing
+from moonep_ops.testing.train_step import enable_backward_tracing
 from moonep_ops.ops import quantize_fp8 as qf
 
 try:

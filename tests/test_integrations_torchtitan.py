@@ -67,7 +67,7 @@ from torchtitan.models.common.token_dispatcher import (AllToAllTokenDispatcher, 
 
 from moonep_ops import Buffer  # noqa: E402
 from moonep_ops.integrations import torchtitan as mtt  # noqa: E402
-from moonep_ops.integrations.torchtitan_cpu import gloo_parallelize  # noqa: E402
+from moonep_ops.testing.torchtitan_cpu import gloo_parallelize  # noqa: E402
 
 from dist_harness import run_cases  # noqa: E402
 

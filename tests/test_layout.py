@@ -116,13 +116,35 @@ def test_layering():
 
 
 def test_library_never_imports_apps_or_test_helpers():
+    """The library (every module but moonep_ops/testing/ itself) imports neither apps/ nor its
+    testing package: test and bring-up helpers live there, the library does not lean on them."""
+    testing = PKG / "testing"
     for f in PKG.rglob("*.py"):
-        if f.name == "testing.py":
+        if testing in f.parents:
             continue
         text = f.read_text()
         assert not re.search(r"^\s*(from|import) apps\b", text, re.M), f
         deps = _imports(f)
-        assert "moonep_ops.testing" not in deps or f.parent == PKG and f.name == "__init__.py", f
+        assert not any(d == "moonep_ops.testing" or d.startswith("moonep_ops.testing.")
+                       for d in deps), f"{f.relative_to(ROOT)} imports moonep_ops.testing"
+
+
+MAX_LINES = 600
+# Files over MAX_LINES that their owners are splitting now; empty this as they land.
+OVER_MAX_LINES = {
+    "moonep_ops/ops/grouped_mm.py",
+    "moonep_ops/planner.py",
+}
+
+
+def test_no_file_over_max_lines():
+    """A unit a reader can hold: no file of the package over MAX_LINES lines."""
+    over = {str(f.relative_to(ROOT)): len(f.read_text().splitlines()) for f in PKG.rglob("*.py")}
+    over = {f: n for f, n in over.items() if n > MAX_LINES}
+    assert set(over) <= OVER_MAX_LINES, \
+        f"over {MAX_LINES} lines: {sorted(set(over) - OVER_MAX_LINES)}"
+    fixed = OVER_MAX_LINES - set(over)
+    assert not fixed, f"no longer over {MAX_LINES} lines, remove from OVER_MAX_LINES: {sorted(fixed)}"
 
 
 def test_no_history_in_the_tree():

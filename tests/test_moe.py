@@ -11,7 +11,7 @@ from moonep_ops.buffer import Buffer
 from moonep_ops.nn.moe import MoEArgs, MoonEPMoE, check_backend_dims
 from moonep_ops.testing import reference_moe
 from moonep_ops.planner import plan_all_ranks
-from moonep_ops.nn.train_step import enable_backward_tracing, sgd_step
+from moonep_ops.testing.train_step import enable_backward_tracing, sgd_step
 
 try:
     from dist_harness import cached_runner, multi_rank_cases
@@ -158,7 +158,7 @@ def case_compile_layer_and_step(ctx):
     params = list(layer.parameters())
     start = [p.detach().clone() for p in params]
 
-    # plain SGD written out (moonep_ops/nn/train_step.py says why)
+    # plain SGD written out (moonep_ops/testing/train_step.py says why)
     step = sgd_step(layer, params, 1e-3)
 
     batches = [tuple(t.to(buf.device) for t in tokens(r, 12, torch.float32, seed=20 + i))

@@ -11,9 +11,9 @@ from moonep_ops import native
 from moonep_ops.buffer import Buffer
 from moonep_ops.nn.moe import MoonEPMoE
 from moonep_ops.testing import reference_moe
-from moonep_ops.nn.train_step import enable_backward_tracing, sgd_step
+from moonep_ops.testing.train_step import enable_backward_tracing, sgd_step
 
-from virtual_ranks import run_threads
+from moonep_ops.testing.virtual_ranks import run_threads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or native.ep() is None,
                                 reason="needs a CUDA device and libmoonep_ep.so")
@@ -72,7 +72,7 @@ def test_symm_layer_equals_host_backend_bitwise():
 
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_virtual_ranks_match_dense_reference(R):
-    from moonep_ops.backends import VirtualGroup
+    from moonep_ops.testing.virtual_ranks import VirtualGroup
     vg = VirtualGroup(R)
     rank_fn, check = moe_reference_case(
         R, lambda r, *a, **k: Buffer(*a, device=vg.device, backend=vg.backend(r), **k))

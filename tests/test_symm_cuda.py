@@ -1,6 +1,6 @@
 """The CUDA symmetric-memory data plane (moonep_ops/backends/symm.py, csrc/ep_kernels.cu).
 
-R > 1 runs as virtual ranks on the one GPU (tests/virtual_ranks.py); R = 1 also through
+R > 1 runs as virtual ranks on the one GPU (moonep_ops/testing/virtual_ranks.py); R = 1 also through
 torch.distributed._symmetric_memory with a one-rank NCCL group.  References are the CPU planner
 (plan_all_ranks) and the data-plane semantics the gloo tests pin (tests/test_data_plane.py), so
 "bitwise equal to the CPU/gloo path" is checked entry by entry.  Skipped without a GPU or
@@ -16,7 +16,7 @@ from moonep_ops.buffer import Buffer
 from moonep_ops.planner import plan_all_ranks
 
 from test_data_plane import SCATTER_CONFIGS, fixed_order_sum, routing, token_inputs, _random_table
-from virtual_ranks import run_threads
+from moonep_ops.testing.virtual_ranks import run_threads
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or native.ep() is None,
                                 reason="needs a CUDA device and libmoonep_ep.so")
@@ -136,7 +136,7 @@ def check_rank_buffer(c, buf, r):
 
 def _check_virtual(R, c, combine="auto"):
     """All virtual ranks queued from this thread, each on its own stream, then verified."""
-    from moonep_ops.backends import VirtualGroup
+    from moonep_ops.testing.virtual_ranks import VirtualGroup
     vg = VirtualGroup(R)
     bufs = [Buffer(c["S"], c["H"], c["K"], c["E"], token_padding=c["tp"], dtype=c["dtype"],
                    device=vg.device, backend=vg.backend(r, combine=combine)) for r in range(R)]
@@ -175,7 +175,7 @@ def test_virtual_dispatch_combine_staged(R, name):
 
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
 def test_prefetch_reduce_virtual(R):
-    from moonep_ops.backends import VirtualGroup
+    from moonep_ops.testing.virtual_ranks import VirtualGroup
     vg = VirtualGroup(R)
     fn = prefetch_reduce_case(R, lambda r, *a, **k: Buffer(*a, device=vg.device,
                                                            backend=vg.backend(r), **k))
@@ -247,7 +247,7 @@ def test_no_host_sync_and_cuda_graph_replay(R):
     """A whole dispatch -> combine forward + backward of every virtual rank is queued from ONE
     thread under sync_debug_mode("error"); then captured in CUDA graphs and replayed with new
     routing copied into the static inputs, with correct results each time."""
-    from moonep_ops.backends import VirtualGroup
+    from moonep_ops.testing.virtual_ranks import VirtualGroup
     S, H, K, E, tp = 32, 64, 4, 8 * R, 4
     vg = VirtualGroup(R)
     bufs = [Buffer(S, H, K, E, token_padding=tp, dtype=torch.bfloat16, device=vg.device,
@@ -325,7 +325,7 @@ def test_no_host_sync_and_cuda_graph_replay(R):
 
 
 def test_barrier_timeout_sets_flag_without_hanging():
-    from moonep_ops.backends import VirtualGroup
+    from moonep_ops.testing.virtual_ranks import VirtualGroup
     vg = VirtualGroup(2)
     b0 = Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=vg.backend(0, timeout_s=0.2))
     Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=vg.backend(1))  # never calls
@@ -349,7 +349,7 @@ def test_a_rank_that_stops_mid_step_is_named_within_the_timeout():
     new Buffer and run a clean step afterwards."""
     import time
     from moonep_ops import native
-    from moonep_ops.backends import VirtualGroup
+    from moonep_ops.testing.virtual_ranks import VirtualGroup
     timeout = 0.5
     vg = VirtualGroup(2)
     bufs = [Buffer(8, 16, 2, 4, dtype=torch.float32, device=vg.device,
@@ -385,7 +385,7 @@ def test_a_rank_that_stops_mid_step_is_named_within_the_timeout():
 
 
 def test_bad_ids_flag_on_device(monkeypatch):
-    from moonep_ops.backends import VirtualGroup
+    from moonep_ops.testing.virtual_ranks import VirtualGroup
     vg = VirtualGroup(1)
     buf = Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=vg.backend(0))
     x = torch.randn(4, 8, device=vg.device)
@@ -406,7 +406,7 @@ def test_device_planner_refuses_other_policies_before_any_kernel():
     """planner='device' plans the device planner's policies only ('moonep', 'cost'): another
     policy is a ValueError raised before the histogram kernel runs (the error word and the
     peers' histogram rows stay untouched)."""
-    from moonep_ops.backends import VirtualGroup
+    from moonep_ops.testing.virtual_ranks import VirtualGroup
     vg = VirtualGroup(1)
     be = vg.backend(0, planner="device")
     buf = Buffer(4, 8, 2, 4, dtype=torch.float32, device=vg.device, backend=be, policy="lean")

@@ -1,11 +1,11 @@
 """Virtual ranks at R = 8 as the first multi-rank work of a fresh process (docs/multi_gpu.md,
 "One GPU, virtual ranks"): the rest of the CUDA suite runs R = 1 first, which would hide a
 first-time step of the CUDA stack that waits for the device while rank 0's barrier spins (the
-primes of symm.VirtualGroup and tests/virtual_ranks.run_threads exist for it).  Each case runs in
+primes of moonep_ops.testing.virtual_ranks.VirtualGroup and run_threads exist for it).  Each case runs in
 its own interpreter with a 6 s barrier timeout and must complete and verify; without the primes
 every case timed out on the H200 (6 of 6 runs); the layer case, whose rank threads run the first
 grouped GEMM while other ranks already spin, also needs the GEMM library loaded before any rank
-starts (symm._prime_libraries).  Skipped without a GPU or libmoonep_ep.so.
+starts (virtual_ranks._prime_libraries).  Skipped without a GPU or libmoonep_ep.so.
 """
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ sys.path.insert(0, {here!r})
 import test_symm_cuda as t
 import test_moe_symm_cuda as m
 from moonep_ops import Buffer
-from moonep_ops.backends import VirtualGroup
-from virtual_ranks import run_threads
+from moonep_ops.testing.virtual_ranks import VirtualGroup, run_threads
 R, case, premove = {R}, {case!r}, {premove}
 vg = VirtualGroup(R)
 if case == "all_remote":
@@ -83,7 +82,7 @@ def test_first_multi_rank_work_of_a_process(R, case, premove):
 def test_virtual_ranks_refuse_lazy_module_loading():
     """With lazy loading any kernel's first launch may wait for a spinning peer: VirtualGroup
     says so at construction instead of timing out later."""
-    src = ("from moonep_ops.backends import VirtualGroup\n"
+    src = ("from moonep_ops.testing.virtual_ranks import VirtualGroup\n"
            "VirtualGroup(1)\n"                       # R = 1 has no peer to wait for
            "try:\n    VirtualGroup(2)\nexcept RuntimeError as e:\n    print('REFUSED', e)\n")
     out, rc = _run_child(src, CUDA_MODULE_LOADING="LAZY")

@@ -6,8 +6,8 @@
 
 Each MoE layer: sigmoid router with renormalised top-K weights (Kimi K2/K3 style), routed
 SwiGLU experts and one shared SwiGLU expert.  The MoonEP build uses ``MoonEPMoE`` over one
-``Buffer``, the baseline ``AllToAllEPMoE`` (moonep_ops/nn/baseline.py); both are loaded from the
-same full weights (``full_weights``), each rank keeping its home experts, so the two builds
+``Buffer``, the baseline ``AllToAllEPMoE`` (moonep_ops/testing/baseline.py); both are loaded from
+the same full weights (``full_weights``), each rank keeping its home experts, so the two builds
 compute the same function.
 
 Routing.  The job sweeps a *controlled* router imbalance: ``ForcedRouter`` keeps the router's
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from moonep_ops.nn.baseline import AllToAllEPMoE
+from moonep_ops.testing.baseline import AllToAllEPMoE
 from moonep_ops.buffer import Buffer
 from moonep_ops.nn.moe import MoonEPMoE
 from moonep_ops.nn.router import Router

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .. import native
 from .base import Backend, DispatchFP8Result, DispatchResult
 from .collective import CollectiveBackend, SingleRankBackend, TorchDistBackend
-from .symm import SymmBackend, SymmetricHeap, TorchSymmetricHeap, VirtualGroup, VirtualHeap
+from .symm import LocalHeap, SymmBackend, SymmetricHeap, TorchSymmetricHeap
 
 KINDS = ("auto", "symm", "torch", "single")
 
@@ -59,12 +59,12 @@ def make_backend(kind: str, group: Optional[dist.ProcessGroup] = None, device=No
 
 def default_heap(group, device: torch.device) -> SymmetricHeap:
     """An initialised process group -> torch symmetric memory (one process per GPU, also for a
-    group of one); no process group -> a one-rank VirtualGroup."""
+    group of one); no process group -> a one-rank LocalHeap."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
-        return VirtualGroup(1, device).heap(0)
+        return LocalHeap(device)
     return TorchSymmetricHeap(group)
 
 
 __all__ = ["Backend", "DispatchResult", "DispatchFP8Result", "CollectiveBackend", "TorchDistBackend",
            "SingleRankBackend", "SymmBackend", "SymmetricHeap", "TorchSymmetricHeap",
-           "VirtualGroup", "VirtualHeap", "make_backend", "resolve_device", "default_heap", "KINDS"]
+           "LocalHeap", "make_backend", "resolve_device", "default_heap", "KINDS"]

@@ -5,8 +5,7 @@
                                           docs/integrations.md)
   moonep_ops.integrations.torchtitan      torchtitan 0.3.0's MoE models: the ``moonep`` override
                                           (needs ``torchtitan``; docs/integrations.md)
-  moonep_ops.integrations.torchtitan_cpu  shims that let torchtitan 0.3.0 run on a CPU-only torch
-                                          over gloo (tests, examples)
 
 Nothing here is imported by ``import moonep_ops``: each integration imports its library.
+torchtitan on a CPU-only torch (tests, examples): moonep_ops.testing.torchtitan_cpu.
 """

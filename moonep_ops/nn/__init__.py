@@ -1,6 +1,5 @@
-"""Modules: the MoonEP MoE layer and its arguments, routers, and the plain all-to-all EP baseline."""
-from .baseline import AllToAllEPMoE
+"""Modules: the MoonEP MoE layer and its arguments, and the router."""
 from .moe import MoEArgs, MoonEPMoE, SwiGLU, bind_moe, moe_layers
 from .router import Router
 
-__all__ = ["MoEArgs", "MoonEPMoE", "SwiGLU", "bind_moe", "moe_layers", "Router", "AllToAllEPMoE"]
+__all__ = ["MoEArgs", "MoonEPMoE", "SwiGLU", "bind_moe", "moe_layers", "Router"]

@@ -58,7 +58,6 @@ from typing import Optional
 import torch
 
 from .. import native
-from ..backends import symm as _symm
 from ..gemm import cost_model as gemm_cost_model
 from ..runtime import current_raw_stream, env, on_device_of, should_validate, sm_count
 from . import fastpath
@@ -842,18 +841,3 @@ def grouped_mm_wgrad_accumulate(dy_MO, x_MI, cu_seqlens_G, grad_local_BOI, grad_
     torch.ops.moonep.grouped_mm_wgrad_accumulate(dy_MO, x_MI, cu_seqlens_G, grad_local_BOI,
                                                  grad_slot_BOI, _config_arg(config, "wgrad"))
 
-
-def _prime_for_virtual_ranks(device: torch.device) -> None:
-    """Load libmoonep_gemm.so and run one small grouped GEMM to completion before virtual ranks
-    start (backends.symm._prime_device): the library's first load waits for the whole device,
-    which a spinning virtual rank keeps busy."""
-    if native.gemm() is None:
-        return
-    x = torch.zeros(256, 128, dtype=torch.bfloat16, device=device)
-    w = torch.zeros(1, 128, 128, dtype=torch.bfloat16, device=device)
-    cu = torch.tensor([128, 256], dtype=torch.int32, device=device)
-    grouped_mm(x, w, w.clone(), cu)
-    torch.cuda.current_stream(device).synchronize()
-
-
-_symm.register_device_prime(_prime_for_virtual_ranks)

@@ -1,5 +1,11 @@
-"""Helpers for tests, benchmarks and the apps: synthetic routings, a skewed router, and the
-dense single-process reference MoE.  Nothing in the library imports this module.
+"""Helpers for tests, benchmarks and the apps; the library never imports this package.
+
+Here: synthetic routings, a skewed router, the dense single-process reference MoE.  Submodules:
+
+  virtual_ranks    VirtualGroup (R ranks of the CUDA backend on one GPU), its primes, run_threads
+  baseline         AllToAllEPMoE, plain all-to-all EP (the main job's comparison)
+  train_step       a training step that compiles as one graph (sgd_step)
+  torchtitan_cpu   shims that let torchtitan 0.3.0 run on a CPU-only torch over gloo
 
 Routings are seeded, on the CPU, int32 [s, K] per rank.  Imbalance is reported as
 maxvio = max_e T_e / mean_e T_e - 1 on the global per-expert counts (0: perfectly balanced;
@@ -13,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import silu
 
-from .nn.router import Router
+from ..nn.router import Router
 
 KINDS = ("uniform", "balanced", "zipf", "hot", "one_expert", "all_remote", "all_local",
          "duplicates", "one_group", "random_sparse")

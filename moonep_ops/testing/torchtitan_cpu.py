@@ -5,7 +5,7 @@ fixes holds).  Call ``install()`` BEFORE anything imports ``torchtitan.models`` 
 ``torchtitan.trainer`` (``moonep_ops.integrations.torchtitan`` included), and wrap the model's
 ``parallelize_fn`` with ``gloo_parallelize``::
 
-    from moonep_ops.integrations import torchtitan_cpu
+    from moonep_ops.testing import torchtitan_cpu
     torchtitan_cpu.install()                      # before torchtitan's models are imported
     import torchtitan.trainer
     spec.parallelize_fn = torchtitan_cpu.gloo_parallelize(spec.parallelize_fn)

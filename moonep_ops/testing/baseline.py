@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 from ..ops import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm)
 from ..ops import swiglu as _sw  # noqa: F401  (registers moonep::swiglu)
-from .moe import SwiGLU, check_backend_dims
-from .router import Router
+from ..nn.moe import SwiGLU, check_backend_dims
+from ..nn.router import Router
 
 
 class _AllToAll(torch.autograd.Function):
