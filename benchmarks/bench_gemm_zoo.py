@@ -32,7 +32,7 @@ clocks, versions; ~1 MB; rewritten after every weight group so a run cut short k
 measured) and gemm_zoo.md (targets, per-(family, EP) table, every case).  The summary printed last:
 ours/torch per direction (all, skewed, min, cases < 0.98), ours/dense at >= 32k rows per rank,
 ours/oracle (all and held out), the selector's cost.  Commit the JSON as
-moonep_ops/gemm/calibration/zoo_<date>.json; benchmarks/fit_gemm_cost_model.py fits on it.
+benchmarks/calibration/zoo_<date>.json; benchmarks/fit_gemm_cost_model.py fits on it.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ DIR/calibration_grouped_gemm.json.  Then fits with benchmarks/fit_gemm_cost_mode
 of the project: deterministic, held-out check, never-lose margin) on that file and rewrites
 --write (default: the package's moonep_ops/gemm/tuning.py).  ``--measure-only`` stops after the
 JSON; ``--from-json FILE`` fits an earlier file without the GPU.  For constants that others can
-reproduce, commit the JSON under moonep_ops/gemm/calibration/ and fit from the committed files
+reproduce, commit the JSON under benchmarks/calibration/ and fit from the committed files
 (fit_gemm_cost_model.py FILE...): CALIBRATION_SOURCES then names them.  The model zoo
 (benchmarks/bench_gemm_zoo.py) is the broader measurement.
 """

@@ -1,7 +1,7 @@
 """Fit the FP8 grouped GEMM's cost model on COMMITTED measurements, check it on held-out shapes,
 write moonep_ops/gemm/tuning_fp8.py.  CPU only (numpy), deterministic.
 
-    python benchmarks/fit_fp8_cost_model.py moonep_ops/gemm/calibration/fp8_zoo_<date>.json \
+    python benchmarks/fit_fp8_cost_model.py benchmarks/calibration/fp8_zoo_<date>.json \
         [--write PATH | --no-write]
 
 Input: fp8_zoo.json files of benchmarks/bench_fp8_gemm.py (every device-choosable config

@@ -2,7 +2,7 @@
 shapes; fit the never-lose rule's margin; write the constants file.  CPU only (numpy + scipy),
 deterministic: the same JSON files give the same constants, whatever the tuning file held before.
 
-    python benchmarks/fit_gemm_cost_model.py moonep_ops/gemm/calibration/zoo_<date>.json \
+    python benchmarks/fit_gemm_cost_model.py benchmarks/calibration/zoo_<date>.json \
         [--write PATH | --no-write] [--report-out FIT.json] [--kinds fwd,dgrad,wgrad_lp] [--keep-margins]
 
 Input: gemm_zoo.json files of benchmarks/bench_gemm_zoo.py (schema moonep-gemm-zoo/1: every config
@@ -10,7 +10,7 @@ forced on every case, torch._grouped_mm, ``held_out`` per histogram case: the zo
 split by model family and EP degree), or calibration_grouped_gemm.json files of
 benchmarks/calibrate_grouped_gemm.py ({peak_tflops, hbm_tbps, data: {kind: [{skew, G, N, K,
 counts, us}]}}; no split there, so ``--holdout-every N`` holds out every N-th case).  Several
-files pool their cases per kind; commit them under moonep_ops/gemm/calibration/ and pass them
+files pool their cases per kind; commit them under benchmarks/calibration/ and pass them
 all: CALIBRATION_SOURCES names them.
 
 Per kind (the model is the library's: cost_model.predict, with the constants of
@@ -480,7 +480,7 @@ def fit_margin(rows, weight: float = LOSS_WEIGHT) -> tuple[float | None, list]:
 TUNING_TEMPLATE = '''"""Fitted constants of the grouped-GEMM cost model (moonep_ops.gemm.cost_model).
 
 WRITTEN BY benchmarks/fit_gemm_cost_model.py from the committed measurements in
-moonep_ops/gemm/calibration/ (CALIBRATION_SOURCES names them); rerun the fit instead of editing.
+benchmarks/calibration/ (CALIBRATION_SOURCES names them); rerun the fit instead of editing.
 docs/grouped_gemm.md, "Cost model" and "Calibration", explains the model and the fit.
 
 PEAK_TFLOPS / HBM_TBPS: the measured dense bf16 ceiling and device-copy bandwidth of the H200;

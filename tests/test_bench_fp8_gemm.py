@@ -22,7 +22,7 @@ import gemm_zoo_cases as zoo  # noqa: E402
 
 from moonep_ops.gemm import fp8_cost, tuning_fp8  # noqa: E402
 
-CALIB = ROOT / "moonep_ops" / "gemm" / "calibration" / "fp8_zoo_2026-12-03.json"
+CALIB = ROOT / "benchmarks" / "calibration" / "fp8_zoo_2026-12-03.json"
 
 
 def test_small_batches():

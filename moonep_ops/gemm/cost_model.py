@@ -31,7 +31,7 @@ wgrad (every non-empty group has the same tile count, but a tile costs ~ M_g):
 
 The constants (eta, bw_frac, tau_sw, tau0, tau_epi per config) live in moonep_ops/gemm/tuning.py and
 are fitted by benchmarks/fit_gemm_cost_model.py on the committed H200 measurements
-(moonep_ops/gemm/calibration/*.json).  The same formulas run on the GPU inside the prep kernel
+(benchmarks/calibration/*.json).  The same formulas run on the GPU inside the prep kernel
 (cutlass_kernels/prep.cu, one warp per config), which is how the op selects a config from
 device-resident counts without a host sync; this module is the reference and the API a user
 asks ("what does the model predict for these counts?").

@@ -1,7 +1,7 @@
 """Fitted constants of the grouped-GEMM cost model (moonep_ops.gemm.cost_model).
 
 WRITTEN BY benchmarks/fit_gemm_cost_model.py from the committed measurements in
-moonep_ops/gemm/calibration/ (CALIBRATION_SOURCES names them); rerun the fit instead of editing.
+benchmarks/calibration/ (CALIBRATION_SOURCES names them); rerun the fit instead of editing.
 docs/grouped_gemm.md, "Cost model" and "Calibration", explains the model and the fit.
 
 PEAK_TFLOPS / HBM_TBPS: the measured dense bf16 ceiling and device-copy bandwidth of the H200;
@@ -27,10 +27,10 @@ NEVER_LOSE_PROBE_TP, NEVER_LOSE_MARGIN[kind]: the never-lose rule (cost_model.fa
 CALIBRATED = True
 # Where each kind's constants come from (a partial refit, --kinds, keeps the others').
 CALIBRATION_SOURCES = {
-    'fwd': 'benchmarks/fit_gemm_cost_model.py on moonep_ops/gemm/calibration/zoo_2026-12-04_no_tail.json + moonep_ops/gemm/calibration/zoo_2026-12-01_families.json (545 training cases, 175 held out)',
-    'dgrad': 'benchmarks/fit_gemm_cost_model.py on moonep_ops/gemm/calibration/zoo_2026-12-04_no_tail.json + moonep_ops/gemm/calibration/zoo_2026-12-01_families.json (545 training cases, 175 held out)',
+    'fwd': 'benchmarks/fit_gemm_cost_model.py on benchmarks/calibration/zoo_2026-12-04_no_tail.json + benchmarks/calibration/zoo_2026-12-01_families.json (545 training cases, 175 held out)',
+    'dgrad': 'benchmarks/fit_gemm_cost_model.py on benchmarks/calibration/zoo_2026-12-04_no_tail.json + benchmarks/calibration/zoo_2026-12-01_families.json (545 training cases, 175 held out)',
     'wgrad': "benchmarks/calibrate_grouped_gemm.py on its calibration set, measured on the H200 2026-11-30 (the fp32 += is not in the model zoo; that run's JSON is not committed)",
-    'wgrad_lp': 'benchmarks/fit_gemm_cost_model.py on moonep_ops/gemm/calibration/zoo_2026-12-01_families.json (285 training cases, 91 held out)',
+    'wgrad_lp': 'benchmarks/fit_gemm_cost_model.py on benchmarks/calibration/zoo_2026-12-01_families.json (285 training cases, 91 held out)',
 }
 CALIBRATION_SOURCE = "; ".join(f"{k}: {v}" for k, v in CALIBRATION_SOURCES.items())
 

@@ -1,7 +1,7 @@
 """Fitted constants of the FP8 grouped-GEMM cost model (moonep_ops.gemm.fp8_cost).
 
 THIS FILE IS REWRITTEN by ``benchmarks/fit_fp8_cost_model.py`` (from the committed measurements
-in moonep_ops/gemm/calibration/fp8_*.json); edit by hand only to seed it.
+in benchmarks/calibration/fp8_*.json); edit by hand only to seed it.
 
 CONSTANTS[config] = (fixed_us, per_round_us, per_kblock_us), for the configs the device chooses
 among (fp8_cost.AUTO_NAMES):
@@ -15,7 +15,7 @@ TIE_TOL: predictions within this fraction of the cheapest tie and go to the lowe
 """
 
 CALIBRATED = True
-CALIBRATION_SOURCE = 'benchmarks/fit_fp8_cost_model.py on moonep_ops/gemm/calibration/fp8_zoo_2026-12-03.json (348 training cases, 112 held out)'
+CALIBRATION_SOURCE = 'benchmarks/fit_fp8_cost_model.py on benchmarks/calibration/fp8_zoo_2026-12-03.json (348 training cases, 112 held out)'
 
 CONSTANTS = {
     'c128x128': (9.02635, 0.81589, 0.46766),
