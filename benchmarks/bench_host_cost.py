@@ -56,7 +56,10 @@ from bench_layer_r1 import SHAPES, LR, build  # noqa: E402
 
 from moonep_ops import native, registry  # noqa: E402
 from moonep_ops.gemm import cost_model  # noqa: E402
-from moonep_ops.testing.train_step import sgd_step  # noqa: E402
+try:
+    from moonep_ops.testing.train_step import sgd_step
+except ImportError:      # a package from before moonep_ops/testing/: the host stage's baseline
+    from moonep_ops.nn.train_step import sgd_step
 from moonep_ops.ops import grouped_mm as gm  # noqa: E402
 from moonep_ops.ops import moe_experts as me  # noqa: E402
 from moonep_ops.ops.moe_experts import ExpertPool  # noqa: E402

@@ -50,7 +50,10 @@ sys.path.insert(0, str(HERE))
 from titan_style_layer import TitanStyleMoE  # noqa: E402
 
 from moonep_ops import Buffer, MoonEPMoE  # noqa: E402
-from moonep_ops.testing.train_step import enable_backward_tracing, sgd_step  # noqa: E402
+try:
+    from moonep_ops.testing.train_step import enable_backward_tracing, sgd_step
+except ImportError:      # a package from before moonep_ops/testing/: the host stage's baseline
+    from moonep_ops.nn.train_step import enable_backward_tracing, sgd_step
 
 # name: (tokens, D, F, E, K): the four shapes of the targets
 SHAPES = {

@@ -17,6 +17,7 @@ import torch
 
 from moonep_ops import Buffer, planner, runtime
 from moonep_ops.ops import grouped_mm as gm
+from moonep_ops.ops import grouped_mm_kernels as gk
 from moonep_ops.ops.swiglu import swiglu, swiglu_backward
 
 
@@ -112,7 +113,7 @@ def test_moe_experts_checks_etc_values_before_staging():
 
 
 def test_gemm_call_constants_follow_env_and_clear(monkeypatch):
-    monkeypatch.setattr(gm, "_workspace_bytes", lambda kid, G, sm: 4096 + G)   # no library here
+    monkeypatch.setattr(gk, "_workspace_bytes", lambda kid, G, sm: 4096 + G)   # no library here
     for v in ("MOONEP_GEMM_FAMILY", "MOONEP_GEMM_CANDIDATES"):
         monkeypatch.delenv(v, raising=False)
     gm.clear_plan_cache()

@@ -132,7 +132,6 @@ def test_library_never_imports_apps_or_test_helpers():
 MAX_LINES = 600
 # Files over MAX_LINES that their owners are splitting now; empty this as they land.
 OVER_MAX_LINES = {
-    "moonep_ops/ops/grouped_mm.py",
     "moonep_ops/planner.py",
 }
 

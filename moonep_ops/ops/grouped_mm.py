@@ -51,25 +51,33 @@ prep kernel, or after it (docs/grouped_gemm.md, "PDL").
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 from typing import Optional
 
 import torch
 
-from .. import native
 from ..gemm import cost_model as gemm_cost_model
-from ..runtime import current_raw_stream, env, on_device_of, should_validate, sm_count
+from ..runtime import should_validate
 from . import fastpath
 from .checks import check_no_overlap
+from . import grouped_mm_kernels as _kernels
+from .grouped_mm_kernels import (_cutlass_wgrad_lp, _nonempty_G11, _ref_fwd, _wgrad_acc_impl,
+                                 backend_for, run_dgrad, run_fwd, run_wgrad_into)
+
+# The backends live in grouped_mm_kernels.py; the names other modules, benchmarks and tests use
+# stay reachable here (the same objects).
+candidate_mask, clear_plan_cache, tail_flags = (_kernels.candidate_mask,
+                                                _kernels.clear_plan_cache, _kernels.tail_flags)
+_launch, _call_constants, _pdl_flag, _bounds = (_kernels._launch, _kernels._call_constants,
+                                                _kernels._pdl_flag, _kernels._bounds)
+_ref_dgrad, _ref_wgrad_acc = _kernels._ref_dgrad, _kernels._ref_wgrad_acc
+_CALLS, _tables = _kernels._CALLS, _kernels._tables
+_KEEP_EMPTY_SLOTS, _PDL, _KEEP_TAIL = _kernels._KEEP_EMPTY_SLOTS, _kernels._PDL, _kernels._KEEP_TAIL
 
 __all__ = [
     "grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad", "grouped_mm_wgrad_accumulate",
     "grouped_mm_wgrad_into",
     "reference_grouped_mm", "backend_for",
 ]
-
-_KIND_ID = {"fwd": 0, "dgrad": 1, "wgrad": 2, "wgrad_lp": 3}
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,358 +201,10 @@ def _check_grads(grad_local, grad_slot, epn, O, I, device, dtype=torch.float32,
             raise ValueError(f"{name} must be contiguous")
 
 
-# --------------------------------------------------------------------------------------------
-# Backend choice (from device and dtype only)
-# --------------------------------------------------------------------------------------------
-
-def _aligned(*dims: int) -> bool:
-    # 16-byte rows for TMA / torch._grouped_mm: bf16 dims must be multiples of 8.
-    return all(d % 8 == 0 and d > 0 for d in dims)
-
-
-def backend_for(t: torch.Tensor, *dims: int) -> str:
-    """'cutlass', 'torch' or 'reference' for data like ``t`` with these feature dims."""
-    if t.device.type != "cuda" or t.dtype != torch.bfloat16 or not _aligned(*dims):
-        return "reference"
-    forced = env("MOONEP_GEMM_BACKEND", "auto").lower()
-    if forced in ("torch", "reference"):
-        return forced
-    if forced == "cutlass" or native.gemm() is not None:
-        return "cutlass"
-    return "torch"
-
-
-# --------------------------------------------------------------------------------------------
-# Reference (any device, any float dtype; reads cu_seqlens on the host)
-# --------------------------------------------------------------------------------------------
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _bounds(cu: torch.Tensor):
-    start = 0
-    for g, end in enumerate(cu.tolist()):
-        yield g, start, end
-        start = max(start, end)
-
-
-def _weight(w_local, w_slot, g):
-    epn = w_local.shape[0]
-    return w_local[g] if g < epn else w_slot[g - epn]
-
-
-def _ref_fwd(x, w_local, w_slot, cu):
-    acc = _acc_dtype(x.dtype)
-    y = x.new_zeros(x.shape[0], w_local.shape[1])
-    for g, s, e in _bounds(cu):
-        if e > s:
-            y[s:e] = (x[s:e].to(acc) @ _weight(w_local, w_slot, g).to(acc).t()).to(y.dtype)
-    return y
-
-
-def _ref_dgrad(dy, w_local, w_slot, cu):
-    acc = _acc_dtype(dy.dtype)
-    dx = dy.new_zeros(dy.shape[0], w_local.shape[2])
-    for g, s, e in _bounds(cu):
-        if e > s:
-            dx[s:e] = (dy[s:e].to(acc) @ _weight(w_local, w_slot, g).to(acc)).to(dx.dtype)
-    return dx
-
-
-def _ref_group_dw(dy, x, cu):
-    """(g, dW_g) for every non-empty group, dW_g in the accumulation dtype."""
-    acc = _acc_dtype(dy.dtype)
-    for g, s, e in _bounds(cu):
-        if e > s:
-            yield g, dy[s:e].to(acc).t() @ x[s:e].to(acc)
-
-
-def _ref_wgrad_acc(dy, x, cu, grad_local, grad_slot):
-    epn = grad_local.shape[0]
-    for g, dw in _ref_group_dw(dy, x, cu):
-        tgt = grad_local[g] if g < epn else grad_slot[g - epn]
-        tgt += dw.to(tgt.dtype)
-
-
 def reference_grouped_mm(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G):
     """Plain per-group loop (fp32 accumulation, fp64 for fp64 inputs); the tests' oracle."""
     _check_fwd(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G, -1)
     return _ref_fwd(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G)
-
-
-# --------------------------------------------------------------------------------------------
-# torch._grouped_mm fallback (CUDA bf16 without the library); sync-free
-# --------------------------------------------------------------------------------------------
-
-def _zero_tail_rows(out: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    # torch._grouped_mm leaves rows past offs[-1] undefined; our contract says zero.
-    rows = torch.arange(out.shape[0], device=out.device, dtype=torch.int32)
-    return out.masked_fill_((rows >= cu[-1])[:, None], 0)
-
-
-def _torch_fwd(x, w_local, w_slot, cu, zero_tail=True):
-    w = torch.cat([w_local, w_slot])                       # [G, O, I]
-    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=cu)
-    return _zero_tail_rows(y, cu) if zero_tail else y
-
-
-def _torch_dgrad(dy, w_local, w_slot, cu, zero_tail=True):
-    w = torch.cat([w_local, w_slot])
-    dx = torch._grouped_mm(dy, w, offs=cu)
-    return _zero_tail_rows(dx, cu) if zero_tail else dx
-
-
-def _ref_wgrad_into(dy, x, cu, grad_local, grad_slot):
-    epn = grad_local.shape[0]
-    grad_local.zero_()                       # empty local groups read 0; empty slots untouched
-    for g, dw in _ref_group_dw(dy, x, cu):
-        (grad_local[g] if g < epn else grad_slot[g - epn]).copy_(dw)
-
-
-def _nonempty_G11(cu: torch.Tensor) -> torch.Tensor:
-    """[G, 1, 1] bool: group g has rows (sync-free, for masking [G, O, I] outputs)."""
-    return (cu.diff(prepend=cu.new_zeros(1)) > 0)[:, None, None]
-
-
-def _torch_wgrad_acc(dy, x, cu, grad_local, grad_slot):
-    # dy^T as a column-major view: the layout for which empty groups are allowed.
-    dw = torch._grouped_mm(dy.t(), x, offs=cu)              # [G, O, I] bf16
-    epn = grad_local.shape[0]
-    grad_local += dw[:epn]
-    grad_slot += dw[epn:]
-
-
-# --------------------------------------------------------------------------------------------
-# CUTLASS (libmoonep_gemm.so)
-# --------------------------------------------------------------------------------------------
-
-_tables: dict[tuple[str, float], ctypes.Array] = {}
-
-
-@functools.lru_cache(maxsize=None)
-def _workspace_bytes(kind_id: int, G: int, sm_count: int) -> int:
-    # Depends on (kind, G, SM count) only; the C side derives it from every config's CUTLASS
-    # arguments, so it is asked once per shape, not on every call.
-    return native.require_gemm().gemm_workspace_bytes(kind_id, G, sm_count)
-
-
-def _tuning_table(kind: str, tie_tol: float):
-    # Built once per process and tie window from gemm_tuning (the file the calibration rewrites).
-    key = (kind, tie_tol)
-    if key not in _tables:
-        vals = gemm_cost_model.tuning_table(kind, tie_tol)
-        _tables[key] = (ctypes.c_float * len(vals))(*vals)
-    return _tables[key]
-
-
-@functools.lru_cache(maxsize=8192)
-def _plan(kind: str, rows: int, groups: int, O: int | None, I: int | None, sm: int | None,
-          family: str, names: str) -> int:
-    cfgs = gemm_cost_model.CONFIGS[kind]
-    if names:
-        wanted = {n.strip() for n in names.split(",") if n.strip()}
-        fams = {c.family for c in cfgs if c.name in wanted}
-        if len(fams) > 1:
-            raise ValueError(f"MOONEP_GEMM_CANDIDATES={names!r} names configs of both families "
-                             f"({sorted(fams)}); one call runs one family's fused kernel")
-    elif O is None or I is None:
-        wanted = set(gemm_cost_model.candidates(kind, rows, groups))
-    else:
-        fam = None if family == "auto" else family
-        if fam == "torch" and gemm_cost_model.torch_config(kind, rows, groups, O, I) is None:
-            fam = "moonep"                                 # wgrad (fp32 +=): no torch family
-        wanted = set(gemm_cost_model.call_candidates(kind, rows, groups, O, I, sm_count=sm,
-                                                     family=fam)[1])
-    mask = sum(1 << i for i, c in enumerate(cfgs) if c.name in wanted)
-    return mask or sum(1 << i for i, c in enumerate(cfgs) if c.family == "moonep")
-
-
-def candidate_mask(kind: str, rows: int, groups: int, O: int | None = None,
-                   I: int | None = None, sm_count: int | None = None) -> int:
-    """Configs the device selector chooses among (bit i = CONFIGS[kind][i]) for a call whose
-    buffer holds ``rows`` rows in ``groups`` groups, of weights [O, I].
-
-    With O and I: the never-lose rule's family (gemm_cost_model.call_candidates, on shapes only;
-    cached per shape): torch._grouped_mm's config for the torch family (one config: the prep
-    kernel skips the model), else the "moonep" candidates of the shape.  Without them: the
-    "moonep" candidates.  The configs of a family are branches of one fused kernel, launched
-    once; a candidate costs only its evaluation in the prep kernel (0.2-0.7 µs).  Env
-    MOONEP_GEMM_FAMILY = moonep | torch forces the family, MOONEP_GEMM_CANDIDATES
-    (comma-separated names, one family) the set."""
-    family = env("MOONEP_GEMM_FAMILY", "auto").strip().lower() or "auto"
-    if family not in ("auto",) + gemm_cost_model.FAMILIES:
-        raise ValueError(f"MOONEP_GEMM_FAMILY must be auto, moonep or torch, got {family!r}")
-    return _plan(kind, int(rows), int(groups), None if O is None else int(O),
-                 None if I is None else int(I), sm_count, family,
-                 env("MOONEP_GEMM_CANDIDATES", ""))
-
-
-def clear_plan_cache() -> None:
-    """Forget the per-shape plans and tuning tables (after changing gemm.tuning's constants in
-    place)."""
-    _plan.cache_clear()
-    _tables.clear()
-    _CALLS.clear()
-
-
-# Per call shape, what _launch passes besides the pointers: (kind id, tuning table, candidate
-# mask, workspace bytes).  Keyed by the shape, the SM count and the two environment switches
-# the mask reads, so a changed switch is a new key; read on every call, built once.
-_CALLS: dict[tuple, tuple] = {}
-_CALLS_MAX = 4096
-
-
-def _call_constants(kind: str, M: int, G: int, O: int, I: int, sm: int) -> tuple:
-    key = (kind, M, G, O, I, sm, env("MOONEP_GEMM_FAMILY", "auto"),
-           env("MOONEP_GEMM_CANDIDATES", ""))
-    c = _CALLS.get(key)
-    if c is None:
-        kid = _KIND_ID[kind]
-        c = (kid, _tuning_table(kind, gemm_cost_model.tie_tolerance(kind, M, G)),
-             candidate_mask(kind, M, G, O, I, sm), _workspace_bytes(kid, G, sm))
-        if len(_CALLS) >= _CALLS_MAX:
-            _CALLS.clear()
-        _CALLS[key] = c
-    return c
-
-
-_KEEP_EMPTY_SLOTS = 1      # moonep_gemm.h MOONEP_GEMM_KEEP_EMPTY_SLOTS
-_PDL = 2                   # moonep_gemm.h MOONEP_GEMM_PDL
-_KEEP_TAIL = 4             # moonep_gemm.h MOONEP_GEMM_KEEP_TAIL (library ABI >= 11)
-
-
-def tail_flags(zero_tail: bool) -> int:
-    """MOONEP_GEMM_KEEP_TAIL when the caller leaves the rows past cu_seqlens[-1] undefined and
-    the library takes the flag (an older library zeroes them: also within the contract)."""
-    return 0 if zero_tail or not native.gemm_keep_tail() else _KEEP_TAIL
-
-
-def _pdl_flag() -> int:
-    # on by default: 1.0-1.5 % gm over the zoo, far fewer calls below 0.98x torch (benchmarks.md)
-    return _PDL if env("MOONEP_GEMM_PDL", "1") not in ("", "0") else 0
-
-
-def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,
-            raster: int = 0, workspace: Optional[torch.Tensor] = None,
-            flags: int = 0) -> torch.Tensor:
-    """Run one CUTLASS grouped GEMM on the current stream; returns the workspace it used.
-    Host work per call: one dict look-up for the shape's constants (_call_constants), the
-    workspace (a fresh allocation: a call in flight or captured in a CUDA graph keeps its
-    own), the raw stream, and the C call."""
-    lib = native.require_gemm()
-    dev = a.device
-    G = 2 * epn
-    sm = sm_count(dev)
-    kid, table, mask, nbytes = _call_constants(kind, M, G, O, I, sm)
-    if workspace is None or workspace.numel() < nbytes:
-        workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    with on_device_of(dev):
-        rc = lib.grouped_gemm(
-            kid, config, raster,
-            a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
-            d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
-            cu.data_ptr(), G, epn, M, O, I, table, mask, flags | _pdl_flag(),
-            workspace.data_ptr(), nbytes, sm, current_raw_stream(dev))
-    if rc:
-        native.gemm_check(rc, f"moonep grouped GEMM ({kind})")
-    return workspace
-
-
-def _cutlass_fwd(x, w_local, w_slot, cu, config, zero_tail=True):
-    M, I = x.shape
-    epn, O, _ = w_local.shape
-    y = torch.empty(M, O, dtype=x.dtype, device=x.device)
-    if M:
-        _launch("fwd", config, x.contiguous(), w_local.contiguous(), w_slot.contiguous(),
-                y, None, cu.contiguous(), epn, M, O, I, flags=tail_flags(zero_tail))
-    return y
-
-
-def _cutlass_dgrad(dy, w_local, w_slot, cu, config, zero_tail=True):
-    M, O = dy.shape
-    epn, _, I = w_local.shape
-    dx = torch.empty(M, I, dtype=dy.dtype, device=dy.device)
-    if M:
-        _launch("dgrad", config, dy.contiguous(), w_local.contiguous(), w_slot.contiguous(),
-                dx, None, cu.contiguous(), epn, M, O, I, flags=tail_flags(zero_tail))
-    return dx
-
-
-def _cutlass_wgrad_acc(dy, x, cu, grad_local, grad_slot, config):
-    M, O = dy.shape
-    I = x.shape[1]
-    epn = grad_local.shape[0]
-    if M:
-        _launch("wgrad", config, dy.contiguous(), x.contiguous(), None, grad_local, grad_slot,
-                cu.contiguous(), epn, M, O, I)
-
-
-def _cutlass_wgrad_into(dy, x, cu, grad_local, grad_slot, config):
-    M, O = dy.shape
-    I = x.shape[1]
-    if M == 0:
-        grad_local.zero_()             # every group is empty; slots stay untouched
-        return
-    _launch("wgrad_lp", config, dy.contiguous(), x.contiguous(), None, grad_local, grad_slot,
-            cu.contiguous(), grad_local.shape[0], M, O, I, flags=_KEEP_EMPTY_SLOTS)
-
-
-def _cutlass_wgrad_lp(dy, x, cu, epn, config):
-    M, O = dy.shape
-    I = x.shape[1]
-    if M == 0:
-        z = torch.zeros(epn, O, I, dtype=dy.dtype, device=dy.device)
-        return z, torch.zeros_like(z)
-    gl = torch.empty(epn, O, I, dtype=dy.dtype, device=dy.device)
-    gs = torch.empty_like(gl)
-    _launch("wgrad_lp", config, dy.contiguous(), x.contiguous(), None, gl, gs, cu.contiguous(),
-            epn, M, O, I)
-    return gl, gs
-
-
-# --------------------------------------------------------------------------------------------
-# The ops' bodies after their checks: the custom ops below call them, and so does
-# moonep::moe_experts, itself one custom op that checks every argument once (the nested
-# dispatcher calls and repeated checks cost ~20-30 us each on the host).
-# --------------------------------------------------------------------------------------------
-
-def run_fwd(x, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
-    """moonep::grouped_mm without its checks (the caller made them)."""
-    O, I = w_local.shape[1], w_local.shape[2]
-    backend = backend_for(x, O, I)
-    if backend == "cutlass":
-        return _cutlass_fwd(x, w_local, w_slot, cu, config, zero_tail)
-    if backend == "torch":
-        return _torch_fwd(x, w_local, w_slot, cu, zero_tail)
-    return _ref_fwd(x, w_local, w_slot, cu)
-
-
-def run_dgrad(dy, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
-    """moonep::grouped_mm_dgrad without its checks (the caller made them)."""
-    O, I = w_local.shape[1], w_local.shape[2]
-    backend = backend_for(dy, O, I)
-    if backend == "cutlass":
-        return _cutlass_dgrad(dy, w_local, w_slot, cu, config, zero_tail)
-    if backend == "torch":
-        return _torch_dgrad(dy, w_local, w_slot, cu, zero_tail)
-    return _ref_dgrad(dy, w_local, w_slot, cu)
-
-
-def run_wgrad_into(dy, x, cu, grad_local, grad_slot, config: int = -1) -> None:
-    """moonep::grouped_mm_wgrad_into without its checks (the caller made them, memory overlap
-    of the written grads with the inputs included)."""
-    backend = backend_for(dy, dy.shape[1], x.shape[1])
-    if backend == "cutlass":
-        _cutlass_wgrad_into(dy, x, cu, grad_local, grad_slot, config)
-    elif backend == "torch":
-        epn = grad_local.shape[0]
-        dw = torch._grouped_mm(dy.t(), x, offs=cu)                       # [G, O, I]
-        full = _nonempty_G11(cu)
-        grad_local.copy_(dw[:epn].masked_fill_(~full[:epn], 0))
-        grad_slot.copy_(torch.where(full[epn:], dw[epn:], grad_slot))
-    else:
-        _ref_wgrad_into(dy, x, cu, grad_local, grad_slot)
 
 
 # --------------------------------------------------------------------------------------------
@@ -613,17 +273,6 @@ def _check_wgrad_alias(op, dy, x, cu, grad_local, grad_slot):
     """Real kernels only (fake tensors have no storage): the grads are written, the rest read."""
     check_no_overlap(op, [("grad_local", grad_local), ("grad_slot", grad_slot)],
                      [("dy", dy), ("x", x), ("cu_seqlens", cu)])
-
-
-def _wgrad_acc_impl(dy, x, cu, grad_local, grad_slot, config):
-    O, I = dy.shape[1], x.shape[1]
-    backend = backend_for(dy, O, I)
-    if backend == "cutlass":
-        _cutlass_wgrad_acc(dy, x, cu, grad_local, grad_slot, config)
-    elif backend == "torch":
-        _torch_wgrad_acc(dy, x, cu, grad_local, grad_slot)
-    else:
-        _ref_wgrad_acc(dy, x, cu, grad_local, grad_slot)
 
 
 @torch.library.custom_op(
