@@ -135,18 +135,28 @@ def test_gemm_call_constants_follow_env_and_clear(monkeypatch):
     assert not gm._CALLS and not gm._tables
 
 
+def _device_geometry():
+    """The device planner's size validation (planner.py, or planner/device.py once split)."""
+    try:
+        from moonep_ops.planner import device
+        return device._geometry
+    except ImportError:
+        return planner._geometry
+
+
 def test_device_planner_size_checks_raise_every_time():
+    geometry = _device_geometry()
     args = (2, 8, 16, 2, 4, 64, 0, 16)                      # R E S K tp NvS rank s
-    geo = planner._geometry(*args)
-    assert planner._geometry(*args) is geo                  # validated once per shape
+    geo = geometry(*args)
+    assert geometry(*args) is geo                           # validated once per shape
     for _ in range(2):
         with pytest.raises(ValueError, match="NvS"):
-            planner._geometry(2, 8, 16, 2, 4, 1, 0, 16)     # NvS too small
+            geometry(2, 8, 16, 2, 4, 1, 0, 16)              # NvS too small
         with pytest.raises(TypeError):
-            planner._geometry(2, 8, 16, True, 4, 64, 0, 16)  # a bool K (True == 1 as a key)
-    planner._geometry(2, 8, 16, 1, 4, 64, 0, 16)
+            geometry(2, 8, 16, True, 4, 64, 0, 16)          # a bool K (True == 1 as a key)
+    geometry(2, 8, 16, 1, 4, 64, 0, 16)
     with pytest.raises(TypeError):
-        planner._geometry(2, 8, 16, True, 4, 64, 0, 16)
+        geometry(2, 8, 16, True, 4, 64, 0, 16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,3 +268,48 @@ def test_gemm_api_entry_keeps_errors_and_versions():
     with _NoopFunctionMode():                                   # through the op
         gm.grouped_mm_wgrad_into(dy, x, cu, ol, os_)
     assert torch.equal(gl, ol) and torch.equal(gs, os_)
+
+
+def test_gemm_launch_through_the_c_prototype(monkeypatch):
+    """_launch's arguments pass ctypes' conversion of the library's real prototype (a Python
+    callback behind a CFUNCTYPE of native.GEMM_PROTOTYPES) with the values the C side reads:
+    the per-shape constants, the raw stream and the PDL flag."""
+    import ctypes
+    from types import SimpleNamespace
+    from moonep_ops import native
+    restype, argtypes = native.GEMM_PROTOTYPES["moonep_grouped_gemm"]
+    seen = []
+
+    def cb(*args):
+        seen.append(args)
+        return 0
+
+    fn = ctypes.CFUNCTYPE(restype, *argtypes)(cb)
+    monkeypatch.setattr(native, "require_gemm", lambda: SimpleNamespace(grouped_gemm=fn))
+    monkeypatch.setattr(gk, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(gk, "current_raw_stream", lambda dev: 0x1234)
+    monkeypatch.setattr(gk, "_workspace_bytes", lambda kid, G, sm: 512)
+    for v in ("MOONEP_GEMM_FAMILY", "MOONEP_GEMM_CANDIDATES", "MOONEP_GEMM_PDL"):
+        monkeypatch.delenv(v, raising=False)
+    gk.clear_plan_cache()
+    epn, M, O, I = 2, 64, 24, 32
+    x = torch.randn(M, I, dtype=torch.bfloat16)
+    wl, ws = torch.randn(epn, O, I, dtype=torch.bfloat16), torch.randn(epn, O, I,
+                                                                       dtype=torch.bfloat16)
+    y = torch.empty(M, O, dtype=torch.bfloat16)
+    cu = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    work = gk._launch("fwd", -1, x, wl, ws, y, None, cu, epn, M, O, I, flags=gk._KEEP_TAIL)
+    (a,) = seen
+    assert a[:3] == (0, -1, 0)                                       # kind, config, raster
+    assert a[3:9] == (x.data_ptr(), wl.data_ptr(), ws.data_ptr(), y.data_ptr(), None,
+                      cu.data_ptr())
+    assert a[9:14] == (2 * epn, epn, M, O, I)
+    table = gk._call_constants("fwd", M, 2 * epn, O, I, 132)[1]
+    assert [a[14][i] for i in range(len(table))] == pytest.approx(list(table))
+    assert a[15] == gk.candidate_mask("fwd", M, 2 * epn, O, I, 132)
+    assert a[16] == gk._KEEP_TAIL | gk._PDL
+    assert a[17:] == (work.data_ptr(), 512, 132, 0x1234) and work.numel() == 512
+    monkeypatch.setenv("MOONEP_GEMM_PDL", "0")
+    gk._launch("fwd", 1, x, wl, ws, y, None, cu, epn, M, O, I, workspace=work)
+    assert seen[1][1] == 1 and seen[1][16] == 0 and seen[1][17] == work.data_ptr()
+    gk.clear_plan_cache()
