@@ -313,3 +313,59 @@ def test_gemm_launch_through_the_c_prototype(monkeypatch):
     gk._launch("fwd", 1, x, wl, ws, y, None, cu, epn, M, O, I, workspace=work)
     assert seen[1][1] == 1 and seen[1][16] == 0 and seen[1][17] == work.data_ptr()
     gk.clear_plan_cache()
+
+
+def test_symm_backend_reads_the_stream_once_per_op(monkeypatch):
+    """The CUDA data plane's launches, on a skeleton SymmBackend with the library replaced by
+    callbacks behind its real prototypes (native.EP_PROTOTYPES): every launch and barrier of
+    one op gets the stream read once for that op, and each barrier its code."""
+    import ctypes
+    from types import SimpleNamespace
+    from moonep_ops import native
+    from moonep_ops.backends import symm
+    from moonep_ops.geometry import GroupSpec
+    calls, reads = [], []
+    fns = {}
+    for name in ("barrier", "publish_ptrs", "combine_recv", "dispatch_send", "dispatch_recv",
+                 "push_weights", "reduce_grads", "zero_slots"):
+        restype, argtypes = native.EP_PROTOTYPES["moonep_ep_" + name]
+        fns["ep_" + name] = ctypes.CFUNCTYPE(restype, *argtypes)(
+            lambda *a, _n=name: calls.append((_n, a)) or 0)
+    monkeypatch.setattr(native, "require_ep", lambda: SimpleNamespace(**fns))
+    monkeypatch.setattr(symm, "current_raw_stream", lambda dev: reads.append(dev) or 0x77)
+    be = object.__new__(symm.SymmBackend)
+    be.spec = GroupSpec(R=1, E=4, S=8, K=2, token_padding=1, D=16, dtype=torch.bfloat16)
+    be.rank, be.world_size, be.device = 0, 1, torch.device("cpu")
+    be.timeout_ns, be.num_sms, be.direct, be.row_bytes = 10 ** 9, 132, True, 32
+    for n in ("sig_peers", "epoch", "err", "ptab", "ptab_peers", "x_stage", "desc",
+              "desc_peers", "wland", "wland_peers", "x_peers"):
+        setattr(be, n, torch.zeros(8, dtype=torch.int64))
+    slots = [torch.zeros(4, 3, 2), torch.zeros(4, 2, 3)]
+    be._sym_peers = {t.data_ptr(): torch.zeros(1, dtype=torch.int64) for t in slots}
+    h, dst = torch.zeros(16, 16, dtype=torch.bfloat16), torch.arange(16, dtype=torch.int32)
+    etc = torch.zeros(1, 4, dtype=torch.int32)
+
+    def run(fn, *args):
+        calls.clear()
+        reads.clear()
+        fn(*args)
+        assert len(reads) == 1, reads                          # one stream read per op
+        assert all(a[-1] == 0x77 for _, a in calls), calls
+        return [(n, a[6] if n == "barrier" else None) for n, a in calls]
+
+    code = native.BARRIER_CODE
+    assert run(be.combine, h, None, dst) == [
+        ("publish_ptrs", None), ("barrier", code["staged"]), ("combine_recv", None),
+        ("barrier", code["gathered"])]
+    assert run(be.dispatch_with_plan, torch.zeros(8, 16, dtype=torch.bfloat16), None, dst, 16) \
+        == [("dispatch_send", None), ("barrier", code["sent"]), ("dispatch_recv", None),
+            ("barrier", code["received"])]
+    assert run(be.prefetch_weight, etc, [torch.zeros(4, 3, 2), torch.zeros(4, 2, 3)], slots) \
+        == [("barrier", code["slots_free"]), ("push_weights", None),
+            ("barrier", code["slots_filled"])]
+    assert run(be.reduce_grad, etc, [torch.zeros(4, 3, 2), torch.zeros(4, 2, 3)], slots) == [
+        ("barrier", code["grads_complete"]), ("reduce_grads", None),
+        ("barrier", code["grads_read"]), ("zero_slots", None)]
+    calls.clear()
+    be.barrier("hist")                                        # alone: reads the stream itself
+    assert calls[0][1][-1] == 0x77 and calls[0][1][6] == code["hist"]
