@@ -200,7 +200,7 @@ def run_shape(name, T, D, F, E, K, dev, modes, rounds, steps, tp, deadline=None)
     def on_batches(step):
         return lambda i: step(*batches[i % 4])
 
-    if "eager" in modes:
+    def eager():
         fns = {n: on_batches(s) for n, s in steps_of.items()}
         for f in fns.values():                      # warm-up: allocator, cuBLAS, library loads
             for i in range(3):
@@ -209,7 +209,8 @@ def run_shape(name, T, D, F, E, K, dev, modes, rounds, steps, tp, deadline=None)
         hs = interleaved(fns, rounds, lambda f: host_ms(f, steps, dev))
         res["eager"] = {n: statistics.median(v) for n, v in ms.items()}
         res["eager_host"] = {n: statistics.median(v) for n, v in hs.items()}
-    if "captured" in modes and dev.type == "cuda":
+
+    def captured():
         x_s = batches[0][0].clone()
         gy_s = batches[0][1].clone()
         graphs = {n: capture(s, x_s, gy_s, dev) for n, s in steps_of.items()}
@@ -231,26 +232,45 @@ def run_shape(name, T, D, F, E, K, dev, modes, rounds, steps, tp, deadline=None)
 
         ms = interleaved(graphs, rounds, replay_ms)
         res["captured"] = {n: statistics.median(v) for n, v in ms.items()}
-        del graphs
-    if "compiled" in modes and deadline is not None and time.monotonic() > deadline:
-        res["skipped"] = "compiled: past --time-limit-s"
-    elif "compiled" in modes:
+
+    def compiled():
         enable_backward_tracing()
         torch._dynamo.reset()
         fns, t_compile = {}, {}
-        for n, s in steps_of.items():
-            cs = torch.compile(s, fullgraph=True)
-            t0 = time.perf_counter()
-            for i in range(3):
-                cs(*batches[i % 4])
-            _sync(dev)
-            t_compile[n] = time.perf_counter() - t0
-            fns[n] = on_batches(cs)
-        ms = interleaved(fns, rounds, lambda f: time_steps(f, steps, dev))
-        res["compiled"] = {n: statistics.median(v) for n, v in ms.items()}
-        res["compile_s"] = t_compile
-        del fns
-        torch._dynamo.reset()
+        try:
+            for n, s in steps_of.items():
+                cs = torch.compile(s, fullgraph=True)
+                t0 = time.perf_counter()
+                for i in range(3):
+                    cs(*batches[i % 4])
+                _sync(dev)
+                t_compile[n] = time.perf_counter() - t0
+                fns[n] = on_batches(cs)
+            ms = interleaved(fns, rounds, lambda f: time_steps(f, steps, dev))
+            res["compiled"] = {n: statistics.median(v) for n, v in ms.items()}
+            res["compile_s"] = t_compile
+        finally:
+            torch._dynamo.reset()
+
+    # Each mode on its own: a mode that fails is reported and the others still run.
+    for mode, run in (("eager", eager), ("captured", captured), ("compiled", compiled)):
+        if mode not in modes or (mode == "captured" and dev.type != "cuda"):
+            continue
+        if mode == "compiled" and deadline is not None and time.monotonic() > deadline:
+            res["skipped"] = "compiled: past --time-limit-s"
+            continue
+        try:
+            run()
+        except Exception as e:                         # noqa: BLE001  (report, go on)
+            traceback.print_exc()
+            res.setdefault("mode_errors", {})[mode] = f"{type(e).__name__}: {e}"
+            print(f"  {name} {mode}: FAILED ({type(e).__name__}: {e})", flush=True)
+            for m in (ours, titan):
+                for p in m.parameters():
+                    p.grad = None
+        finally:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
     ours.buffer.check_errors()
     ours.buffer.destroy()
     return res
@@ -383,6 +403,8 @@ def main(argv=None) -> int:
         results.append(r)
         if "check_failed" in r:
             errors.append(f"{n}: ours and titan disagree: {r['check_failed']}")
+        for mode, err in r.get("mode_errors", {}).items():
+            errors.append(f"{n} {mode}: {err}")
         parts = [f"{m} {r[m]['titan'] / r[m]['ours']:.2f}x" for m in modes if m in r]
         print(f"  {n}: {', '.join(parts)} (titan / ours; max |diff| {r['max_diff']:.2g}; "
               f"{time.perf_counter() - t0:.0f} s"

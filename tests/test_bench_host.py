@@ -93,3 +93,14 @@ def test_titan_style_copy_needs_all_experts():
     with pytest.raises(ValueError, match="holds 4 experts"):
         TitanStyleMoE(16, 8, 8, 2, shared_hidden_dim=8).copy_from(ours)
     ours.buffer.destroy()
+
+
+def test_layer_r1_a_failing_mode_keeps_the_others(tmp_path, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("no compiler here")
+    monkeypatch.setattr(torch, "compile", broken)
+    assert bench_layer_r1.main(["--tiny", "--rounds", "1", "--steps", "1", "--no-hf",
+                                "--modes", "eager,compiled", "--out", str(tmp_path)]) == 1
+    (r,) = json.loads((tmp_path / "layer_r1.json").read_text())["results"]
+    assert r["eager"]["ours"] > 0 and "compiled" not in r
+    assert "no compiler here" in r["mode_errors"]["compiled"]
