@@ -39,7 +39,7 @@ import moonep_ops  # noqa: F401
 from moonep_ops import native
 from moonep_ops import planner as pdv
 from moonep_ops.geometry import Geometry, slack_to_ppm
-from moonep_ops.testing import histogram, make_routing, maxvio
+from moonep_ops.testing import histogram, make_hist_rx, make_routing, maxvio
 
 CONFIGS = [(8, 64, 512, 8, "hot"),
            (8, 384, 8192, 8, "zipf"), (8, 384, 8192, 8, "hot"), (8, 384, 8192, 8, "one_group"),
@@ -171,7 +171,7 @@ def cost_table(a) -> None:
             continue
         tk = routing(kind, R, E, s, K)
         tpe = histogram(tk, E)
-        hist = pdv.make_hist_rx(tpe, s).cuda()
+        hist = make_hist_rx(tpe, s).cuda()
         topk = tk[rank].cuda()
         err = torch.zeros(1, dtype=torch.int32, device="cuda")
         geo0 = Geometry(R=R, E=E, S=s, K=K, token_padding=tp)
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
         tk = routing(kind, R, E, s, K)
         tpe = histogram(tk, E)
         geo = Geometry(R=R, E=E, S=s, K=K, token_padding=tp)
-        hist = pdv.make_hist_rx(tpe, s).cuda()
+        hist = make_hist_rx(tpe, s).cuda()
         topk = tk[rank].cuda()
         err = torch.zeros(1, dtype=torch.int32, device="cuda")
         bufs = pdv.allocate(hist, s, K, R)

@@ -392,7 +392,7 @@ MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void*
 
 // =============================================================================================
 // Device planner (plan_kernels.cu): the planner of policies "moonep" and "cost" on the device,
-// bit-exact with the torch op moonep::plan (moonep_ops/planner.py) for every histogram that
+// bit-exact with the torch op moonep::plan (moonep_ops/planner/) for every histogram that
 // passes validation.  No host synchronisation, no allocation: capturable in a CUDA graph.
 // Algorithm notes: plan_kernels.cu, docs/planner.md.
 // Argument checks (else cudaErrorInvalidValue and a message): 1 <= R <= 1024, E a positive

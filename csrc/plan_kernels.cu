@@ -1,5 +1,5 @@
 // The MoonEP planner on the device (policies "moonep" and "cost"), bit-exact with moonep::plan
-// (moonep_ops/planner.py: plan_group with floor/ceil caps, rank_quotas "max", split_quotas
+// (moonep_ops/planner/: plan_group with floor/ceil caps, rank_quotas "max", split_quotas
 // "max", layout, assign_slots, _rank_outputs; policy "cost": cost_plan, in the section "Policy
 // cost" below, between steps 1 and 2).  docs/planner.md has the algorithm.  Shape letters:
 // docs/architecture.md, "Shape legend"; the local scalars of this file differ: T is the group's
@@ -142,7 +142,7 @@ __host__ __device__ inline size_t group_smem_base(int R, int E) {
 // Policy "cost" (docs/planner.md, planner.cost_plan): MoonEP's plan + kCostLevels level plans.
 // Its shared area (CostSmem, after the group kernel's own): per candidate its quotas, its
 // critical donors and their split's pieces, one row of max(B, R) ints per warp.  Limits
-// (host-checked, planner.py mirrors them): R <= kCostMaxR (two register slots a lane: the
+// (host-checked, planner/device.py mirrors them): R <= kCostMaxR (two register slots a lane: the
 // candidate warps keep every per-rank value in registers) and B <= kCostMaxB (the per-warp rows
 // stay <= 32 KiB; R <= 64 < B's 256).
 constexpr int kCostLevels = 16;                      // planner.COST_LEVELS

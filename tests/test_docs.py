@@ -68,7 +68,7 @@ NOT_REPO_PATHS = {
 # -> fix.  Strict: an entry whose pointer resolves again (or is gone) must be removed.
 PENDING = {
     ("moonep_ops/backends/base.py", "moonep_ops/ops/plan.py"):
-        "the dst encoding is moonep_ops/planner.py's (Plan.dst)",
+        "the dst encoding is moonep_ops/planner/op.py's (Plan.dst)",
     ("moonep_ops/ops/dispatch.py", "moonep.md"):
         "the semantics are docs/data_plane.md, \"Semantics\"",
 }

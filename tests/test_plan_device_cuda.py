@@ -10,7 +10,7 @@ from moonep_ops import native
 from moonep_ops import planner as pdv
 from moonep_ops.geometry import Geometry
 from moonep_ops.planner import plan_group
-from moonep_ops.testing import histogram, make_routing
+from moonep_ops.testing import histogram, make_hist_rx, make_routing
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -21,7 +21,7 @@ NAMES = ("dst", "cu_seqlens", "experts_to_copy", "zero_fill", "remote_stats")
 
 
 def _hist_rx(tk, E, total):
-    return pdv.make_hist_rx(histogram(tk, E), [int(t.shape[0]) for t in tk], total)
+    return make_hist_rx(histogram(tk, E), [int(t.shape[0]) for t in tk], total)
 
 
 def _cases():

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 import moonep_ops as m
 from moonep_ops.geometry import Geometry
 from moonep_ops.planner import plan_group, replication_cost
-from moonep_ops.testing import KINDS, histogram, make_routing
+from moonep_ops.testing import KINDS, histogram, make_hist_rx, make_routing
 from planner_checks import plan_violations
 from planner_reference import encode_dst, reference_plan
 
@@ -327,7 +327,7 @@ def test_validation_can_be_disabled(monkeypatch):
 
 @pytest.mark.parametrize("policy", ["moonep", "lean"])
 def test_plan_from_rows_off_cuda_is_the_torch_planner(policy):
-    """plan_device.plan_from_rows (both data-plane backends' planner choice) on CPU rows: the
+    """planner.plan_from_rows (both data-plane backends' planner choice) on CPU rows: the
     torch planner's plan, reported as not made on the device; clamp_ids clamps ids that a
     histogram kernel flagged as bad (here: one id past E, counted as E-1 in the rows)."""
     import types
@@ -338,13 +338,13 @@ def test_plan_from_rows_off_cuda_is_the_torch_planner(policy):
     buf = types.SimpleNamespace(R=R, E=E, S=s, token_padding=tp, policy=policy,
                                 NvS=Geometry(R=R, E=E, S=s, K=K, token_padding=tp).NvS)
     err = torch.zeros(1, dtype=torch.int32)
-    rows = pdv.make_hist_rx(histogram(tk, E), s)
+    rows = make_hist_rx(histogram(tk, E), s)
     out, on_device = pdv.plan_from_rows(rows, tk[1], 1, buf, -1, err)
     ref = torch.ops.moonep.plan(rows[:, :E].contiguous(), tk[1], 1, R, s, tp, -1, policy)
     assert not on_device and all(torch.equal(a, b) for a, b in zip(out, ref))
     bad = tk[1].clone()
     bad[0, 0] = E + 5
-    rows_c = pdv.make_hist_rx(histogram([t if r != 1 else bad.clamp(0, E - 1)
+    rows_c = make_hist_rx(histogram([t if r != 1 else bad.clamp(0, E - 1)
                                          for r, t in enumerate(tk)], E), s)
     with pytest.raises(ValueError, match="expert ids"):
         pdv.plan_from_rows(rows_c, bad, 1, buf, -1, err)

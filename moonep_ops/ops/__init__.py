@@ -14,7 +14,7 @@ with its schema, fake kernel, CPU reference, kernel binding and autograd:
   swiglu.py          moonep::swiglu, swiglu_backward
   moe_experts.py     moonep::moe_experts, moe_experts_backward; ExpertPool
   moe_experts_fp8.py moonep::moe_experts_fp8, moe_experts_fp8_backward
-The planner op moonep::plan lives in moonep_ops/planner.py, below the backends that call it.
+The planner op moonep::plan lives in moonep_ops/planner/op.py, below the backends that call it.
 Importing ``moonep_ops`` registers them all.
 """
 from . import (dispatch, expert_weights, grouped_mm, grouped_mm_fp8, moe_experts,  # noqa: F401

@@ -99,6 +99,18 @@ def histogram(topk_per_rank: Sequence[Tensor], E: int) -> Tensor:
                         for t in topk_per_rank]).to(torch.int32)
 
 
+def make_hist_rx(tpe_RE: Tensor, s_per_rank, total_num_tokens: Optional[int] = None,
+                 bad_flags=None) -> Tensor:
+    """The [R, E+3] gathered rows the device planner reads (histogram, bad flag, s, total) from
+    an [R, E] histogram, on its device."""
+    R = tpe_RE.shape[0]
+    sizes = [s_per_rank] * R if isinstance(s_per_rank, int) else list(s_per_rank)
+    tot = -1 if total_num_tokens is None else total_num_tokens
+    bad = [0] * R if bad_flags is None else list(bad_flags)
+    meta = torch.tensor([[bad[r], sizes[r], tot] for r in range(R)], dtype=torch.int32)
+    return torch.cat([tpe_RE.to(torch.int32).cpu(), meta], dim=1).contiguous().to(tpe_RE.device)
+
+
 def routing_for_maxvio(target: float, R: int, E: int, s: int, K: int, *, seed: int = 0,
                        tol: Optional[float] = None) -> list[Tensor]:
     """A 'hot' routing whose measured maxvio is close to target (bisection on the hot factor)."""
