@@ -382,34 +382,35 @@ class SymmBackend(Backend):
         self.barrier("gathered", stream)   # peers have read this rank's rows before their reuse
         return y, w_sK
 
-    def _table(self, local, slots, what):
+    def _slot_exchange(self, what, kernel, before, after, etc_RB, local, slots, *dtype):
+        """Barrier ``before``, the kernel over every (home tensor, slot tensor) pair, barrier
+        ``after``.  Returns (n, row bytes, stream) for a follow-up launch."""
         n = len(local)
         lp = _ptrs([t.data_ptr() for t in local])
         pp = _ptrs([self._peers_of(t, what).data_ptr() for t in slots])
         rb = (ctypes.c_int64 * n)(*[_row_bytes(t) for t in local])
-        return n, lp, pp, rb
+        stream = self._stream()
+        self.barrier(before, stream)
+        _call(kernel, n, lp, pp, rb, etc_RB.data_ptr(), self.spec.R, self.spec.epn, self.rank,
+              self.err.data_ptr(), self.num_sms, *dtype, stream)
+        self.barrier(after, stream)
+        return n, rb, stream
 
     def prefetch_weight(self, etc_RB, local, slots):
-        if not local:
-            return
-        spec = self.spec
-        n, lp, pp, rb = self._table(local, slots, "prefetch_weight")
-        stream = self._stream()
-        self.barrier("slots_free", stream)    # peers are done with the slots' previous contents
-        _call("push_weights", n, lp, pp, rb, etc_RB.data_ptr(), spec.R, spec.epn, self.rank,
-              self.err.data_ptr(), self.num_sms, stream)
-        self.barrier("slots_filled", stream)  # every slot filled before anyone computes with it
+        # slots_free: peers are done with the slots' previous contents; slots_filled: every slot
+        # is filled before anyone computes with it
+        if local:
+            self._slot_exchange("prefetch_weight", "push_weights", "slots_free", "slots_filled",
+                                etc_RB, local, slots)
 
     def reduce_grad(self, etc_RB, local, slots):
+        # grads_complete: every rank's slot grads are complete; grads_read: every owner has read
+        # the slots, which are zeroed then
         if not local:
             return
-        spec = self.spec
-        n, lp, pp, rb = self._table(local, slots, "reduce_grad")
-        stream = self._stream()
-        self.barrier("grads_complete", stream)    # every rank's slot grads are complete
-        _call("reduce_grads", n, lp, pp, rb, etc_RB.data_ptr(), spec.R, spec.epn, self.rank,
-              self.err.data_ptr(), self.num_sms, _DTYPE_CODE[local[0].dtype], stream)
-        self.barrier("grads_read", stream)        # every owner has read the slots
+        n, rb, stream = self._slot_exchange("reduce_grad", "reduce_grads", "grads_complete",
+                                            "grads_read", etc_RB, local, slots,
+                                            _DTYPE_CODE[local[0].dtype])
         sp = _ptrs([t.data_ptr() for t in slots])
-        _call("zero_slots", n, sp, rb, etc_RB.data_ptr(), spec.epn, self.rank, self.num_sms,
+        _call("zero_slots", n, sp, rb, etc_RB.data_ptr(), self.spec.epn, self.rank, self.num_sms,
               stream)
