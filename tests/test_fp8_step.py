@@ -154,7 +154,7 @@ def test_cache_argument_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# the layer: MoEArgs(precision="fp8") uses both, by default
+# the layer: MoEArgs(precision="fp8", fp8_weight_cache=..., fp8_wgrad=...) (both opt-in for now)
 # ---------------------------------------------------------------------------------------------
 
 def _train(cache: bool, attach: bool = False, steps=3, micro=2):
@@ -182,7 +182,8 @@ def _train(cache: bool, attach: bool = False, steps=3, micro=2):
 
 def test_layer_defaults_and_training_never_reads_a_stale_weight():
     from moonep_ops.nn.moe import MoEArgs
-    assert MoEArgs().fp8_weight_cache and MoEArgs().fp8_wgrad
+    # off by default until the CUDA layer matches its CPU reference (tests/test_fp8_wgrad_cuda.py)
+    assert not MoEArgs().fp8_weight_cache and not MoEArgs().fp8_wgrad
     ref, none = _train(cache=False)
     assert none is None
     got, cache = _train(cache=True)
@@ -201,7 +202,8 @@ def test_layer_cache_is_state_free_and_checked():
     from moonep_ops.nn.moe import MoEArgs, MoonEPMoE
     buf = Buffer(S, D, K, E, token_padding=TP, dtype=BF16)
     try:
-        layer = make_layer(buf, "fp8")
+        assert make_layer(buf, "fp8").fp8_cache is None          # opt-in
+        layer = make_layer(buf, "fp8", fp8_weight_cache=True)
         assert isinstance(layer.fp8_cache, FP8WeightCache)
         assert not [k for k in layer.state_dict() if "fp8_cache" in k]
         assert layer.fp8_cache.nbytes() == sum(b.numel() * b.element_size()

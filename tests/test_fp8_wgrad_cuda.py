@@ -408,7 +408,17 @@ def _layer_grads(device, fp8_wgrad, cache):
         buf.destroy()
 
 
-@pytest.mark.parametrize("fp8_wgrad,cache", [(True, True), (True, False), (False, True)])
+# Measured on an H100 (2026-12-06, commit 5b0e88f): the three opt-in cases give the layer's
+# output 0.74-0.78 relative error against the CPU reference (the forward already, so a weight
+# quantisation path shared by the cache and the FP8 wgrad is the first suspect); both options are
+# off by default until these pass.  (False, False) is the control: the default FP8 layer.
+_BROKEN = pytest.mark.xfail(strict=True, reason="CUDA FP8 layer with the weight cache or the FP8 "
+                            "wgrad disagrees with the CPU reference (H100, 2026-12-06)")
+
+
+@pytest.mark.parametrize("fp8_wgrad,cache", [
+    pytest.param(True, True, marks=_BROKEN), pytest.param(True, False, marks=_BROKEN),
+    pytest.param(False, True, marks=_BROKEN), (False, False)])
 def test_fp8_layer_cuda_matches_cpu_reference(fp8_wgrad, cache):
     _triton()
     if fp8_wgrad and _LIB is None:
