@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -40,6 +39,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from . import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 LIB_DIR = Path(__file__).resolve().parent / "lib"
@@ -51,7 +52,7 @@ NVCC_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "-Xco
 
 
 def cutlass_includes() -> list[Path]:
-    env = os.environ.get("CUTLASS_INCLUDE")
+    env = settings.get("CUTLASS_INCLUDE")
     if env:
         inc = Path(env)
         util = inc.parent / "tools" / "util" / "include"
@@ -65,7 +66,7 @@ def cutlass_includes() -> list[Path]:
 
 
 def nvcc() -> str:
-    exe = os.environ.get("NVCC") or shutil.which("nvcc")
+    exe = settings.get("NVCC") or shutil.which("nvcc")
     if not exe:
         raise SystemExit("nvcc not found (set NVCC or put it on PATH)")
     return exe

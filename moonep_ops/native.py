@@ -22,11 +22,12 @@ Environment:
 from __future__ import annotations
 
 import ctypes
-import os
 from ctypes import POINTER, c_char_p, c_float, c_int, c_int64, c_longlong, c_size_t, c_void_p
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
+
+from . import settings
 
 # Bumped with every exported signature change; the library reports its own value, and a mismatch
 # makes the library "not loadable" rather than risking a call with the wrong arguments.
@@ -176,7 +177,7 @@ class NativeLibraryMissing(RuntimeError):
 
 
 def lib_dir() -> Path:
-    return Path(os.environ.get("MOONEP_LIB_DIR", Path(__file__).resolve().parent / "lib"))
+    return Path(settings.get("MOONEP_LIB_DIR") or Path(__file__).resolve().parent / "lib")
 
 
 class _Lib:
@@ -200,7 +201,7 @@ class _Lib:
         if self._tried:
             return self._fns
         self._tried = True
-        if os.environ.get("MOONEP_DISABLE_NATIVE", "0") not in ("", "0"):
+        if settings.flag("MOONEP_DISABLE_NATIVE"):
             self.error = "disabled by MOONEP_DISABLE_NATIVE"
             return None
         path = lib_dir() / self.file

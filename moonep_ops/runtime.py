@@ -1,37 +1,14 @@
-"""Run-time switches (environment-driven) and the few constants that are not tuned numbers.
-
-MOONEP_VALIDATE  auto (default): value checks (expert ids in range, histogram == bincount(topk),
-                 row sums) run for CPU tensors only, since on CUDA they need a host sync;
-                 1: also on CUDA outside CUDA-graph capture (debugging); 0: never.
+"""What the launchers need of the running process: SM counts, the raw current stream, the
+current device, and whether value checks run (``MOONEP_VALIDATE``, moonep_ops/settings.py).
 Shape, dtype and device checks always run: they read no data.
-
-The ops read their switches on every call (tests and users change them at run time), through
-``env``: ``os.environ.get`` raises and catches a KeyError for every unset name, ~1 us each, and
-a grouped GEMM call read four of them.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import settings
 
 _SM_COUNTS: dict[int, int] = {}
-_ENV_KEYS: dict[str, bytes] = {}
-
-
-def env(name: str, default: str) -> str:
-    """``os.environ.get(name, default)``, without the exception on a miss: on POSIX it reads
-    the bytes mapping that os.environ keeps in step with every set and delete (monkeypatch and
-    ``os.environ[...] = v`` included); elsewhere, or if that mapping is not there, os.environ."""
-    data = getattr(os.environ, "_data", None)
-    if os.name != "posix" or not isinstance(data, dict):
-        return os.environ.get(name, default)
-    key = _ENV_KEYS.get(name)
-    if key is None:
-        key = _ENV_KEYS[name] = os.fsencode(name)
-    v = data.get(key)
-    return default if v is None else os.fsdecode(v)
 
 
 def sm_count(device: torch.device) -> int:
@@ -43,7 +20,7 @@ def sm_count(device: torch.device) -> int:
 
 
 def validate_mode() -> str:
-    return env("MOONEP_VALIDATE", "auto").lower()
+    return settings.get("MOONEP_VALIDATE").lower()
 
 
 def should_validate(t: torch.Tensor) -> bool:

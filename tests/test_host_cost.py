@@ -1,6 +1,6 @@
 """What the host-cost work of the hot path keeps (CPU): the shortcuts change no behaviour.
 
-* runtime.env reads the environment as os.environ.get does, changes at run time included;
+* settings.get reads the environment as os.environ.get does, changes at run time included;
 * moonep::moe_experts and its backward make no nested op calls (their GEMMs, SwiGLU, prefetch
   and reduce run as plain calls after one set of checks; a profiler still shows them by the
   ops' names), and their results equal the op-by-op composition;
@@ -15,22 +15,26 @@ import os
 import pytest
 import torch
 
-from moonep_ops import Buffer, planner, runtime
+from moonep_ops import Buffer, planner, runtime, settings
 from moonep_ops.ops import grouped_mm as gm
 from moonep_ops.ops import grouped_mm_kernels as gk
 from moonep_ops.ops.swiglu import swiglu, swiglu_backward
 
 
-def test_env_matches_os_environ(monkeypatch):
-    name = "MOONEP_TEST_HOST_COST_SWITCH"
+def test_settings_read_the_environment_as_os_environ_does(monkeypatch):
+    name = "MOONEP_GEMM_FAMILY"                             # a declared switch, default "auto"
     monkeypatch.delenv(name, raising=False)
-    assert runtime.env(name, "auto") == os.environ.get(name, "auto") == "auto"
+    assert settings.get(name) == os.environ.get(name, "auto") == "auto"
     monkeypatch.setenv(name, "torch")
-    assert runtime.env(name, "auto") == "torch"
+    assert settings.get(name) == "torch"
     os.environ[name] = ""                                   # set but empty: not the default
-    assert runtime.env(name, "auto") == os.environ.get(name, "auto") == ""
+    assert settings.get(name) == os.environ.get(name, "auto") == ""
     del os.environ[name]
-    assert runtime.env(name, "x") == "x"
+    assert settings.get(name) == "auto"
+    with pytest.raises(KeyError):                           # every switch is declared
+        settings.get("MOONEP_NOT_A_SWITCH")
+    monkeypatch.setenv("MOONEP_GEMM_PDL", "0")
+    assert not settings.flag("MOONEP_GEMM_PDL")
     monkeypatch.setenv("MOONEP_VALIDATE", "0")
     assert runtime.validate_mode() == "0" and not runtime.should_validate(torch.empty(1))
 

@@ -12,7 +12,8 @@ PKG = ROOT / "moonep_ops"
 
 # Lower layers never import higher ones (a module may import its own layer and below).
 LAYERS = [
-    {"moonep_ops.geometry", "moonep_ops.runtime", "moonep_ops.native", "moonep_ops.registry"},
+    {"moonep_ops.settings", "moonep_ops.geometry", "moonep_ops.runtime", "moonep_ops.native",
+     "moonep_ops.registry"},
     {"moonep_ops.planner"},
     {"moonep_ops.backends"},
     {"moonep_ops.ops", "moonep_ops.gemm"},
@@ -132,6 +133,22 @@ def test_library_never_imports_apps_or_test_helpers():
 MAX_LINES = 600
 # Files over MAX_LINES that their owners are splitting now (empty: none).
 OVER_MAX_LINES: set[str] = set()
+
+
+def test_environment_read_only_by_the_settings_module():
+    """Every environment switch is declared in moonep_ops/settings.py and read through it."""
+    bad = []
+    for f in sorted(PKG.rglob("*.py")):
+        if f.name == "settings.py" and f.parent == PKG:
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if re.search(r"\bos\.environ\b|\bgetenv\(|\bos\.putenv\(", code):
+                bad.append(f"{f.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not bad, "read the environment through moonep_ops.settings:\n" + "\n".join(bad)
+    from moonep_ops.settings import SWITCHES
+    api = (ROOT / "docs" / "api.md").read_text()
+    assert not [n for n in SWITCHES if f"| `{n}` |" not in api], "docs/api.md lists every switch"
 
 
 def test_no_file_over_max_lines():

@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import abc
 import ctypes
-import os
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .. import native
+from .. import settings
 from ..geometry import GroupSpec, ceil_div
 from ..runtime import current_raw_stream
 from .. import planner as _plan
@@ -55,7 +55,7 @@ from .base import Backend, DispatchFP8Result, DispatchResult
 from .collective import _row_bytes
 
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
-DEFAULT_TIMEOUT_S = float(os.environ.get("MOONEP_BARRIER_TIMEOUT_S", "60"))
+DEFAULT_TIMEOUT_S = float(settings.get("MOONEP_BARRIER_TIMEOUT_S"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class SymmBackend(Backend):
         self.timeout_ns = int((DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s) * 1e9)
         # "device": csrc/plan_kernels.cu (policies moonep, cost); "torch": moonep::plan on device
         # tensors
-        planner = planner or os.environ.get("MOONEP_PLANNER", "auto")
+        planner = planner or settings.get("MOONEP_PLANNER")
         if planner not in ("auto", "device", "torch"):
             raise ValueError(f"planner must be 'auto', 'device' or 'torch', got {planner!r}")
         self.planner = planner
@@ -181,7 +181,7 @@ class SymmBackend(Backend):
         # may hand to another stream's tensor as soon as the op returns (seen on the H200 with
         # virtual ranks: a peer summed another rank's fp32 temporary).  The reader of a
         # one-rank group is its own stream, so stream order protects the block.
-        combine = combine or os.environ.get("MOONEP_COMBINE", "auto")
+        combine = combine or settings.get("MOONEP_COMBINE")
         if combine not in ("auto", "stage", "direct"):
             raise ValueError(f"combine must be 'auto', 'stage' or 'direct', got {combine!r}")
         one = heap.world_size == 1 and heap.shared_address_space

@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 from torch import Tensor
 
 from .. import native
+from .. import settings
 from ..gemm import fp8_cost
 from ..runtime import sm_count
 # _pdl_flag: the bf16 ops' MOONEP_GEMM_PDL switch, on by default here too (1.020 gm, fp8.md)
@@ -114,7 +114,7 @@ def backend_for_fp8(t: Tensor) -> str:
     """'cutlass' or 'reference' for data like ``t`` (device and environment only)."""
     if t.device.type != "cuda":
         return "reference"
-    if os.environ.get("MOONEP_GEMM_BACKEND", "auto").lower() == "reference":
+    if settings.get("MOONEP_GEMM_BACKEND").lower() == "reference":
         return "reference"
     # explicit ABI check (native.py): a library of ABI < GEMM_FP8_ABI_VERSION, or one that lacks
     # the FP8 exports, serves the bf16 GEMMs only
@@ -166,7 +166,7 @@ def _tuning_table():
 
 
 def _config_from_env() -> int:
-    return fp8_cost.config_index(os.environ.get("MOONEP_GEMM_FP8_CONFIG") or None)
+    return fp8_cost.config_index(settings.get("MOONEP_GEMM_FP8_CONFIG") or None)
 
 
 def _launch(aq, as_, bl, bls, bs, bss, cu, epn, M, n, k, config=None,

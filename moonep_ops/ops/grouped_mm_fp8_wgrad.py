@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 from torch import Tensor
 
 from .. import native
+from .. import settings
 from ..gemm import fp8_wgrad_cost
 from ..runtime import sm_count
 from . import quantize_fp8 as qf
@@ -150,7 +150,7 @@ def _epn_of(grad_local) -> int:
 def backend_for_fp8_wgrad(t: Tensor) -> str:
     if t.device.type != "cuda":
         return "reference"
-    if os.environ.get("MOONEP_GEMM_BACKEND", "auto").lower() == "reference":
+    if settings.get("MOONEP_GEMM_BACKEND").lower() == "reference":
         return "reference"
     return "cutlass" if native.gemm_fp8_wgrad() is not None else "reference"
 
@@ -211,7 +211,7 @@ def _tuning_table():
 
 
 def _pdl_flag() -> int:
-    return _PDL if os.environ.get("MOONEP_GEMM_PDL", "1") not in ("", "0") else 0
+    return _PDL if settings.flag("MOONEP_GEMM_PDL") else 0
 
 
 def _launch(dyT, dys, xT, xs, cu, grad_local, grad_slot, keep_empty_slots: bool,
@@ -220,7 +220,7 @@ def _launch(dyT, dys, xT, xs, cu, grad_local, grad_slot, keep_empty_slots: bool,
     that ran, written on the device).  ``config``: None (MOONEP_GEMM_FP8_WGRAD_CONFIG, else
     the device's choice), a name or an index; ``pdl``: None (MOONEP_GEMM_PDL) or forced."""
     lib = native.require_gemm_fp8_wgrad()
-    env = os.environ.get("MOONEP_GEMM_FP8_WGRAD_CONFIG") or None
+    env = settings.get("MOONEP_GEMM_FP8_WGRAD_CONFIG") or None
     cfg = fp8_wgrad_cost.config_index(env if config is None else config)
     dev = dyT.device
     epn, O, I = grad_local.shape

@@ -21,7 +21,8 @@ import torch
 
 from .. import native
 from ..gemm import cost_model as gemm_cost_model
-from ..runtime import current_raw_stream, env, on_device_of, sm_count
+from .. import settings
+from ..runtime import current_raw_stream, on_device_of, sm_count
 
 _KIND_ID = {"fwd": 0, "dgrad": 1, "wgrad": 2, "wgrad_lp": 3}
 
@@ -39,7 +40,7 @@ def backend_for(t: torch.Tensor, *dims: int) -> str:
     """'cutlass', 'torch' or 'reference' for data like ``t`` with these feature dims."""
     if t.device.type != "cuda" or t.dtype != torch.bfloat16 or not _aligned(*dims):
         return "reference"
-    forced = env("MOONEP_GEMM_BACKEND", "auto").lower()
+    forced = settings.get("MOONEP_GEMM_BACKEND").lower()
     if forced in ("torch", "reference"):
         return forced
     if forced == "cutlass" or native.gemm() is not None:
@@ -199,12 +200,12 @@ def candidate_mask(kind: str, rows: int, groups: int, O: int | None = None,
     once; a candidate costs only its evaluation in the prep kernel (0.2-0.7 µs).  Env
     MOONEP_GEMM_FAMILY = moonep | torch forces the family, MOONEP_GEMM_CANDIDATES
     (comma-separated names, one family) the set."""
-    family = env("MOONEP_GEMM_FAMILY", "auto").strip().lower() or "auto"
+    family = settings.get("MOONEP_GEMM_FAMILY").strip().lower() or "auto"
     if family not in ("auto",) + gemm_cost_model.FAMILIES:
         raise ValueError(f"MOONEP_GEMM_FAMILY must be auto, moonep or torch, got {family!r}")
     return _plan(kind, int(rows), int(groups), None if O is None else int(O),
                  None if I is None else int(I), sm_count, family,
-                 env("MOONEP_GEMM_CANDIDATES", ""))
+                 settings.get("MOONEP_GEMM_CANDIDATES"))
 
 
 def clear_plan_cache() -> None:
@@ -223,8 +224,8 @@ _CALLS_MAX = 4096
 
 
 def _call_constants(kind: str, M: int, G: int, O: int, I: int, sm: int) -> tuple:
-    key = (kind, M, G, O, I, sm, env("MOONEP_GEMM_FAMILY", "auto"),
-           env("MOONEP_GEMM_CANDIDATES", ""))
+    key = (kind, M, G, O, I, sm, settings.get("MOONEP_GEMM_FAMILY"),
+           settings.get("MOONEP_GEMM_CANDIDATES"))
     c = _CALLS.get(key)
     if c is None:
         kid = _KIND_ID[kind]
@@ -249,7 +250,7 @@ def tail_flags(zero_tail: bool) -> int:
 
 def _pdl_flag() -> int:
     # on by default: 1.0-1.5 % gm over the zoo, far fewer calls below 0.98x torch (benchmarks.md)
-    return _PDL if env("MOONEP_GEMM_PDL", "1") not in ("", "0") else 0
+    return _PDL if settings.flag("MOONEP_GEMM_PDL") else 0
 
 
 def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,

@@ -60,12 +60,12 @@ None of the ops is differentiable: quantisation sits inside the FP8 ops' own bac
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
 
 from ..geometry import ceil_div
+from .. import settings
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0                     # torch.finfo(torch.float8_e4m3fn).max
@@ -292,7 +292,7 @@ def _check_swiglu(g, u, pow2) -> None:
 def _kernels(t: Tensor):
     """quantize_fp8_triton for a CUDA tensor when Triton imports, else None (the reference).
     Env MOONEP_FP8_QUANT=reference forces the reference on CUDA."""
-    if t.device.type != "cuda" or os.environ.get("MOONEP_FP8_QUANT", "auto").lower() == "reference":
+    if t.device.type != "cuda" or settings.get("MOONEP_FP8_QUANT").lower() == "reference":
         return None
     try:
         from . import quantize_fp8_triton

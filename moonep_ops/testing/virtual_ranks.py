@@ -18,7 +18,6 @@ measurements.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 import traceback
 
@@ -26,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from .. import settings
 from ..backends.symm import SymmBackend, SymmetricHeap
 from ..ops.grouped_mm import grouped_mm
 
@@ -40,7 +40,7 @@ def _module_loading_is_lazy() -> bool:
     try:
         rc = ctypes.CDLL("libcuda.so.1").cuModuleGetLoadingMode(ctypes.byref(mode))
     except (OSError, AttributeError):          # no driver API to ask: assume the env var holds
-        return os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER"
+        return settings.get("CUDA_MODULE_LOADING").upper() != "EAGER"
     return rc == 0 and mode.value == _CU_MODULE_LAZY_LOADING
 
 

@@ -1,0 +1,84 @@
+"""Every environment switch of moonep_ops, declared once: name, default, values, what it does.
+
+The library reads the environment only here (tests/test_layout.py enforces it), through ``get``,
+which refuses an undeclared name.  Switches are read on every use, not cached at import: tests
+and users change them at run time.  docs/api.md ("Environment switches") lists the same table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    name: str
+    default: str
+    values: str
+    what: str
+
+
+SWITCHES = {s.name: s for s in (
+    Switch("MOONEP_VALIDATE", "auto", "auto / 1 / 0",
+           "value checks (expert ids in range, histogram == bincount(topk), row sums): auto runs "
+           "them on CPU tensors only (on CUDA they need a host sync), 1 also on CUDA outside "
+           "CUDA-graph capture, 0 never; shape, dtype and device checks always run"),
+    Switch("MOONEP_GEMM_BACKEND", "auto", "auto / cutlass / torch / reference",
+           "force the grouped GEMMs' backend among those the data allows (the FP8 GEMMs: "
+           "reference or auto)"),
+    Switch("MOONEP_GEMM_FAMILY", "auto", "auto / moonep / torch",
+           "force the bf16 GEMM's kernel family instead of the device-side selector's choice"),
+    Switch("MOONEP_GEMM_CANDIDATES", "", "name,name,...",
+           "narrow the bf16 GEMM's candidate configs (one family)"),
+    Switch("MOONEP_GEMM_PDL", "1", "1 / 0",
+           "programmatic dependent launch of the GEMM kernels after their prep kernel"),
+    Switch("MOONEP_GEMM_FP8_CONFIG", "", "c128x128 / p64x128",
+           "force the FP8 forward / dgrad GEMM's config"),
+    Switch("MOONEP_GEMM_FP8_WGRAD_CONFIG", "", "a config name of gemm/fp8_wgrad_cost.py",
+           "force the FP8 wgrad GEMM's config"),
+    Switch("MOONEP_FP8_QUANT", "auto", "auto / reference",
+           "reference: the FP8 quantisers' torch reference on CUDA too (instead of Triton)"),
+    Switch("MOONEP_LIB_DIR", "", "a directory",
+           "where libmoonep_gemm.so and libmoonep_ep.so are loaded from (default: "
+           "moonep_ops/lib)"),
+    Switch("MOONEP_DISABLE_NATIVE", "0", "0 / 1", "1: never load the CUDA libraries"),
+    Switch("MOONEP_BARRIER_TIMEOUT_S", "60", "seconds",
+           "the CUDA data plane's cross-rank barrier timeout (read when a backend is built)"),
+    Switch("MOONEP_PLANNER", "auto", "auto / device / torch",
+           "the CUDA symmetric backend's planner: the device planner's kernel or moonep::plan "
+           "on device tensors"),
+    Switch("MOONEP_COMBINE", "auto", "auto / stage / direct",
+           "the CUDA symmetric backend's combine: staged copies, or direct reads (one rank)"),
+    # not ours, read as their owners define them
+    Switch("CUDA_MODULE_LOADING", "LAZY", "LAZY / EAGER",
+           "CUDA's own: virtual ranks prime the libraries when kernels load lazily"),
+    Switch("CUTLASS_INCLUDE", "", "a CUTLASS include directory",
+           "python -m moonep_ops.build: the CUTLASS headers (default: the nvidia-cutlass package)"),
+    Switch("NVCC", "", "a path", "python -m moonep_ops.build: the nvcc to run (default: PATH)"),
+)}
+
+_KEYS: dict[str, bytes] = {}
+
+
+def get(name: str) -> str:
+    """The switch's value, its default when unset.  ``os.environ.get`` raises and catches a
+    KeyError for every unset name (~1 us, and a GEMM call reads four switches): on POSIX this
+    reads the bytes mapping os.environ keeps in step with every set and delete (monkeypatch and
+    ``os.environ[...] = v`` included); elsewhere os.environ itself."""
+    default = SWITCHES[name].default                    # KeyError: declare the switch above
+    data = getattr(os.environ, "_data", None)
+    if os.name != "posix" or not isinstance(data, dict):
+        return os.environ.get(name, default)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = os.fsencode(name)
+    v = data.get(key)
+    return default if v is None else os.fsdecode(v)
+
+
+def flag(name: str) -> bool:
+    """A 0/1 switch: anything but "" and "0" is on."""
+    return get(name) not in ("", "0")
+
+
+__all__ = ["SWITCHES", "Switch", "flag", "get"]
