@@ -63,7 +63,7 @@ from .ops import dispatch as _dispatch_ops  # moonep::dispatch, combine and thei
 from .ops.checks import ARG_ERRORS, reject_call
 from .ops.moe_experts import PRECISIONS, ExpertPool
 from .ops.quantize_fp8 import FP8ArgumentError
-from .planner import POLICIES, Plan
+from .planner import POLICIES, Plan, make_plan
 
 
 class Buffer:
@@ -296,12 +296,14 @@ class Buffer:
     def _check_plan(self, plan) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a moonep_ops.Plan, got {type(plan).__name__}")
-        mine = (self.rank, self.R, self.E, self.S, self.K, self.token_padding, self.NvS)
-        theirs = (plan.rank, plan.R, plan.E, plan.S, plan.K, plan.token_padding, plan.NvS)
+        mine = (self.rank, self.R, self.E, self.S, self.K, self.token_padding, self.NvS,
+                self.slack_ppm)
+        theirs = (plan.rank, plan.R, plan.E, plan.S, plan.K, plan.token_padding, plan.NvS,
+                  plan.slack_ppm)
         if mine != theirs:
             raise ValueError(
                 "the plan was made for another Buffer or rank: (rank, R, E, S, K, token_padding, "
-                f"NvS) = {theirs}, this Buffer has {mine}")
+                f"NvS, slack_ppm) = {theirs}, this Buffer has {mine}")
         if plan.nvs_s != self.nvs_s(plan.s, plan.total_num_tokens):
             raise ValueError(f"plan.nvs_s={plan.nvs_s} is inconsistent with s={plan.s}, "
                              f"total_num_tokens={plan.total_num_tokens}")
@@ -358,10 +360,7 @@ class Buffer:
             else:
                 if topk_ids_sK is None:
                     raise ValueError("dispatch needs topk_ids (or plan= to reuse a plan)")
-                tot = -1 if total_num_tokens is None else total_num_tokens
-                if not isinstance(tot, int) or isinstance(tot, bool):
-                    raise TypeError(f"total_num_tokens must be an int or None, got "
-                                    f"{type(tot).__name__}")
+                tot = _total(total_num_tokens)
         except ARG_ERRORS as e:
             raise self._refuse("dispatch", "dispatch" if plan is None else "dispatch_with_plan",
                                e) from None
@@ -376,16 +375,20 @@ class Buffer:
             out = (h, (w if route_weights_sK is not None else None), plan.cu_seqlens, plan)
             return out + (ev,) if async_op else out
 
-        def fresh():
-            return _dispatch_ops.dispatch(x_sD, topk_ids_sK, route_weights_sK, self.name, tot)
+        return self._fresh(lambda: _dispatch_ops.dispatch(x_sD, topk_ids_sK, route_weights_sK,
+                                                          self.name, tot),
+                           (x_sD, topk_ids_sK, route_weights_sK), route_weights_sK, tot,
+                           async_op, previous_event)
 
-        (h, w, cu, dst, etc, zf, stats), ev = self._run(
-            fresh, (x_sD, topk_ids_sK, route_weights_sK), async_op, previous_event)
-        s = x_sD.shape[0]
-        p = Plan(dst, cu, etc, zf, stats, rank=self.rank, R=self.R, E=self.E, S=self.S, K=self.K,
-                 s=s, token_padding=self.token_padding, total_num_tokens=tot, NvS=self.NvS,
-                 nvs_s=self.nvs_s(s, tot), slack_ppm=self.slack_ppm)
-        out = (h, (w if route_weights_sK is not None else None), cu, p)
+    def _fresh(self, launch, inputs, route_weights_sK, tot: int, async_op: bool, previous_event):
+        """The fresh dispatch of every precision: run the op, then its plan tensors (the op's
+        last five outputs) and this Buffer's ints make the Plan (planner.make_plan, the one
+        constructor).  Returns (the rows' outputs..., w or None, cu_seqlens, plan[, handle])."""
+        outs, ev = self._run(launch, inputs, async_op, previous_event)
+        rows, w = outs[:-6], outs[-6]
+        cu, dst, etc, zf, stats = outs[-5:]
+        p = make_plan((dst, cu, etc, zf, stats), self.spec, self.rank, inputs[0].shape[0], tot)
+        out = (*rows, (w if route_weights_sK is not None else None), cu, p)
         return out + (ev,) if async_op else out
 
     def dispatch_fp8(self, x_sD: Tensor, topk_ids_sK: Tensor,
@@ -404,13 +407,10 @@ class Buffer:
         ``async_op=True``: as in ``dispatch``.  Needs a backend with ``supports_fp8_dispatch``.
         """
         self._check_live("dispatch_fp8")
-        tot = -1 if total_num_tokens is None else total_num_tokens
         try:
             if async_op is not False or previous_event is not None:
                 check_async_args(self, async_op, previous_event)
-            if not isinstance(tot, int) or isinstance(tot, bool):
-                raise TypeError(f"total_num_tokens must be an int or None, got "
-                                f"{type(tot).__name__}")
+            tot = _total(total_num_tokens)
             if not isinstance(pow2_scales, bool):   # the op's schema would coerce an int silently
                 raise FP8ArgumentError(f"dispatch_fp8: pow2_scales must be a bool, got "
                                        f"{type(pow2_scales).__name__}")
@@ -419,18 +419,10 @@ class Buffer:
         x_in = x_sD.detach() if isinstance(x_sD, Tensor) else x_sD
         w_in = route_weights_sK.detach() if isinstance(route_weights_sK, Tensor) else route_weights_sK
 
-        def fresh():
-            return torch.ops.moonep.dispatch_fp8(x_in, topk_ids_sK, w_in, self.name, tot,
-                                                 pow2_scales)
-
-        (h, hs, w, cu, dst, etc, zf, stats), ev = self._run(
-            fresh, (x_in, topk_ids_sK, w_in), async_op, previous_event)
-        s = x_sD.shape[0]
-        p = Plan(dst, cu, etc, zf, stats, rank=self.rank, R=self.R, E=self.E, S=self.S, K=self.K,
-                 s=s, token_padding=self.token_padding, total_num_tokens=tot, NvS=self.NvS,
-                 nvs_s=self.nvs_s(s, tot))
-        out = (h, hs, (w if route_weights_sK is not None else None), cu, p)
-        return out + (ev,) if async_op else out
+        return self._fresh(lambda: torch.ops.moonep.dispatch_fp8(x_in, topk_ids_sK, w_in,
+                                                                 self.name, tot, pow2_scales),
+                           (x_in, topk_ids_sK, w_in), route_weights_sK, tot, async_op,
+                           previous_event)
 
     def combine(self, plan: Plan, h_MD: Tensor, w_M: Optional[Tensor] = None, *,
                 async_op: bool = False, previous_event=None):
@@ -511,6 +503,14 @@ class Buffer:
         _, ev = self._run(launch, (plan.experts_to_copy, local, slots), async_op, previous_event,
                           mutated=local + slots)
         return ev
+
+
+def _total(total_num_tokens) -> int:
+    """total_num_tokens as the ops take it: -1 when every rank passes the same s."""
+    tot = -1 if total_num_tokens is None else total_num_tokens
+    if not isinstance(tot, int) or isinstance(tot, bool):
+        raise TypeError(f"total_num_tokens must be an int or None, got {type(tot).__name__}")
+    return tot
 
 
 def cost_inputs(policy: str, slack, expert_dim, link_gbps, replica_cost, *, R: int, E: int,

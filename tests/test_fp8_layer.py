@@ -111,6 +111,29 @@ def _dispatch_equivalence(ctx, sizes, pow2):
     del xq, xsc
 
 
+def case_dispatch_fp8_plan_equals_dispatch_plan_every_policy(ctx):
+    """One Plan constructor for every precision: on the same routing, dispatch_fp8's plan equals
+    dispatch's field by field (tensors and ints, slack_ppm included) under every policy."""
+    from moonep_ops.planner import Plan
+    r = ctx.rank
+    for policy, kw in (("moonep", {}), ("lean", {}),
+                       ("cost", dict(slack=0.25, expert_dim=64, replica_cost=3))):
+        buf = Buffer(S, D, K, E, group=ctx.group, token_padding=TP, dtype=BF16, policy=policy,
+                     **kw)
+        try:
+            x, _ = tokens(r, S)
+            ids, w = _route(x)
+            p8 = buf.dispatch_fp8(x, ids, w)[-1]
+            pb = buf.dispatch(x, ids, w)[-1]
+            assert p8.slack_ppm == buf.slack_ppm == (250_000 if policy == "cost" else 0)
+            for name in Plan._fields:
+                a, b = getattr(p8, name), getattr(pb, name)
+                same = torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                assert same, (policy, name)
+        finally:
+            buf.destroy()
+
+
 def case_dispatch_fp8_full(ctx):
     _dispatch_equivalence(ctx, [S] * ctx.R, False)
 

@@ -142,10 +142,13 @@ def plan(tokens_per_expert_RE: Tensor, topk_ids_sK: Tensor, rank: int, *, num_ra
                                  token_padding, tot, policy, slack_ppm, replica_cost)
     geo = Geometry(R=num_ranks, E=tokens_per_expert_RE.shape[1], S=capacity,
                    K=topk_ids_sK.shape[1], token_padding=token_padding, slack_ppm=slack_ppm)
-    return _make_plan(outs, geo, rank, topk_ids_sK.shape[0], total_num_tokens)
+    return make_plan(outs, geo, rank, topk_ids_sK.shape[0], total_num_tokens)
 
 
-def _make_plan(outs, geo: Geometry, rank: int, s: int, total_num_tokens: Optional[int]) -> Plan:
+def make_plan(outs, geo: Geometry, rank: int, s: int, total_num_tokens: Optional[int]) -> Plan:
+    """The one constructor of a ``Plan``: moonep::plan's (or a dispatch op's) five plan tensors
+    and the ints of ``geo`` (a Geometry or the Buffer's GroupSpec), for ``s`` tokens on ``rank``
+    (``total_num_tokens`` None or -1: every rank passes s)."""
     return Plan(*outs, rank=rank, R=geo.R, E=geo.E, S=geo.S, K=geo.K, s=s,
                 token_padding=geo.token_padding,
                 total_num_tokens=-1 if total_num_tokens is None else total_num_tokens,
@@ -205,6 +208,6 @@ def plan_all_ranks(topk_per_rank: Sequence[Tensor] | Tensor, num_experts: int,
     # Steps 1-3 once for the group (the per-rank op recomputes them identically on every rank).
     total = geo.total_tokens(sizes[0], total_num_tokens) * geo.K
     gp = plan_group(tpe_RE, total, token_padding, policy, slack_ppm, replica_cost)
-    plans = [_make_plan(_rank_outputs(gp, tpe_RE, tk[r], r, geo.NvS), geo, r, sizes[r],
+    plans = [make_plan(_rank_outputs(gp, tpe_RE, tk[r], r, geo.NvS), geo, r, sizes[r],
                         total_num_tokens) for r in range(R)]
     return GroupResult(plans, gp, tpe_RE)
