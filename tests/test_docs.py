@@ -141,7 +141,8 @@ def resolves(tok: str, src: Path) -> bool:
     if "/" not in name:                      # a bare name: somewhere in the tree
         if "*" in name:
             return any(Path(f).match(name) for f in files)
-        return name in _basenames() or _ignored(name)
+        # a directory's ignore rule (``/.whl/``) matches only with the slash where it is absent
+        return name in _basenames() or _ignored(name + ("/" if tok.endswith("/") else ""))
     for base in _bases(src):
         target = (base / name).resolve()
         try:
