@@ -59,10 +59,8 @@ _SLOT_OPS = ("prefetch_weight", "reduce_grad")
 
 def decode_dst(dst_N: Tensor, NvS: int) -> tuple[Tensor, Tensor, Tensor]:
     """(dest rank, row on dest, is_primary) of every entry, int64/bool, from the planner's dst."""
-    d = dst_N.long()
-    primary = d >= 0
-    raw = torch.where(primary, d, -d - 1)
-    return raw // NvS, raw % NvS, primary
+    raw = _plan.decode_raw_dst(dst_N)
+    return raw // NvS, raw % NvS, dst_N >= 0
 
 
 def _row_bytes(t: Tensor) -> int:

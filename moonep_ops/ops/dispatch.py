@@ -41,6 +41,7 @@ from torch import Tensor
 
 from .. import registry, runtime
 from ..backends.base import Backend
+from ..planner import decode_raw_dst
 from . import fastpath
 from .checks import ARG_ERRORS, call_device, device_error, has_real_tensor, on_device, reject_call
 from .quantize_fp8 import FP8_DTYPE, FP8ArgumentError, fp8_checks, rows_fp8, scale_cols
@@ -149,8 +150,7 @@ def check_dst_values(dst, be, s: int, total: int) -> None:
     """Data check (CPU / MOONEP_VALIDATE=1): every slot lies inside its destination's rows."""
     if not runtime.should_validate(dst) or dst.numel() == 0:
         return
-    d = dst.long()
-    raw = torch.where(d < 0, -d - 1, d)
+    raw = decode_raw_dst(dst)
     if int(raw.max()) >= be.spec.R * be.spec.NvS:
         raise ValueError(f"plan.dst names rank {int(raw.max()) // be.spec.NvS} >= R={be.spec.R}: the "
                          "plan was not made for this Buffer")

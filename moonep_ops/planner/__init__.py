@@ -16,10 +16,10 @@ from .device import (COST_DEVICE_MAX_B, COST_DEVICE_MAX_R, DEVICE_POLICIES, allo
                      cost_device_limit, device_planner_available, plan_from_host_rows,
                      plan_from_rows, plan_into, plan_on_device)
 from .greedy import rank_quotas, replication_cost, split_quotas, split_quotas_batched
-from .op import GroupResult, Plan, make_plan, plan, plan_all_ranks
+from .op import GroupResult, Plan, decode_raw_dst, make_plan, plan, plan_all_ranks
 from .reference import POLICIES, GroupPlan, plan_group
 
-__all__ = ["POLICIES", "Plan", "make_plan", "plan", "GroupResult", "GroupPlan", "plan_all_ranks", "plan_group",
+__all__ = ["POLICIES", "Plan", "decode_raw_dst", "make_plan", "plan", "GroupResult", "GroupPlan", "plan_all_ranks", "plan_group",
            "replication_cost", "rank_quotas", "split_quotas", "split_quotas_batched",
            "COST_LEVELS", "level_quotas", "plan_scores", "DEVICE_POLICIES", "COST_DEVICE_MAX_R",
            "COST_DEVICE_MAX_B", "cost_device_limit", "device_planner_available", "allocate",

@@ -74,6 +74,13 @@ def _plan_fake(tpe_RE, topk_sK, rank, R, S, token_padding, total_num_tokens, pol
     return new(N), new(geo.G), new(R, geo.epn), new(geo.G, 2), new(2)
 
 
+def decode_raw_dst(dst_N: Tensor) -> Tensor:
+    """The one decode of the planner's dst: [N] int64 slots (rank * NvS + row), the duplicate
+    marking (a non-primary copy is stored as -slot - 1) undone."""
+    d = dst_N.long()
+    return torch.where(d < 0, -d - 1, d)
+
+
 class Plan(NamedTuple):
     """One rank's plan: tensors from moonep::plan plus the Python ints that size everything."""
     dst: Tensor                 # [N] int32, see module docstring
@@ -100,8 +107,7 @@ class Plan(NamedTuple):
     @property
     def raw_dst(self) -> Tensor:
         """[N] int64 slot encoding with the duplicate marking undone."""
-        d = self.dst.long()
-        return torch.where(d < 0, -d - 1, d)
+        return decode_raw_dst(self.dst)
 
     @property
     def dest_rank(self) -> Tensor:
