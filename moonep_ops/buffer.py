@@ -459,22 +459,9 @@ class Buffer:
         ``async_op=True``: returns an ``EventHandle`` (wait before reading the slots or writing
         the local weights); otherwise None.
         """
-        self._check_live("prefetch_weight")
-        try:
-            if async_op is not False or previous_event is not None:
-                check_async_args(self, async_op, previous_event)
-            self._check_plan(plan)
-            local = _tensor_list("prefetch_weight", "local_weights", local_weights)
-            slots = _tensor_list("prefetch_weight", "slot_weights", slot_weights)
-        except ARG_ERRORS as e:
-            raise self._refuse("prefetch_weight", "prefetch_weight", e) from None
-
-        def launch():
-            torch.ops.moonep.prefetch_weight(plan.experts_to_copy, local, slots, self.name)
-
-        _, ev = self._run(launch, (plan.experts_to_copy, local, slots), async_op, previous_event,
-                          mutated=slots)
-        return ev
+        return self._slot_op("prefetch_weight", ("local_weights", "slot_weights"), plan,
+                             local_weights, slot_weights, async_op, previous_event,
+                             writes_local=False)
 
     def reduce_grad(self, plan: Plan, *, local_grads: Sequence[Tensor],
                     slot_grads: Sequence[Tensor], async_op: bool = False,
@@ -487,21 +474,29 @@ class Buffer:
         ``async_op=True``: returns an ``EventHandle`` (wait before reading either list);
         otherwise None.
         """
-        self._check_live("reduce_grad")
+        return self._slot_op("reduce_grad", ("local_grads", "slot_grads"), plan, local_grads,
+                             slot_grads, async_op, previous_event, writes_local=True)
+
+    def _slot_op(self, op: str, names: tuple, plan: Plan, local_in, slots_in, async_op: bool,
+                 previous_event, writes_local: bool) -> Optional[EventHandle]:
+        """prefetch_weight / reduce_grad: the same checks, launch and stream handling; they differ
+        in the op and in what it writes (the slots; reduce_grad the local grads too)."""
+        self._check_live(op)
         try:
             if async_op is not False or previous_event is not None:
                 check_async_args(self, async_op, previous_event)
             self._check_plan(plan)
-            local = _tensor_list("reduce_grad", "local_grads", local_grads)
-            slots = _tensor_list("reduce_grad", "slot_grads", slot_grads)
+            local = _tensor_list(op, names[0], local_in)
+            slots = _tensor_list(op, names[1], slots_in)
         except ARG_ERRORS as e:
-            raise self._refuse("reduce_grad", "reduce_grad", e) from None
+            raise self._refuse(op, op, e) from None
+        fn = getattr(torch.ops.moonep, op)
 
         def launch():
-            torch.ops.moonep.reduce_grad(plan.experts_to_copy, local, slots, self.name)
+            fn(plan.experts_to_copy, local, slots, self.name)
 
         _, ev = self._run(launch, (plan.experts_to_copy, local, slots), async_op, previous_event,
-                          mutated=local + slots)
+                          mutated=local + slots if writes_local else slots)
         return ev
 
 
