@@ -19,6 +19,7 @@ Modes (each a ratio titan / ours of ms per step: > 1 means ours is faster):
             after a sync, with the GPU idle at its start);
   compiled  torch.compile(step, fullgraph=True), default mode (inductor, no CUDA graphs);
   captured  the eager step captured in a torch.cuda.CUDAGraph and replayed (GPU time only).
+  profile   (on request) GPU time per kernel of each layer's eager step (torch.profiler).
 The two layers are timed in alternating rounds (titan first in even rounds, ours first in odd
 ones), so clock and thermal drift fall on both; the table gives the median over the rounds.
 
@@ -252,9 +253,39 @@ def run_shape(name, T, D, F, E, K, dev, modes, rounds, steps, tp, deadline=None)
         finally:
             torch._dynamo.reset()
 
+    def profile():
+        # GPU time per kernel name over `steps` eager steps of each layer (kernel times do not
+        # depend on how the host issues them): where the captured gap lies
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
+        res["profile"] = {}
+        for n, s in steps_of.items():
+            for i in range(2):
+                s(*batches[i % 4])
+            _sync(dev)
+            with prof(activities=[ProfilerActivity.CUDA]) as p:
+                for i in range(steps):
+                    s(*batches[i % 4])
+                _sync(dev)
+            rows = {}
+            for ev in p.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    k = ev.name[:90]
+                    c, us = rows.get(k, (0, 0.0))
+                    rows[k] = (c + 1, us + ev.device_time)
+            tot = sum(us for _, us in rows.values())
+            res["profile"][n] = {"total_us_per_step": tot / steps, "kernels": {
+                k: [c / steps, us / steps] for k, (c, us) in
+                sorted(rows.items(), key=lambda kv: -kv[1][1])}}
+            print(f"  {name} profile {n}: {tot / steps:.0f} us GPU per step, "
+                  f"{sum(c for c, _ in rows.values()) / steps:.0f} kernels", flush=True)
+            for k, (c, us) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:25]:
+                print(f"    {us / steps:9.1f} us  x{c / steps:4.1f}  {k}", flush=True)
+
     # Each mode on its own: a mode that fails is reported and the others still run.
-    for mode, run in (("eager", eager), ("captured", captured), ("compiled", compiled)):
-        if mode not in modes or (mode == "captured" and dev.type != "cuda"):
+    for mode, run in (("eager", eager), ("captured", captured), ("compiled", compiled),
+                      ("profile", profile)):
+        if mode not in modes or (mode in ("captured", "profile") and dev.type != "cuda"):
             continue
         if mode == "compiled" and deadline is not None and time.monotonic() > deadline:
             res["skipped"] = "compiled: past --time-limit-s"
@@ -405,7 +436,8 @@ def main(argv=None) -> int:
             errors.append(f"{n}: ours and titan disagree: {r['check_failed']}")
         for mode, err in r.get("mode_errors", {}).items():
             errors.append(f"{n} {mode}: {err}")
-        parts = [f"{m} {r[m]['titan'] / r[m]['ours']:.2f}x" for m in modes if m in r]
+        parts = [f"{m} {r[m]['titan'] / r[m]['ours']:.2f}x" for m in modes
+                 if m in r and m != "profile"]
         print(f"  {n}: {', '.join(parts)} (titan / ours; max |diff| {r['max_diff']:.2g}; "
               f"{time.perf_counter() - t0:.0f} s"
               + (f"; compile s {r['compile_s']['titan']:.0f} / {r['compile_s']['ours']:.0f}"

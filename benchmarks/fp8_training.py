@@ -28,7 +28,9 @@ class Block(nn.Module):
     def __init__(self, buf: Buffer, hidden: int, precision: str, fp8_wgrad: bool = True):
         super().__init__()
         self.norm = nn.RMSNorm(buf.D, dtype=buf.dtype, device=buf.device)
-        self.moe = MoonEPMoE.for_buffer(buf, hidden, precision=precision, fp8_wgrad=fp8_wgrad)
+        fp8 = precision == "fp8"
+        self.moe = MoonEPMoE.for_buffer(buf, hidden, precision=precision,
+                                        fp8_wgrad=fp8 and fp8_wgrad, fp8_weight_cache=fp8)
 
     def forward(self, x):
         return x + self.moe(self.norm(x))
