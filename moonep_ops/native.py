@@ -76,41 +76,42 @@ GEMM_PROTOTYPES: dict[str, tuple] = {
     ]),
 }
 
+
+def _fp8_gemm_prototypes(kind: str, operands: list) -> dict[str, tuple]:
+    """The four exports of one FP8 grouped GEMM (``kind`` "fp8" or "fp8_wgrad"): its config
+    count and geometry, its workspace bytes and the launch, whose arguments after its own
+    ``operands`` (pointers, then the problem's ints) are the same for both."""
+    return {
+        f"moonep_gemm_{kind}_num_configs": (c_int, []),
+        # config, int[8] out: BM, BN, BK, cluster_m, cluster_n, pingpong, epilogue width, swap-AB
+        f"moonep_gemm_{kind}_config_info": (c_int, [c_int, POINTER(c_int)]),
+        f"moonep_gemm_{kind}_workspace_bytes": (c_size_t, [c_int, c_int]),     # G, sm_count
+        f"moonep_grouped_gemm_{kind}": (c_int, operands + [
+            c_int, POINTER(c_float), c_int,  # config (-1: device choice), tuning table (host), flags
+            c_void_p, c_size_t, c_int,       # workspace (device), its bytes, sm_count
+            c_void_p,                        # cudaStream_t
+        ]),
+    }
+
+
 # ABI >= 10 only.  Argument order: the call in grouped_mm_fp8._launch (the kernel's contract).
-GEMM_FP8_PROTOTYPES: dict[str, tuple] = {
-    "moonep_gemm_fp8_num_configs": (c_int, []),
-    # config, int[8] out: BM, BN, BK, cluster_m, cluster_n, pingpong, epilogue width, swap-AB
-    "moonep_gemm_fp8_config_info": (c_int, [c_int, POINTER(c_int)]),
-    "moonep_gemm_fp8_workspace_bytes": (c_size_t, [c_int, c_int]),     # G, sm_count
-    "moonep_grouped_gemm_fp8": (c_int, [
-        c_void_p, c_void_p,              # A [m, k] e4m3, A scales [m, ceil(k/128)] fp32
-        c_void_p, c_void_p,              # B_local [epn, n, k] e4m3, its [epn, ceil(n/128), ceil(k/128)] scales
-        c_void_p, c_void_p,              # B_slot, its scales (same shapes)
-        c_void_p,                        # D [m, n] bf16
-        c_void_p,                        # cu_seqlens [G] int32 (device)
-        c_int, c_int, c_int, c_int, c_int,   # G, epn, m, n, k
-        c_int, POINTER(c_float), c_int,  # config (-1: device choice), tuning table (host), flags
-        c_void_p, c_size_t, c_int,       # workspace (device), its bytes, sm_count
-        c_void_p,                        # cudaStream_t
-    ]),
-}
+GEMM_FP8_PROTOTYPES = _fp8_gemm_prototypes("fp8", [
+    c_void_p, c_void_p,              # A [m, k] e4m3, A scales [m, ceil(k/128)] fp32
+    c_void_p, c_void_p,              # B_local [epn, n, k] e4m3, its [epn, ceil(n/128), ceil(k/128)] scales
+    c_void_p, c_void_p,              # B_slot, its scales (same shapes)
+    c_void_p,                        # D [m, n] bf16
+    c_void_p,                        # cu_seqlens [G] int32 (device)
+    c_int, c_int, c_int, c_int, c_int,   # G, epn, m, n, k
+])
 
 # ABI >= 12 only.  Argument order: the call in grouped_mm_fp8_wgrad._launch.
-GEMM_FP8_WGRAD_PROTOTYPES: dict[str, tuple] = {
-    "moonep_gemm_fp8_wgrad_num_configs": (c_int, []),
-    "moonep_gemm_fp8_wgrad_config_info": (c_int, [c_int, POINTER(c_int)]),
-    "moonep_gemm_fp8_wgrad_workspace_bytes": (c_size_t, [c_int, c_int]),   # G, sm_count
-    "moonep_grouped_gemm_fp8_wgrad": (c_int, [
-        c_void_p, c_void_p,              # dy^T [O, 128*Nb] e4m3, its [Nb, O] token-tile scales
-        c_void_p, c_void_p,              # x^T [I, 128*Nb] e4m3, its [Nb, I] scales
-        c_void_p, c_void_p,              # dW local, dW slot: bf16 [epn, O, I] each
-        c_void_p,                        # cu_seqlens [G] int32 (device)
-        c_int, c_int, c_int, c_int, c_int,   # G, epn, Nb (token tiles), O, I
-        c_int, POINTER(c_float), c_int,  # config (-1: device choice), tuning table (host), flags
-        c_void_p, c_size_t, c_int,       # workspace (device), its bytes, sm_count
-        c_void_p,                        # cudaStream_t
-    ]),
-}
+GEMM_FP8_WGRAD_PROTOTYPES = _fp8_gemm_prototypes("fp8_wgrad", [
+    c_void_p, c_void_p,              # dy^T [O, 128*Nb] e4m3, its [Nb, O] token-tile scales
+    c_void_p, c_void_p,              # x^T [I, 128*Nb] e4m3, its [Nb, I] scales
+    c_void_p, c_void_p,              # dW local, dW slot: bf16 [epn, O, I] each
+    c_void_p,                        # cu_seqlens [G] int32 (device)
+    c_int, c_int, c_int, c_int, c_int,   # G, epn, Nb (token tiles), O, I
+])
 
 # {ABI: exports it added}: what _GEMM declares only from a library of at least that ABI.
 GEMM_SINCE = {GEMM_FP8_ABI_VERSION: GEMM_FP8_PROTOTYPES, GEMM_KEEP_TAIL_ABI_VERSION: {},
@@ -254,6 +255,19 @@ class _Lib:
             return None
         return fns
 
+    def unavailable(self, abi: int) -> Optional[str]:
+        """Why :meth:`feature` returns None for ``abi`` (None if it does not)."""
+        if self.feature(abi) is not None:
+            return None
+        return self.error or self.feature_errors.get(abi, "not loaded")
+
+    def require(self, abi: int, what: str) -> SimpleNamespace:
+        """:meth:`feature`, or NativeLibraryMissing naming ``what`` and why."""
+        fns = self.feature(abi)
+        if fns is None:
+            raise NativeLibraryMissing(f"moonep {what}: not available: {self.unavailable(abi)}")
+        return fns
+
 
 _GEMM = _Lib("libmoonep_gemm.so", "moonep_gemm_abi_version", GEMM_ABI_VERSION, GEMM_PROTOTYPES, {},
              versions=GEMM_ABI_VERSIONS, since=GEMM_SINCE)
@@ -279,17 +293,11 @@ def gemm_fp8_wgrad() -> Optional[SimpleNamespace]:
 
 def gemm_fp8_wgrad_unavailable() -> Optional[str]:
     """Why :func:`gemm_fp8_wgrad` returned None (None if it did not)."""
-    if gemm_fp8_wgrad() is not None:
-        return None
-    return _GEMM.error or _GEMM.feature_errors.get(GEMM_FP8_WGRAD_ABI_VERSION, "not loaded")
+    return _GEMM.unavailable(GEMM_FP8_WGRAD_ABI_VERSION)
 
 
 def require_gemm_fp8_wgrad() -> SimpleNamespace:
-    lib = gemm_fp8_wgrad()
-    if lib is None:
-        raise NativeLibraryMissing("moonep FP8 wgrad grouped GEMM: not available: "
-                                   f"{gemm_fp8_wgrad_unavailable()}")
-    return lib
+    return _GEMM.require(GEMM_FP8_WGRAD_ABI_VERSION, "FP8 wgrad grouped GEMM")
 
 
 def gemm_keep_tail() -> bool:
@@ -301,17 +309,11 @@ def gemm_keep_tail() -> bool:
 
 def gemm_fp8_unavailable() -> Optional[str]:
     """Why :func:`gemm_fp8` returned None (None if it did not)."""
-    if gemm_fp8() is not None:
-        return None
-    return _GEMM.error or _GEMM.feature_errors.get(GEMM_FP8_ABI_VERSION, "not loaded")
+    return _GEMM.unavailable(GEMM_FP8_ABI_VERSION)
 
 
 def require_gemm_fp8() -> SimpleNamespace:
-    lib = gemm_fp8()
-    if lib is None:
-        raise NativeLibraryMissing("moonep FP8 grouped GEMM: not available: "
-                                   f"{gemm_fp8_unavailable()}")
-    return lib
+    return _GEMM.require(GEMM_FP8_ABI_VERSION, "FP8 grouped GEMM")
 
 
 def ep() -> Optional[SimpleNamespace]:
