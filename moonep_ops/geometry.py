@@ -204,28 +204,39 @@ def rejection(reason: str) -> tuple:
     return (REJECTED, str(reason))
 
 
+def _check_agreement(fingerprints: Sequence[Sequence], fields: Sequence[str], who: str,
+                     args: str, not_built: str, malformed, agree: str) -> None:
+    """The same ValueError on every rank (each holds every rank's fingerprint, in rank order):
+    naming a rank that sent a :func:`rejection` (its ``args`` arguments) and its reason first,
+    then a rank whose fingerprint is not one of ``fields`` (``malformed(f)``: why, "" when it
+    is), then the first field the ranks disagree on and every rank's value."""
+    for r, f in enumerate(fingerprints):
+        if len(f) == 2 and f[0] == REJECTED:
+            raise ValueError(f"{who}: rank {r} rejected its {args} arguments ({f[1]}); {not_built}")
+    for r, f in enumerate(fingerprints):
+        why = malformed(f)
+        if why:
+            raise ValueError(f"{who}: rank {r} {why}")
+    for i, name in enumerate(fields):
+        vals = [f[i] for f in fingerprints]
+        if any(v != vals[0] for v in vals):
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
+            raise ValueError(f"{who}: the ranks disagree on {name} ({shown}); {agree}")
+
+
 def check_fingerprints(fingerprints: Sequence[Sequence]) -> None:
     """Raise the same ValueError on every rank when the ranks' fingerprints differ
     (``fingerprints``: every rank's :meth:`GroupSpec.fingerprint` in rank order, as every rank
     receives them), naming the first field that differs and every rank's value.  A rank that
     sent a :func:`rejection` is named first, with its reason."""
-    for r, f in enumerate(fingerprints):
-        if len(f) == 2 and f[0] == REJECTED:
-            raise ValueError(f"moonep Buffer: rank {r} rejected its Buffer arguments ({f[1]}); "
-                             "no rank of the group built its Buffer")
     n = len(GroupSpec.FINGERPRINT_FIELDS)
-    for r, f in enumerate(fingerprints):
-        if len(f) != n:
-            raise ValueError(f"moonep Buffer: rank {r} sent a fingerprint of {len(f)} fields, "
-                             f"this rank expects {n} (different moonep_ops versions?)")
-    for i, name in enumerate(GroupSpec.FINGERPRINT_FIELDS):
-        vals = [f[i] for f in fingerprints]
-        if any(v != vals[0] for v in vals):
-            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
-            raise ValueError(
-                f"moonep Buffer: the ranks disagree on {name} ({shown}); every rank of an EP group "
-                "must build its Buffer with the same R, E, S, K, D, token_padding, dtype, policy, "
-                "backend, slack and replica cost")
+    _check_agreement(
+        fingerprints, GroupSpec.FINGERPRINT_FIELDS, "moonep Buffer", "Buffer",
+        "no rank of the group built its Buffer",
+        lambda f: "" if len(f) == n else (f"sent a fingerprint of {len(f)} fields, this rank "
+                                          f"expects {n} (different moonep_ops versions?)"),
+        "every rank of an EP group must build its Buffer with the same R, E, S, K, D, "
+        "token_padding, dtype, policy, backend, slack and replica cost")
 
 
 # The expert pools of a Buffer: per layer shape and precision, compared when each layer binds
@@ -247,20 +258,12 @@ def check_pool_fingerprints(fingerprints: Sequence[Sequence]) -> None:
     """The same ValueError on every rank when the ranks' pool fingerprints (every rank's, in
     rank order) differ, naming the first field that differs and every rank's value; a rank that
     sent a :func:`rejection` is named first, with its reason."""
-    for r, f in enumerate(fingerprints):
-        if len(f) == 2 and f[0] == REJECTED:
-            raise ValueError(f"moonep Buffer.expert_pool: rank {r} rejected its expert pool "
-                             f"arguments ({f[1]}); no rank built the pool")
-    for r, f in enumerate(fingerprints):
-        if len(f) != len(POOL_FINGERPRINT_FIELDS) or f[0] != _POOL:
-            raise ValueError(f"moonep Buffer.expert_pool: rank {r} is not building an expert pool "
-                             f"(it sent {f!r}): every rank binds the same layers in the same "
-                             "order")
-    for i, name in enumerate(POOL_FINGERPRINT_FIELDS):
-        vals = [f[i] for f in fingerprints]
-        if any(v != vals[0] for v in vals):
-            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
-            raise ValueError(
-                f"moonep Buffer.expert_pool: the ranks disagree on {name} ({shown}); every rank "
-                "of an EP group builds the same expert pools: its MoE layers' D, F, dtype, "
-                "precision and fp8_pow2_scales must match across the group")
+    n = len(POOL_FINGERPRINT_FIELDS)
+    _check_agreement(
+        fingerprints, POOL_FINGERPRINT_FIELDS, "moonep Buffer.expert_pool", "expert pool",
+        "no rank built the pool",
+        lambda f: "" if len(f) == n and f[0] == _POOL else (
+            f"is not building an expert pool (it sent {f!r}): every rank binds the same layers "
+            "in the same order"),
+        "every rank of an EP group builds the same expert pools: its MoE layers' D, F, dtype, "
+        "precision and fp8_pow2_scales must match across the group")
