@@ -228,14 +228,15 @@ def _moe_pair(model="qwen3"):
     return a.layers[layer].moe, b.layers[layer].moe
 
 
-def _fp64_routed(experts, x_BLD, scores_BLK, ids_BLK):
-    """sum_k score_k * SwiGLU_{id_k}(x) in fp64, from the same (fp32) weights."""
-    x = x_BLD.double()
-    w1, w3, w2 = (getattr(experts, n).double()[ids_BLK] for n in ("w1_EFD", "w3_EFD", "w2_EDF"))
+def _fp64_routed(experts, x, scores, ids):
+    """sum_k score_k * SwiGLU_{id_k}(x) in fp64, from the same (fp32) weights; x [batch, seqlen,
+    D], scores and ids [batch, seqlen, K]."""
+    x = x.double()
+    w1, w3, w2 = (getattr(experts, n).double()[ids] for n in ("w1_EFD", "w3_EFD", "w2_EDF"))
     h = torch.nn.functional.silu(torch.einsum("bld,blkfd->blkf", x, w1)) \
         * torch.einsum("bld,blkfd->blkf", x, w3)
     y = torch.einsum("blkf,blkdf->blkd", h, w2)
-    return (y * scores_BLK.double()[..., None]).sum(-2)
+    return (y * scores.double()[..., None]).sum(-2)
 
 
 def _fwd_bwd(moe, x, g):

@@ -52,15 +52,17 @@ Where it sits in torchtitan's flow (``Trainer.__init__``)::
     optimizer + register_moe_load_balancing_hook, checkpointer     unchanged
 
 Design: subclass ``RoutedExperts`` (TT_NOTES option "c").  torchtitan's ``MoE`` calls
-``routed_experts(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, counts_E)`` between its router and
-its shared experts; ``MoonEPRoutedExperts`` keeps that signature (so the ``local_map`` boundary
-of its sharding config wraps it as before), keeps ``inner_experts`` as torchtitan's
-``GroupedExperts`` (same parameters, FQNs, init, DTensor layout, FSDP wrapping, checkpoint
-keys), and replaces only the body::
+``routed_experts(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, counts_E)`` (torchtitan's names
+and letters: B batch, L sequence) between its router and its shared experts;
+``MoonEPRoutedExperts`` keeps that signature, names included (so the ``local_map`` boundary of
+its sharding config, which finds the inputs by name, wraps it as before), keeps
+``inner_experts`` as torchtitan's ``GroupedExperts`` (same parameters, FQNs, init, DTensor
+layout, FSDP wrapping, checkpoint keys), flattens the s = batch * seqlen tokens of this rank and
+replaces only the body::
 
-    h_MD, w_M, cu_G, plan = buffer.dispatch(x_TD.bfloat16(), ids_TK.int(), scores_TK)
+    h_MD, w_M, cu_G, plan = buffer.dispatch(x_sD.bfloat16(), ids_sK.int(), w_sK)
     y_MD = moonep::moe_experts(h_MD, cu_G, plan.experts_to_copy, w1, w3, w2, pool)
-    out_TD = buffer.combine(plan, (y_MD.float() * w_M[:, None]).bfloat16())
+    out_sD = buffer.combine(plan, (y_MD.float() * w_M[:, None]).bfloat16())
 
 Why this level and not the others: a custom ``BaseEPTokenDispatcher`` (option "a") would have to
 smuggle MoonEP's 2B-group ``cu_seqlens``, slot table and pool name to the experts through the
@@ -293,6 +295,8 @@ class MoonEPRoutedExperts(RoutedExperts):
             out.append(w.to(COMPUTE_DTYPE).contiguous())
         return out[0], out[1], out[2]
 
+    # torchtitan's parameter names (its letters: B batch, L sequence): the sharding config's
+    # local_map finds the inputs by name.
     def forward(self, x_BLD: Tensor, topk_scores_BLK: Tensor, topk_expert_ids_BLK: Tensor,
                 num_local_tokens_per_expert_E: Tensor) -> Tensor:
         """Same contract as ``RoutedExperts.forward``: ``[batch, seqlen, D]`` out, the routed
@@ -307,32 +311,32 @@ class MoonEPRoutedExperts(RoutedExperts):
                                    "capacity=local_batch_size*seq_len/(cp*tp) to the override")
             self.bind(x_BLD.shape[0] * x_BLD.shape[1])
         buf = self.moonep_buffer
-        B, L, D = x_BLD.shape
+        batch, seqlen, D = x_BLD.shape
         K = topk_scores_BLK.shape[-1]
-        T = B * L
-        if T > buf.S:
-            raise ValueError(f"MoonEP got {T} tokens on this rank, more than its capacity "
+        s = batch * seqlen
+        if s > buf.S:
+            raise ValueError(f"MoonEP got {s} tokens on this rank, more than its capacity "
                              f"S={buf.S}: pass a larger capacity to the override")
-        x_TD = x_BLD.reshape(T, D).to(COMPUTE_DTYPE)
-        ids_TK = topk_expert_ids_BLK.reshape(T, K).to(torch.int32)
-        w_TK = topk_scores_BLK.reshape(T, K).float()
+        x_sD = x_BLD.reshape(s, D).to(COMPUTE_DTYPE)
+        ids_sK = topk_expert_ids_BLK.reshape(s, K).to(torch.int32)
+        w_sK = topk_scores_BLK.reshape(s, K).float()
         if self.precision == "fp8":
-            h_MD, hs_MC, w_M, cu_G, plan = buf.dispatch_fp8(x_TD, ids_TK, w_TK,
+            h_MD, hs_MC, w_M, cu_G, plan = buf.dispatch_fp8(x_sD, ids_sK, w_sK,
                                                             pow2_scales=self.fp8_pow2_scales)
             with maybe_set_sparse_mesh():
                 w1, w3, w2 = self._expert_weights()
                 z_MD, _, _, _ = torch.ops.moonep.moe_experts_fp8(
                     h_MD, hs_MC, w_M, cu_G, plan.experts_to_copy, w1, w3, w2, self.pool_name,
-                    x_TD, w_TK, plan.dst, plan.total_num_tokens, self.fp8_pow2_scales)
+                    x_sD, w_sK, plan.dst, plan.total_num_tokens, self.fp8_pow2_scales)
         else:
-            h_MD, w_M, cu_G, plan = buf.dispatch(x_TD, ids_TK, w_TK)
+            h_MD, w_M, cu_G, plan = buf.dispatch(x_sD, ids_sK, w_sK)
             with maybe_set_sparse_mesh():      # as RoutedExperts does (spmd_types only)
                 w1, w3, w2 = self._expert_weights()
                 y_MD, _, _ = torch.ops.moonep.moe_experts(h_MD, cu_G, plan.experts_to_copy, w1,
                                                           w3, w2, self.pool_name)
             z_MD = (y_MD.float() * w_M[:, None]).to(COMPUTE_DTYPE)
-        out_TD, _ = buf.combine(plan, z_MD)
-        return out_TD.to(x_BLD.dtype).view(B, -1, D)
+        out_sD, _ = buf.combine(plan, z_MD)
+        return out_sD.to(x_BLD.dtype).view(batch, seqlen, D)
 
     def extra_repr(self) -> str:
         buf = self.moonep_buffer

@@ -66,7 +66,7 @@ class Router(nn.Module):
       route_norm_eps: added to the renormalisation's denominator (DeepSeek-V3: 1e-20).
       route_scale: factor on the final weights (DeepSeek-V3 ``routed_scaling_factor``).
       num_expert_groups, num_limited_groups: group-limited top-k (DeepSeek-V3 ``n_group``,
-        ``topk_group``): E is split into num_expert_groups groups and each token picks its K
+        ``topk_group``): E is split into num_expert_groups = H groups and each token picks its K
         experts from the num_limited_groups groups with the largest top-2 score sum.
       sorted_topk: the ``sorted`` flag of the top-k calls (DeepSeek-V3 uses False; the set of ids
         is the same, their order differs).
@@ -98,20 +98,20 @@ class Router(nn.Module):
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if not 0.0 <= balance_rate <= 1.0:
             raise ValueError(f"balance_rate must lie in [0, 1], got {balance_rate}")
-        G, Gk = num_expert_groups, num_limited_groups
-        if G < 1 or not 1 <= Gk <= G:
-            raise ValueError(f"need 1 <= num_limited_groups={Gk} <= num_expert_groups={G}")
-        if G > 1 and (E % G or E // G < 2):
-            raise ValueError(f"num_experts={E} must split into num_expert_groups={G} groups of at "
+        H, Hk = num_expert_groups, num_limited_groups
+        if H < 1 or not 1 <= Hk <= H:
+            raise ValueError(f"need 1 <= num_limited_groups={Hk} <= num_expert_groups={H}")
+        if H > 1 and (E % H or E // H < 2):
+            raise ValueError(f"num_experts={E} must split into num_expert_groups={H} groups of at "
                              "least 2 experts")
-        if G > 1 and Gk * (E // G) < K:
-            raise ValueError(f"the {Gk} kept groups of {E // G} experts hold fewer than top_k={K}")
-        if topk_before_score and (score_func != "softmax" or G > 1):
+        if H > 1 and Hk * (E // H) < K:
+            raise ValueError(f"the {Hk} kept groups of {E // H} experts hold fewer than top_k={K}")
+        if topk_before_score and (score_func != "softmax" or H > 1):
             raise ValueError("topk_before_score is defined for softmax scores without expert groups")
         self.E, self.K = E, K
         self.score_func, self.topk_before_score = score_func, topk_before_score
         self.route_norm, self.route_norm_eps, self.route_scale = route_norm, route_norm_eps, route_scale
-        self.num_expert_groups, self.num_limited_groups = G, Gk
+        self.num_expert_groups, self.num_limited_groups = H, Hk
         self.sorted_topk, self.round_weights = sorted_topk, round_weights
         self.balance_rate, self.balance_group = balance_rate, balance_group
         self.gate = nn.Linear(dim, E, bias=gate_bias, device=device,
@@ -155,11 +155,11 @@ class Router(nn.Module):
         return ids_sK.to(torch.int32), w_sK, logits_sE
 
     def _limit_groups(self, choice_sE: Tensor) -> Tensor:
-        G, E = self.num_expert_groups, self.E
-        group_sG = choice_sE.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
-        keep = torch.topk(group_sG, self.num_limited_groups, dim=-1, sorted=self.sorted_topk)[1]
-        mask_sG = torch.zeros_like(group_sG).scatter_(1, keep, 1.0)
-        mask_sE = mask_sG.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+        H, E = self.num_expert_groups, self.E
+        group_sH = choice_sE.view(-1, H, E // H).topk(2, dim=-1)[0].sum(dim=-1)
+        keep = torch.topk(group_sH, self.num_limited_groups, dim=-1, sorted=self.sorted_topk)[1]
+        mask_sH = torch.zeros_like(group_sH).scatter_(1, keep, 1.0)
+        mask_sE = mask_sH.unsqueeze(-1).expand(-1, H, E // H).reshape(-1, E)
         return choice_sE.masked_fill(mask_sE == 0, float("-inf"))
 
     # -- Quantile Balancing --------------------------------------------------------------------

@@ -15,7 +15,7 @@ max(replicas of r's experts on other ranks, slots on r): the slowest rank's grou
 copy's GEMM time.  Search: COST_LEVELS levels evenly over the range, all independent of each
 other (so the device planner runs every level's quotas at once, during MoonEP's own step 1);
 the lowest score wins, ties to the earliest candidate (MoonEP first).  Fixed trip counts,
-masked updates, no host reads.  Shape letter C here: the candidate plans (architecture.md).
+masked updates, no host reads.  Shape letter V: the candidate plans (architecture.md).
 """
 from __future__ import annotations
 
@@ -28,19 +28,19 @@ COST_LEVELS = 16       # candidate levels of the search (docs/planner.md, "Searc
 _INFEASIBLE = 1 << 62  # score of a level whose excess does not fit
 
 
-def level_quotas(group_R: Tensor, level_C: Tensor) -> tuple[Tensor, Tensor]:
-    """Step 1 of the level plans, for C levels at once ([C] int64).  Returns (z [C, R, R],
-    feasible [C]).  Each receiver is refilled by one donor only (it retires after one round),
+def level_quotas(group_R: Tensor, level_V: Tensor) -> tuple[Tensor, Tensor]:
+    """Step 1 of the level plans, for V levels at once ([V] int64).  Returns (z [V, R, R],
+    feasible [V]).  Each receiver is refilled by one donor only (it retires after one round),
     so every column of z has at most one non-zero."""
-    C, R = level_C.numel(), group_R.numel()
+    V, R = level_V.numel(), group_R.numel()
     dev = group_R.device
     g = group_R[None, :]
-    L = level_C[:, None]
-    excess = (g - L).clamp(min=0)                                   # [C, R] donors
-    spare = (L - g).clamp(min=0)                                    # [C, R] receivers
+    L = level_V[:, None]
+    excess = (g - L).clamp(min=0)                                   # [V, R] donors
+    spare = (L - g).clamp(min=0)                                    # [V, R] receivers
     free = spare > 0
-    z = torch.zeros(C * R * R, dtype=group_R.dtype, device=dev)
-    c_R = torch.arange(C, device=dev) * R
+    z = torch.zeros(V * R * R, dtype=group_R.dtype, device=dev)
+    row0_V = torch.arange(V, device=dev) * R            # candidate v's first row of [V * R]
     r_ids = torch.arange(R, device=dev)
     big = torch.full_like(spare, _INFEASIBLE)
     none = torch.full_like(spare, -1)
@@ -55,27 +55,27 @@ def level_quotas(group_R: Tensor, level_C: Tensor) -> tuple[Tensor, Tensor]:
         su = torch.where(free.gather(1, u[:, None]).squeeze(1),
                          spare.gather(1, u[:, None]).squeeze(1), torch.zeros_like(eh))
         m = torch.minimum(eh, su)                                   # 0 once done (or stuck)
-        z.index_add_(0, (c_R + h) * R + u, m)
-        excess.view(-1).index_add_(0, c_R + h, -m)
+        z.index_add_(0, (row0_V + h) * R + u, m)
+        excess.view(-1).index_add_(0, row0_V + h, -m)
         free = free & ~((r_ids[None, :] == u[:, None]) & (m > 0)[:, None])   # u retires
-    return z.view(C, R, R), excess.sum(1) == 0
+    return z.view(V, R, R), excess.sum(1) == 0
 
 
-def plan_links(alloc_CER: Tensor) -> Tensor:
-    """[C, R] max(replicas of rank r's experts on other ranks, redundant slots on r)."""
-    C, E, R = alloc_CER.shape
+def plan_links(alloc_VER: Tensor) -> Tensor:
+    """[V, R] max(replicas of rank r's experts on other ranks, redundant slots on r)."""
+    V, E, R = alloc_VER.shape
     B = E // R
-    dev = alloc_CER.device
+    dev = alloc_VER.device
     home = (torch.arange(E, device=dev) // B)[:, None] != torch.arange(R, device=dev)[None, :]
-    away = ((alloc_CER > 0) & home[None]).long()                          # [C, E, R]
-    out_R = away.view(C, R, B * R).sum(2)
-    in_R = away.sum(1)
-    return torch.maximum(out_R, in_R)
+    away_VER = ((alloc_VER > 0) & home[None]).long()
+    out_VR = away_VER.view(V, R, B * R).sum(2)
+    in_VR = away_VER.sum(1)
+    return torch.maximum(out_VR, in_VR)
 
 
-def plan_scores(alloc_CER: Tensor, replica_cost: int) -> Tensor:
-    """[C] predicted cost in token copies: max_r load_r + replica_cost * max_r links_r."""
-    return alloc_CER.sum(1).amax(1) + replica_cost * plan_links(alloc_CER).amax(1)
+def plan_scores(alloc_VER: Tensor, replica_cost: int) -> Tensor:
+    """[V] predicted cost in token copies: max_r load_r + replica_cost * max_r links_r."""
+    return alloc_VER.sum(1).amax(1) + replica_cost * plan_links(alloc_VER).amax(1)
 
 
 def cost_plan(cnt_E: Tensor, caps_R: Tensor, even: int, limit: int, replica_cost: int,
@@ -88,7 +88,7 @@ def cost_plan(cnt_E: Tensor, caps_R: Tensor, even: int, limit: int, replica_cost
     hi = group_R.amax().clamp(min=even, max=limit).view(1)   # above the max group nothing moves
     k = torch.arange(levels, device=cnt_E.device)
     span = max(levels - 1, 1)
-    lv = even + ((hi - even) * k + span - 1) // span           # [n]: even .. hi
+    lv = even + ((hi - even) * k + span - 1) // span           # [levels]: even .. hi
     z_lv, ok = level_quotas(group_R, lv)
     z = torch.cat([z0[None], z_lv])                            # MoonEP first: it wins ties
     alloc = split_quotas_batched(cnt_E, z)

@@ -41,19 +41,19 @@ def rank_quotas(balance_R: Tensor, donor_rule: str) -> Tensor:
     return z_RR
 
 
-def split_quotas_batched(cnt_E: Tensor, z_CRR: Tensor, expert_rule: str = "max") -> Tensor:
-    """Step 2, every owner of C quota matrices at once: alloc [C, E, R].  Each round every
+def split_quotas_batched(cnt_E: Tensor, z_VRR: Tensor, expert_rule: str = "max") -> Tensor:
+    """Step 2, every owner of V quota matrices at once: alloc [V, E, R].  Each round every
     owner refills its largest quota from one of its experts, emptying the quota or the expert.
     expert_rule: "max" (MoonEP: most tokens left) or "fit" (smallest expert covering the quota
     in one piece)."""
-    C, R, _ = z_CRR.shape
+    V, R, _ = z_VRR.shape
     E = cnt_E.numel()
     B = E // R
     dev = cnt_E.device
-    rem = cnt_E.view(1, R, B).repeat(C, 1, 1).view(C * R, B)       # row c*R + h: owner h of c
-    q = z_CRR.reshape(C * R, R).clone()
-    moved = torch.zeros(C * E * R, dtype=cnt_E.dtype, device=dev)          # [c, h, le, d]
-    own = torch.arange(C * R, device=dev)
+    rem = cnt_E.view(1, R, B).repeat(V, 1, 1).view(V * R, B)       # row v*R + h: owner h of v
+    q = z_VRR.reshape(V * R, R).clone()
+    moved = torch.zeros(V * E * R, dtype=cnt_E.dtype, device=dev)          # [v, h, le, d]
+    own = torch.arange(V * R, device=dev)
     for _ in range(R - 1 + B):                    # at most (R-1) quotas + B experts to empty
         d = torch.argmax(q, dim=1)                                   # largest quota first
         qd = q.gather(1, d[:, None]).squeeze(1)
@@ -68,7 +68,7 @@ def split_quotas_batched(cnt_E: Tensor, z_CRR: Tensor, expert_rule: str = "max")
         moved.index_add_(0, chunk * R + d, t)
         rem.view(-1).index_add_(0, chunk, -t)
         q.view(-1).index_add_(0, own * R + d, -t)
-    moved = moved.view(C, E, R)
+    moved = moved.view(V, E, R)
     at_home = (torch.arange(E, device=dev) // B)[:, None] == torch.arange(R, device=dev)[None, :]
     return moved + at_home[None] * (cnt_E - moved.sum(2))[:, :, None]
 

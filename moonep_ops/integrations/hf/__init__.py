@@ -15,7 +15,7 @@ FlexOlmo, GLM-4.5 (glm4_moe), dots.llm1, DeepSeek-V3.2 and GLM-4.7-Flash (glm4_m
 blocks are those families' code, GLM-4.5V's text model, Qwen3.5-MoE (Qwen3-Next's block, its router
 always renormalising), MiniMax-M2 (Mixtral's experts, a biased sigmoid router) and K-EXAONE
 (DeepSeek-V3's router in its own code) (``FAMILIES``). Each becomes a ``MoonEPBlock``: the HF
-block's forward signature and return value (``[B, T, D] -> [B, T, D]``) around a
+block's forward signature and return value (``[batch, seqlen, D] -> [batch, seqlen, D]``) around a
 ``moonep_ops.MoonEPMoE`` that holds this rank's home experts ``r*E/R .. (r+1)*E/R - 1`` (r, R: rank
 and size of ``group``; one rank when torch.distributed is not initialised), the shared expert(s),
 and a built-in ``Router`` configured by ``router_args(config)`` so that it computes what the
@@ -35,10 +35,10 @@ into the same converted model; its ``load_state_dict`` also takes the unconverte
 E experts (each rank keeps its slice).
 
 Router logits (``output_router_logits``, the aux loss): each converted block hands its router's
-logits ``[B*T, E]`` (not detached) to transformers' output collector, as the HF router's capturing
-hook does: exactly one record per sparse layer per forward, in eager mode and under
-``torch.compile(model)``.  A converted block compiled on its own (not inside the compiled model)
-cannot see the collector without a graph break; it raises if recording is requested there.
+logits ``[s, E]`` (s = batch * seqlen, not detached) to transformers' output collector, as the HF
+router's capturing hook does: exactly one record per sparse layer per forward, in eager mode and
+under ``torch.compile(model)``.  A converted block compiled on its own (not inside the compiled
+model) cannot see the collector without a graph break; it raises if recording is requested there.
 
 docs/integrations.md has the whole story: how each family maps onto the Router's options, what is
 refused and why, the checkpoint round trip.

@@ -253,8 +253,8 @@ def _emit_router_logits(logits_sE: Tensor, w_sK: Tensor) -> Tensor:
 
 
 class MoonEPBlock(nn.Module):
-    """A converted HF sparse-MoE block: ``forward(hidden_states [B, T, D]) -> [B, T, D]`` like the
-    block it replaces, computed by ``self.moe`` (a bound ``MoonEPMoE``).
+    """A converted HF sparse-MoE block: ``forward(hidden_states [batch, seqlen, D]) -> [batch,
+    seqlen, D]`` like the block it replaces, computed by ``self.moe`` (a bound ``MoonEPMoE``).
 
     ``hf_class``: the replaced class; ``hf_layout``: its ``state_dict()`` keys, shapes and dtypes,
     in order (what ``hf_state_dict`` reproduces).  ``load_state_dict`` takes either this module's
