@@ -89,22 +89,30 @@ def test_missing_library_means_reference(tmp_path, monkeypatch):
     assert g8.backend_for_fp8(CUDA_LIKE) == "reference"
 
 
-def _calls(fn_name: str) -> dict[str, int]:
-    """Attribute name -> argument count of every ``lib.<name>(...)`` call in a function."""
-    tree = ast.parse((ROOT / "moonep_ops/ops/grouped_mm_fp8.py").read_text())
-    out = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == fn_name:
-            for c in ast.walk(node):
-                if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute):
-                    out[c.func.attr] = len(c.args)
-    return out
+def _function(path: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse((ROOT / path).read_text())
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _launch_args(path: str) -> int:
+    """Arguments of the library call that ``path``'s _launch makes: the operands it hands to
+    Fp8Gemm.launch, then the common tail Fp8Gemm.launch appends to them."""
+    tail = next(c for c in ast.walk(_function("moonep_ops/ops/grouped_mm_fp8.py", "launch"))
+                if isinstance(c, ast.Call) and c.args and isinstance(c.args[0], ast.Starred))
+    call = next(c for c in ast.walk(_function(path, "_launch")) if isinstance(c, ast.Call)
+                and isinstance(c.func, ast.Attribute) and c.func.attr == "launch")
+    return len(call.args[0].elts) + len(tail.args) - 1
 
 
 def test_launch_matches_the_declared_fp8_prototypes():
-    """The kernel's contract is the call in _launch: its argument count is the ctypes table's."""
-    launch = _calls("_launch")
-    assert launch["grouped_gemm_fp8"] == len(
+    """The kernels' contract is the call in each _launch: its argument count is the ctypes
+    table's, for the FP8 GEMM and the FP8 wgrad GEMM; the workspace query takes (G, sms)."""
+    assert _launch_args("moonep_ops/ops/grouped_mm_fp8.py") == len(
         native.GEMM_FP8_PROTOTYPES["moonep_grouped_gemm_fp8"][1])
-    assert _calls("_workspace_bytes")["gemm_fp8_workspace_bytes"] == len(
-        native.GEMM_FP8_PROTOTYPES["moonep_gemm_fp8_workspace_bytes"][1])
+    assert _launch_args("moonep_ops/ops/grouped_mm_fp8_wgrad.py") == len(
+        native.GEMM_FP8_WGRAD_PROTOTYPES["moonep_grouped_gemm_fp8_wgrad"][1])
+    init = _function("moonep_ops/ops/grouped_mm_fp8.py", "__init__")
+    query = next(n for n in ast.walk(init) if isinstance(n, ast.Lambda)).body
+    for table in (native.GEMM_FP8_PROTOTYPES, native.GEMM_FP8_WGRAD_PROTOTYPES):
+        kind = "fp8_wgrad" if table is native.GEMM_FP8_WGRAD_PROTOTYPES else "fp8"
+        assert len(query.args) == len(table[f"moonep_gemm_{kind}_workspace_bytes"][1])

@@ -44,7 +44,7 @@ from ..backends.base import Backend
 from ..planner import decode_raw_dst
 from . import fastpath
 from .checks import ARG_ERRORS, call_device, device_error, has_real_tensor, on_device, reject_call
-from .quantize_fp8 import FP8_DTYPE, FP8ArgumentError, fp8_checks, rows_fp8, scale_cols
+from .quantize_fp8 import FP8ArgumentError, fake_rows_fp8, fp8_checks, rows_fp8
 
 
 def _backend(name: str) -> Backend:
@@ -410,9 +410,7 @@ def _dispatch_fp8_fake(x, topk_ids, route_weights, buffer, total_num_tokens, pow
                      "dispatch_fp8", x, topk_ids, route_weights)
     n = be.spec.nvs_s(s, total_num_tokens)
     D, i32 = be.spec.D, torch.int32
-    return (x.new_empty((n, D), dtype=FP8_DTYPE),
-            x.new_empty((n, scale_cols(D)), dtype=torch.float32),
-            x.new_empty((n,), dtype=torch.float32),
+    return (*fake_rows_fp8(x, n, D), x.new_empty((n,), dtype=torch.float32),
             x.new_empty((be.spec.G,), dtype=i32), x.new_empty((s * be.spec.K,), dtype=i32),
             x.new_empty((be.spec.R, be.spec.epn), dtype=i32), x.new_empty((be.spec.G, 2), dtype=i32),
             x.new_empty((2,), dtype=i32))

@@ -211,52 +211,40 @@ def reference_grouped_mm(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G):
 # Custom ops
 # --------------------------------------------------------------------------------------------
 
-def grouped_mm_body(x: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
-                    cu_seqlens: torch.Tensor, config: int = -1,
-                    zero_tail: bool = True) -> torch.Tensor:
-    """moonep::grouped_mm's kernel: its checks, then run_fwd."""
-    _check_fwd(x, w_local, w_slot, cu_seqlens, config)
-    return run_fwd(x, w_local, w_slot, cu_seqlens, config, zero_tail)
+def _rows_op(name: str, a: str, check, run, width: int):
+    """moonep::<name>, grouped_mm (``a`` is x) or grouped_mm_dgrad (dy): its body (its checks,
+    then ``run``; the op's kernel and the eager path's) and the op with its fake, whose output
+    has the ``width``-th of (epn, O, I) columns.  An explicit schema: `int` (not the inferred
+    SymInt) so config is static in traces."""
+    def body(a: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
+             cu_seqlens: torch.Tensor, config: int = -1, zero_tail: bool = True) -> torch.Tensor:
+        check(a, w_local, w_slot, cu_seqlens, config)
+        return run(a, w_local, w_slot, cu_seqlens, config, zero_tail)
+
+    op = torch.library.custom_op(
+        f"moonep::{name}", body, mutates_args=(),
+        schema=f"(Tensor {a}, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, "
+               "bool zero_tail=True) -> Tensor")
+
+    @op.register_fake
+    def _(a, w_local, w_slot, cu_seqlens, config=-1, zero_tail=True):
+        cols = check(a, w_local, w_slot, cu_seqlens, config, values=False)[width]
+        return a.new_empty(a.shape[0], cols)
+
+    return body, op
 
 
-# Explicit schemas: `int` (not the inferred SymInt) so epn and config are static in traces.
-_grouped_mm_op = torch.library.custom_op(
-    "moonep::grouped_mm", grouped_mm_body, mutates_args=(),
-    schema="(Tensor x, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, "
-           "bool zero_tail=True) -> Tensor")
-
-
-@_grouped_mm_op.register_fake
-def _(x, w_local, w_slot, cu_seqlens, config=-1, zero_tail=True):
-    _, O, _ = _check_fwd(x, w_local, w_slot, cu_seqlens, config, values=False)
-    return x.new_empty(x.shape[0], O)
-
-
-def grouped_mm_dgrad_body(dy: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
-                          cu_seqlens: torch.Tensor, config: int = -1,
-                          zero_tail: bool = True) -> torch.Tensor:
-    """moonep::grouped_mm_dgrad's kernel: its checks, then run_dgrad."""
-    _check_dgrad(dy, w_local, w_slot, cu_seqlens, config)
-    return run_dgrad(dy, w_local, w_slot, cu_seqlens, config, zero_tail)
-
-
-_grouped_mm_dgrad_op = torch.library.custom_op(
-    "moonep::grouped_mm_dgrad", grouped_mm_dgrad_body, mutates_args=(),
-    schema="(Tensor dy, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, "
-           "bool zero_tail=True) -> Tensor")
-
-
-@_grouped_mm_dgrad_op.register_fake
-def _(dy, w_local, w_slot, cu_seqlens, config=-1, zero_tail=True):
-    _, _, I = _check_dgrad(dy, w_local, w_slot, cu_seqlens, config, values=False)
-    return dy.new_empty(dy.shape[0], I)
+# (every op held by a module-level name: torch keeps custom ops by weak reference)
+grouped_mm_body, _grouped_mm_op = _rows_op("grouped_mm", "x", _check_fwd, run_fwd, 1)
+grouped_mm_dgrad_body, _grouped_mm_dgrad_op = _rows_op("grouped_mm_dgrad", "dy", _check_dgrad,
+                                                       run_dgrad, 2)
 
 
 def _check_wgrad_grads(dy, x, cu, grad_local, grad_slot, config, values=True,
                        input_dtype=False):
     """Checks of the in-place wgrad ops (op and fake): the grads are fp32 (accumulate) or in
     dy's dtype (into, ``input_dtype=True``).  Returns (O, I).  The real kernels also check
-    that the grads share no memory with each other or with the inputs (``_check_wgrad_alias``)."""
+    that the grads share no memory with each other or with the inputs (``_grads_op``)."""
     for name, g in (("grad_local", grad_local), ("grad_slot", grad_slot)):
         if not isinstance(g, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(g).__name__}")
@@ -269,49 +257,35 @@ def _check_wgrad_grads(dy, x, cu, grad_local, grad_slot, config, values=True,
     return O, I
 
 
-def _check_wgrad_alias(op, dy, x, cu, grad_local, grad_slot):
-    """Real kernels only (fake tensors have no storage): the grads are written, the rest read."""
-    check_no_overlap(op, [("grad_local", grad_local), ("grad_slot", grad_slot)],
-                     [("dy", dy), ("x", x), ("cu_seqlens", cu)])
+def _grads_op(name: str, run, input_dtype: bool):
+    """moonep::<name>, grouped_mm_wgrad_accumulate (fp32 grads, ``input_dtype=False``) or
+    grouped_mm_wgrad_into (grads in dy's dtype): its body (its checks, the grads' memory
+    overlap with each other and the inputs, then ``run``) and the op with its fake (fake
+    tensors have no storage: no overlap check)."""
+    def body(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
+             grad_local: torch.Tensor, grad_slot: torch.Tensor, config: int = -1) -> None:
+        _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config,
+                           input_dtype=input_dtype)
+        check_no_overlap(name, [("grad_local", grad_local), ("grad_slot", grad_slot)],
+                         [("dy", dy), ("x", x), ("cu_seqlens", cu_seqlens)])
+        run(dy, x, cu_seqlens, grad_local, grad_slot, config)
+
+    op = torch.library.custom_op(
+        f"moonep::{name}", body, mutates_args=("grad_local", "grad_slot"),
+        schema="(Tensor dy, Tensor x, Tensor cu_seqlens, Tensor(a!) grad_local, "
+               "Tensor(b!) grad_slot, int config=-1) -> ()")
+
+    @op.register_fake
+    def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
+        _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, values=False,
+                           input_dtype=input_dtype)
+
+    return body, op
 
 
-@torch.library.custom_op(
-    "moonep::grouped_mm_wgrad_accumulate", mutates_args=("grad_local", "grad_slot"),
-    schema="(Tensor dy, Tensor x, Tensor cu_seqlens, Tensor(a!) grad_local, "
-           "Tensor(b!) grad_slot, int config=-1) -> ()")
-def _grouped_mm_wgrad_acc_op(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
-                             grad_local: torch.Tensor, grad_slot: torch.Tensor,
-                             config: int = -1) -> None:
-    _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config)
-    _check_wgrad_alias("grouped_mm_wgrad_accumulate", dy, x, cu_seqlens, grad_local, grad_slot)
-    _wgrad_acc_impl(dy, x, cu_seqlens, grad_local, grad_slot, config)
-
-
-@_grouped_mm_wgrad_acc_op.register_fake
-def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
-    _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, values=False)
-
-
-def grouped_mm_wgrad_into_body(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
-                               grad_local: torch.Tensor, grad_slot: torch.Tensor,
-                               config: int = -1) -> None:
-    """moonep::grouped_mm_wgrad_into's kernel: its checks, then run_wgrad_into."""
-    _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, input_dtype=True)
-    _check_wgrad_alias("grouped_mm_wgrad_into", dy, x, cu_seqlens, grad_local, grad_slot)
-    run_wgrad_into(dy, x, cu_seqlens, grad_local, grad_slot, config)
-
-
-_grouped_mm_wgrad_into_op = torch.library.custom_op(
-    "moonep::grouped_mm_wgrad_into", grouped_mm_wgrad_into_body,
-    mutates_args=("grad_local", "grad_slot"),
-    schema="(Tensor dy, Tensor x, Tensor cu_seqlens, Tensor(a!) grad_local, "
-           "Tensor(b!) grad_slot, int config=-1) -> ()")
-
-
-@_grouped_mm_wgrad_into_op.register_fake
-def _(dy, x, cu_seqlens, grad_local, grad_slot, config=-1):
-    _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, values=False,
-                       input_dtype=True)
+_, _grouped_mm_wgrad_acc_op = _grads_op("grouped_mm_wgrad_accumulate", _wgrad_acc_impl, False)
+grouped_mm_wgrad_into_body, _grouped_mm_wgrad_into_op = _grads_op("grouped_mm_wgrad_into",
+                                                                  run_wgrad_into, True)
 
 
 def _check_out_dtype(out_dtype, dy):

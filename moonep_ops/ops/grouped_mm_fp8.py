@@ -2,14 +2,15 @@
 with e4m3 operands and fp32 scales, fp32 accumulation, bf16 output; and a differentiable
 bf16-in form that quantises on the fly.
 
-Legend (moonep_ops/geometry.py): M rows of the token buffer, B = epn, G = 2*epn groups (groups
-0..B-1 use the home weights, B..2B-1 the slots), W_g [O, I] (nn.Linear layout), and
-C = ceil(I/128), P = ceil(O/128) the scale tiles along I and O (moonep_ops/ops/quantize_fp8.py).
+Shape letters: docs/architecture.md, "Shape legend" (M rows of the token buffer, B = epn, G = 2*epn
+groups: 0..B-1 use the home weights, B..2B-1 the slots; W_g [O, I]; a row's scale columns C =
+ceil(last dim / 128); a weight's scale blocks o = ceil(O/128), i = ceil(I/128):
+moonep_ops/ops/quantize_fp8.py).
 
-  grouped_mm_fp8(x [M, I] e4m3, x_scale [M, C], w_local [B, O, I] e4m3, w_local_scale [B, P, C],
+  grouped_mm_fp8(x [M, I] e4m3, x_scale [M, C], w_local [B, O, I] e4m3, w_local_scale [B, o, i],
                  w_slot, w_slot_scale, cu_seqlens [G] i32) -> y [M, O] bf16
       y[rows g] = bf16( (x * x_scale)[rows g] @ (W_g * W_g_scale)^T ), fp32 accumulation
-  grouped_mm_fp8_dgrad(dy [M, O] e4m3, dy_scale [M, P], w_local, w_local_scale, w_slot,
+  grouped_mm_fp8_dgrad(dy [M, O] e4m3, dy_scale [M, C], w_local, w_local_scale, w_slot,
                        w_slot_scale, cu_seqlens) -> dx [M, I] bf16
       dx[rows g] = bf16( (dy * dy_scale)[rows g] @ (W_g * W_g_scale) ): the same weights and
       block scales as the forward; a 128 x 128 block's scale is also the scale of the
@@ -34,7 +35,7 @@ Backends (from device only, never from data):
       FP8 grouped GEMM with blockwise scaling (cutlass_kernels/kernel_fp8_fwd.cu), called as in
       ``_launch``: its prep kernel picks the config on the device from the group sizes
       (moonep_ops/gemm/fp8_cost.py, the host mirror); dgrad runs the same kernel on transposed
-      copies of the weights and scales (B*O*I + 4*B*P*C bytes per call: the sm90 FP8 MMA takes
+      copies of the weights and scales (B*O*I + 4*B*o*i bytes per call: the sm90 FP8 MMA takes
       K-major operands only; the FP8 layer avoids it by running grouped_mm_fp8 on weights
       quantised transposed, moe_experts_fp8.py);
   anything else -> the reference below: dequantise to fp32, fp32 matmul per group (reads
@@ -110,15 +111,60 @@ def _check_fwd(op, xq, xs, wl, wls, ws, wss, cu, values=True, rows_name="x"):
 # Backend choice
 # --------------------------------------------------------------------------------------------
 
-def backend_for_fp8(t: Tensor) -> str:
-    """'cutlass' or 'reference' for data like ``t`` (device and environment only)."""
-    if t.device.type != "cuda":
-        return "reference"
-    if settings.get("MOONEP_GEMM_BACKEND").lower() == "reference":
-        return "reference"
-    # explicit ABI check (native.py): a library of ABI < GEMM_FP8_ABI_VERSION, or one that lacks
-    # the FP8 exports, serves the bf16 GEMMs only
-    return "cutlass" if native.gemm_fp8() is not None else "reference"
+class Fp8Gemm:
+    """One FP8 grouped GEMM of libmoonep_gemm.so, ``kind`` "fp8" (this module's) or "fp8_wgrad"
+    (grouped_mm_fp8_wgrad.py): its exports are native._fp8_gemm_prototypes(kind), whose launch
+    takes the GEMM's own operands, then the same tail for both (``launch``).  ``feature`` /
+    ``require``: native's explicit ABI check for it (a library of an older ABI, or one that
+    lacks the exports, serves the bf16 GEMMs only); ``cost``: its host mirror of the device's
+    config choice (gemm/fp8_cost.py, fp8_wgrad_cost.py); ``config_env``: the switch that forces
+    one config."""
+
+    def __init__(self, kind: str, feature, require, cost, config_env: str, what: str):
+        self.kind, self.feature, self.require, self.cost = kind, feature, require, cost
+        self.config_env, self.what = config_env, what
+        self._table = None
+        self.workspace_bytes = functools.lru_cache(maxsize=None)(
+            lambda G, sms: getattr(self.require(), f"gemm_{kind}_workspace_bytes")(G, sms))
+
+    def backend(self, t: Tensor) -> str:
+        """'cutlass' or 'reference' for data like ``t`` (device and environment only)."""
+        if t.device.type != "cuda" or settings.get("MOONEP_GEMM_BACKEND").lower() == "reference":
+            return "reference"
+        return "cutlass" if self.feature() is not None else "reference"
+
+    def tuning_table(self):
+        """The cost model's tuning table as the launch takes it: built once per process from
+        its gemm/tuning_fp8*.py (the file the FP8 fit rewrites)."""
+        if self._table is None:
+            vals = self.cost.tuning_table()
+            self._table = (ctypes.c_float * len(vals))(*vals)
+        return self._table
+
+    def launch(self, operands: tuple, G: int, flags: int, config, dev) -> Tensor:
+        """``grouped_gemm_<kind>(*operands, config, tuning table, flags, workspace, its bytes,
+        SM count, stream)`` on the current stream.  ``config``: None (``config_env``, else
+        chosen on the device), a name or an index.  Returns the workspace (its first int32:
+        the config that ran, written on the device)."""
+        lib = self.require()
+        env = settings.get(self.config_env) or None
+        cfg = self.cost.config_index(env if config is None else config)
+        sms = sm_count(dev)
+        nbytes = self.workspace_bytes(G, sms)
+        workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        with torch.cuda.device(dev):
+            rc = getattr(lib, f"grouped_gemm_{self.kind}")(
+                *operands, cfg, self.tuning_table(), flags, workspace.data_ptr(), nbytes, sms,
+                stream)
+        native.gemm_check(rc, self.what)
+        return workspace
+
+
+FP8_GEMM = Fp8Gemm("fp8", native.gemm_fp8, native.require_gemm_fp8, fp8_cost,
+                   "MOONEP_GEMM_FP8_CONFIG", "moonep FP8 grouped GEMM")
+backend_for_fp8 = FP8_GEMM.backend
+_tuning_table = FP8_GEMM.tuning_table        # (the tests' and benchmarks' name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,45 +199,17 @@ def reference_fp8(x_q, x_scale, w_local, w_local_scale, w_slot, w_slot_scale, cu
 # CUTLASS (libmoonep_gemm.so: moonep_grouped_gemm_fp8)
 # --------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _workspace_bytes(G: int, sms: int) -> int:
-    return native.require_gemm_fp8().gemm_fp8_workspace_bytes(G, sms)
-
-
-@functools.lru_cache(maxsize=None)
-def _tuning_table():
-    # built once per process from gemm/tuning_fp8.py (the file the FP8 fit rewrites)
-    vals = fp8_cost.tuning_table()
-    return (ctypes.c_float * len(vals))(*vals)
-
-
-def _config_from_env() -> int:
-    return fp8_cost.config_index(settings.get("MOONEP_GEMM_FP8_CONFIG") or None)
-
-
 def _launch(aq, as_, bl, bls, bs, bss, cu, epn, M, n, k, config=None,
             zero_tail: bool = True) -> Tensor:
     """D [M, n] bf16 = A [M, k] x B_g [n, k]^T per group, on the current stream.  ``config``:
-    None (MOONEP_GEMM_FP8_CONFIG, else chosen on the device), a name or an index;
-    ``zero_tail=False``: the rows past cu[-1] are not written."""
-    lib = native.require_gemm_fp8()
-    cfg = _config_from_env() if config is None else fp8_cost.config_index(config)
-    dev = aq.device
-    out = torch.empty(M, n, dtype=OUT_DTYPE, device=dev)
-    if M == 0:
-        return out
-    G = 2 * epn
-    sms = sm_count(dev)
-    nbytes = _workspace_bytes(G, sms)
-    workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    with torch.cuda.device(dev):
-        rc = lib.grouped_gemm_fp8(aq.data_ptr(), as_.data_ptr(), bl.data_ptr(), bls.data_ptr(),
-                                  bs.data_ptr(), bss.data_ptr(), out.data_ptr(), cu.data_ptr(),
-                                  G, epn, M, n, k, cfg, _tuning_table(),
-                                  _pdl_flag() | tail_flags(zero_tail),
-                                  workspace.data_ptr(), nbytes, sms, stream)
-    native.gemm_check(rc, "moonep FP8 grouped GEMM")
+    as Fp8Gemm.launch; ``zero_tail=False``: the rows past cu[-1] are not written."""
+    out = torch.empty(M, n, dtype=OUT_DTYPE, device=aq.device)
+    if M:
+        G = 2 * epn
+        FP8_GEMM.launch((aq.data_ptr(), as_.data_ptr(), bl.data_ptr(), bls.data_ptr(),
+                         bs.data_ptr(), bss.data_ptr(), out.data_ptr(), cu.data_ptr(),
+                         G, epn, M, n, k), G, _pdl_flag() | tail_flags(zero_tail), config,
+                        aq.device)
     return out
 
 
@@ -234,7 +252,7 @@ def _grouped_mm_fp8_dgrad_op(dy, dy_scale, w_local, w_local_scale, w_slot, w_slo
     epn, O, I = _check_fwd("grouped_mm_fp8_dgrad", dy, dy_scale, w_local, w_local_scale, w_slot,
                            w_slot_scale, cu_seqlens, rows_name="dy")
     if backend_for_fp8(dy) == "cutlass":
-        # K-major operands only (sm90 FP8 wgmma): W_g^T [I, O] and its [C, P] scale grid
+        # K-major operands only (sm90 FP8 wgmma): W_g^T [I, O] and its [i, o] scale grid
         return _launch(dy, dy_scale, _t(w_local), _t(w_local_scale), _t(w_slot),
                        _t(w_slot_scale), cu_seqlens.contiguous(), epn, dy.shape[0], I, O,
                        zero_tail=zero_tail)
@@ -318,23 +336,23 @@ _grouped_linear_fp8_op.register_autograd(_linear_backward, setup_context=_linear
 # --------------------------------------------------------------------------------------------
 
 def grouped_mm_fp8(x_MI: Tensor, x_scale_MC: Tensor, w_local_BOI: Tensor,
-                   w_local_scale_BPC: Tensor, w_slot_BOI: Tensor, w_slot_scale_BPC: Tensor,
+                   w_local_scale_Boi: Tensor, w_slot_BOI: Tensor, w_slot_scale_Boi: Tensor,
                    cu_seqlens_G: Tensor, *, zero_tail: bool = True) -> Tensor:
     """y_MO (bf16) = dequant(x) @ dequant(W_g)^T per group; rows at or past cu_seqlens_G[-1]
     zero (``zero_tail=False``: undefined, not written).  Not differentiable (see
     grouped_linear_fp8)."""
-    return torch.ops.moonep.grouped_mm_fp8(x_MI, x_scale_MC, w_local_BOI, w_local_scale_BPC,
-                                           w_slot_BOI, w_slot_scale_BPC, cu_seqlens_G,
+    return torch.ops.moonep.grouped_mm_fp8(x_MI, x_scale_MC, w_local_BOI, w_local_scale_Boi,
+                                           w_slot_BOI, w_slot_scale_Boi, cu_seqlens_G,
                                            _gm._check_zero_tail(zero_tail))
 
 
-def grouped_mm_fp8_dgrad(dy_MO: Tensor, dy_scale_MP: Tensor, w_local_BOI: Tensor,
-                         w_local_scale_BPC: Tensor, w_slot_BOI: Tensor, w_slot_scale_BPC: Tensor,
+def grouped_mm_fp8_dgrad(dy_MO: Tensor, dy_scale_MC: Tensor, w_local_BOI: Tensor,
+                         w_local_scale_Boi: Tensor, w_slot_BOI: Tensor, w_slot_scale_Boi: Tensor,
                          cu_seqlens_G: Tensor, *, zero_tail: bool = True) -> Tensor:
     """dx_MI (bf16) = dequant(dy) @ dequant(W_g) per group; rows at or past cu_seqlens_G[-1]
     zero (``zero_tail=False``: undefined)."""
-    return torch.ops.moonep.grouped_mm_fp8_dgrad(dy_MO, dy_scale_MP, w_local_BOI,
-                                                 w_local_scale_BPC, w_slot_BOI, w_slot_scale_BPC,
+    return torch.ops.moonep.grouped_mm_fp8_dgrad(dy_MO, dy_scale_MC, w_local_BOI,
+                                                 w_local_scale_Boi, w_slot_BOI, w_slot_scale_Boi,
                                                  cu_seqlens_G, _gm._check_zero_tail(zero_tail))
 
 

@@ -36,25 +36,20 @@ reference, MOONEP_GEMM_FP8_WGRAD_CONFIG=name one config, MOONEP_GEMM_PDL=0 the l
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 from torch import Tensor
 
 from .. import native
-from .. import settings
 from ..gemm import fp8_wgrad_cost
-from ..runtime import sm_count
 from . import quantize_fp8 as qf
 from .checks import check_no_overlap
+from .grouped_mm_fp8 import Fp8Gemm
+from .grouped_mm_kernels import _KEEP_EMPTY_SLOTS, _PDL, _pdl_flag
 from .quantize_fp8 import TILE, FP8ArgumentError
-from .quantize_fp8_tokens import group_tiles
+from .quantize_fp8_tokens import dequantize_group, group_tiles
 
 OUT_DTYPE = torch.bfloat16
 ALIGN = 16
-_PDL = 2                    # moonep_gemm.h MOONEP_GEMM_PDL
-_KEEP_EMPTY_SLOTS = 1       # moonep_gemm.h MOONEP_GEMM_KEEP_EMPTY_SLOTS
 
 __all__ = ["grouped_mm_fp8_wgrad", "grouped_mm_fp8_wgrad_into", "reference_fp8_wgrad",
            "backend_for_fp8_wgrad"]
@@ -147,24 +142,16 @@ def _epn_of(grad_local) -> int:
 # Backend choice (device and environment only)
 # --------------------------------------------------------------------------------------------
 
-def backend_for_fp8_wgrad(t: Tensor) -> str:
-    if t.device.type != "cuda":
-        return "reference"
-    if settings.get("MOONEP_GEMM_BACKEND").lower() == "reference":
-        return "reference"
-    return "cutlass" if native.gemm_fp8_wgrad() is not None else "reference"
+FP8_WGRAD_GEMM = Fp8Gemm("fp8_wgrad", native.gemm_fp8_wgrad, native.require_gemm_fp8_wgrad,
+                         fp8_wgrad_cost, "MOONEP_GEMM_FP8_WGRAD_CONFIG",
+                         "moonep FP8 wgrad grouped GEMM")
+backend_for_fp8_wgrad = FP8_WGRAD_GEMM.backend
+_tuning_table = FP8_WGRAD_GEMM.tuning_table          # (the tests' and benchmarks' name)
 
 
 # --------------------------------------------------------------------------------------------
 # Reference: dequantise, fp32 math
 # --------------------------------------------------------------------------------------------
-
-def _group_rows(qT: Tensor, sT: Tensor, t0: int, m: int) -> Tensor:
-    """fp32 [m, F] contiguous: a group's m token rows, dequantised (q * s, one product each)."""
-    nb = -(-m // TILE)
-    scale = sT[t0:t0 + nb].repeat_interleave(TILE, dim=0)[:m]
-    return (qT[:, t0 * TILE:t0 * TILE + m].to(torch.float32).t() * scale).contiguous()
-
 
 def _ref_groups(dyT, dys, xT, xs, cu):
     """(g, dW_g fp32) of every non-empty group."""
@@ -173,8 +160,8 @@ def _ref_groups(dyT, dys, xT, xs, cu):
     for g, s, e, t0 in group_tiles(cu, mmax):
         m = e - s
         if m > 0:
-            a = _group_rows(dyT, dys, t0, m)                  # [m, O]
-            b = _group_rows(xT, xs, t0, m)                    # [m, I]
+            a = dequantize_group(dyT, dys, t0, m)             # [m, O]
+            b = dequantize_group(xT, xs, t0, m)               # [m, I]
             yield g, a.t() @ b
 
 
@@ -199,47 +186,18 @@ def reference_fp8_wgrad(dyT, dyT_scale, xT, xT_scale, cu_seqlens, epn):
 # CUTLASS (libmoonep_gemm.so: moonep_grouped_gemm_fp8_wgrad)
 # --------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _workspace_bytes(G: int, sms: int) -> int:
-    return native.require_gemm_fp8_wgrad().gemm_fp8_wgrad_workspace_bytes(G, sms)
-
-
-@functools.lru_cache(maxsize=None)
-def _tuning_table():
-    vals = fp8_wgrad_cost.tuning_table()
-    return (ctypes.c_float * len(vals))(*vals)
-
-
-def _pdl_flag() -> int:
-    return _PDL if settings.flag("MOONEP_GEMM_PDL") else 0
-
-
 def _launch(dyT, dys, xT, xs, cu, grad_local, grad_slot, keep_empty_slots: bool,
             config=None, pdl: bool | None = None) -> Tensor:
-    """One call on the current stream; returns the workspace (its first int32: the config
-    that ran, written on the device).  ``config``: None (MOONEP_GEMM_FP8_WGRAD_CONFIG, else
-    the device's choice), a name or an index; ``pdl``: None (MOONEP_GEMM_PDL) or forced."""
-    lib = native.require_gemm_fp8_wgrad()
-    env = settings.get("MOONEP_GEMM_FP8_WGRAD_CONFIG") or None
-    cfg = fp8_wgrad_cost.config_index(env if config is None else config)
-    dev = dyT.device
+    """One call on the current stream; returns the workspace (Fp8Gemm.launch; ``config`` as
+    there).  ``pdl``: None (MOONEP_GEMM_PDL) or forced."""
     epn, O, I = grad_local.shape
     G = 2 * epn
-    Nb = dys.shape[0]
-    sms = sm_count(dev)
-    nbytes = _workspace_bytes(G, sms)
-    workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     flags = (_pdl_flag() if pdl is None else (_PDL if pdl else 0)) | \
         (_KEEP_EMPTY_SLOTS if keep_empty_slots else 0)
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    with torch.cuda.device(dev):
-        rc = lib.grouped_gemm_fp8_wgrad(dyT.data_ptr(), dys.data_ptr(), xT.data_ptr(),
-                                        xs.data_ptr(), grad_local.data_ptr(),
-                                        grad_slot.data_ptr(), cu.data_ptr(), G, epn, Nb, O, I,
-                                        cfg, _tuning_table(), flags, workspace.data_ptr(),
-                                        nbytes, sms, stream)
-    native.gemm_check(rc, "moonep FP8 wgrad grouped GEMM")
-    return workspace
+    return FP8_WGRAD_GEMM.launch(
+        (dyT.data_ptr(), dys.data_ptr(), xT.data_ptr(), xs.data_ptr(), grad_local.data_ptr(),
+         grad_slot.data_ptr(), cu.data_ptr(), G, epn, dys.shape[0], O, I), G, flags, config,
+        dyT.device)
 
 
 # --------------------------------------------------------------------------------------------

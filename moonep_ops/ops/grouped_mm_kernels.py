@@ -279,24 +279,15 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,
     return workspace
 
 
-def _cutlass_fwd(x, w_local, w_slot, cu, config, zero_tail=True):
-    M, I = x.shape
-    epn, O, _ = w_local.shape
-    y = torch.empty(M, O, dtype=x.dtype, device=x.device)
+def _cutlass_mm(kind, a, w_local, w_slot, cu, config, zero_tail=True):
+    """kind "fwd": y [M, O] = x [M, I] @ W_g^T; "dgrad": dx [M, I] = dy [M, O] @ W_g."""
+    M = a.shape[0]
+    epn, O, I = w_local.shape
+    out = torch.empty(M, O if kind == "fwd" else I, dtype=a.dtype, device=a.device)
     if M:
-        _launch("fwd", config, x.contiguous(), w_local.contiguous(), w_slot.contiguous(),
-                y, None, cu.contiguous(), epn, M, O, I, flags=tail_flags(zero_tail))
-    return y
-
-
-def _cutlass_dgrad(dy, w_local, w_slot, cu, config, zero_tail=True):
-    M, O = dy.shape
-    epn, _, I = w_local.shape
-    dx = torch.empty(M, I, dtype=dy.dtype, device=dy.device)
-    if M:
-        _launch("dgrad", config, dy.contiguous(), w_local.contiguous(), w_slot.contiguous(),
-                dx, None, cu.contiguous(), epn, M, O, I, flags=tail_flags(zero_tail))
-    return dx
+        _launch(kind, config, a.contiguous(), w_local.contiguous(), w_slot.contiguous(),
+                out, None, cu.contiguous(), epn, M, O, I, flags=tail_flags(zero_tail))
+    return out
 
 
 def _cutlass_wgrad_acc(dy, x, cu, grad_local, grad_slot, config):
@@ -342,7 +333,7 @@ def run_fwd(x, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
     O, I = w_local.shape[1], w_local.shape[2]
     backend = backend_for(x, O, I)
     if backend == "cutlass":
-        return _cutlass_fwd(x, w_local, w_slot, cu, config, zero_tail)
+        return _cutlass_mm("fwd", x, w_local, w_slot, cu, config, zero_tail)
     if backend == "torch":
         return _torch_fwd(x, w_local, w_slot, cu, zero_tail)
     return _ref_fwd(x, w_local, w_slot, cu)
@@ -353,7 +344,7 @@ def run_dgrad(dy, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True)
     O, I = w_local.shape[1], w_local.shape[2]
     backend = backend_for(dy, O, I)
     if backend == "cutlass":
-        return _cutlass_dgrad(dy, w_local, w_slot, cu, config, zero_tail)
+        return _cutlass_mm("dgrad", dy, w_local, w_slot, cu, config, zero_tail)
     if backend == "torch":
         return _torch_dgrad(dy, w_local, w_slot, cu, zero_tail)
     return _ref_dgrad(dy, w_local, w_slot, cu)

@@ -7,10 +7,10 @@ number an element stands for is ``q * scale`` of its tile or block:
   activations  x_MI  -> q_MI e4m3, scale_MC fp32   one scale per 1 x 128 tile of a row:
                                                     C = ceil(I / 128), scale[m, c] covers
                                                     x[m, 128c : 128c + 128]
-  weights      w_..OI -> q_..OI e4m3, scale_..PC   one scale per 128 x 128 block:
-                                                    P = ceil(O / 128), C = ceil(I / 128)
+  weights      w_..OI -> q_..OI e4m3, scale_..oi   one scale per 128 x 128 block:
+                                                    o = ceil(O / 128), i = ceil(I / 128)
 
-(legend: moonep_ops/geometry.py; a last tile or block that is cut short by the dims is scaled
+(legend: docs/architecture.md, "Shape legend"; a last tile or block that is cut short by the dims is scaled
 like a full one.)  A tile's scale is ``max(amax / 448, 2^-126)``, amax = its largest |x| in fp32,
 so its largest element maps to +-448 and an all-zero tile gets the smallest normal fp32 scale
 (its elements stay exactly 0).  With ``pow2_scales`` the scale is rounded UP to a power of two
@@ -34,8 +34,8 @@ Ops (schemas, fakes and references are pure Python; on CUDA the rows and blocks 
 one Triton kernel each, bit-identical with the reference: quantize_fp8_triton.py):
   quantize_fp8_rows(x [M, I] floating, pow2_scales=False) -> (q [M, I] e4m3, scale [M, C] fp32)
   quantize_fp8_blocks(w [..., O, I] floating, pow2_scales=False, transpose=False)
-                                                     -> (q [..., O, I] e4m3, scale [..., P, C])
-      transpose=True -> (q [..., I, O], scale [..., C, P]): the blocks of w^T.  A block's amax
+                                                     -> (q [..., O, I] e4m3, scale [..., o, i])
+      transpose=True -> (q [..., I, O], scale [..., i, o]): the blocks of w^T.  A block's amax
       and its elements' quotients do not depend on orientation, so this is bitwise
       quantize(w)^T with the scale grid transposed; the Triton kernel writes each tile
       transposed from the same single read (the FP8 layer's backward uses it: the dgrad is the
@@ -141,6 +141,15 @@ def _check_fp8_pair(op: str, name: str, q, scale) -> None:
         raise FP8ArgumentError(f"{op}: {name}_scale must be float32, got {scale.dtype}")
 
 
+def _check_fp8_placement(op: str, name: str, q, scale) -> None:
+    """q and scale on one device, both contiguous (after the caller's shape checks)."""
+    if scale.device != q.device:
+        raise ValueError(f"{op}: {name}_scale is on {scale.device}, {name} on {q.device}")
+    for n, t in ((name, q), (f"{name}_scale", scale)):
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {n} must be contiguous (got strides {t.stride()})")
+
+
 def _check_blocks_args(w, pow2_scales, transpose) -> None:
     """moonep::quantize_fp8_blocks's arguments (reference, implementation and fake alike)."""
     _check_float("quantize_fp8_blocks", "w", w, 2)
@@ -161,11 +170,7 @@ def check_rows_fp8(op: str, name: str, q, scale, cols: int | None = None) -> tup
     if scale.dim() != 2 or tuple(scale.shape) != want:
         raise ValueError(f"{op}: {name}_scale must be [M, ceil(I/128)] = {list(want)} (one "
                          f"scale per 1x128 tile of {name}), got {list(scale.shape)}")
-    if scale.device != q.device:
-        raise ValueError(f"{op}: {name}_scale is on {scale.device}, {name} on {q.device}")
-    for n, t in ((name, q), (f"{name}_scale", scale)):
-        if not t.is_contiguous():
-            raise ValueError(f"{op}: {n} must be contiguous (got strides {t.stride()})")
+    _check_fp8_placement(op, name, q, scale)
     return M, I
 
 
@@ -181,11 +186,7 @@ def check_blocks_fp8(op: str, name: str, q, scale) -> tuple[int, ...]:
         raise ValueError(f"{op}: {name}_scale must be [..., ceil(O/128), ceil(I/128)] = "
                          f"{list(want)} (one scale per 128x128 block of {name}), got "
                          f"{list(scale.shape)}")
-    if scale.device != q.device:
-        raise ValueError(f"{op}: {name}_scale is on {scale.device}, {name} on {q.device}")
-    for n, t in ((name, q), (f"{name}_scale", scale)):
-        if not t.is_contiguous():
-            raise ValueError(f"{op}: {n} must be contiguous (got strides {t.stride()})")
+    _check_fp8_placement(op, name, q, scale)
     return tuple(q.shape)
 
 
@@ -254,18 +255,18 @@ def quantize_blocks(w: Tensor, pow2_scales: bool = False, transpose: bool = Fals
 def quantize_blocks_from_float(w: Tensor, pow2_scales: bool, transpose: bool = False
                                ) -> tuple[Tensor, Tensor]:
     """128 x 128 blocks of a checked floating [..., O, I] tensor -> (q e4m3, scale fp32);
-    transpose: those of w^T ([..., I, O], scale [..., C, P]), the same bytes transposed."""
+    transpose: those of w^T ([..., I, O], scale [..., i, o]), the same bytes transposed."""
     if transpose:
         w = w.mT
     *lead, O, I = w.shape
-    P, C = scale_cols(O), scale_cols(I)
+    o, i = scale_cols(O), scale_cols(I)
     wf = w.to(torch.float32).reshape(-1, O, I)
-    padded = torch.nn.functional.pad(wf, (0, C * TILE - I, 0, P * TILE - O))
-    blocks = padded.view(-1, P, TILE, C, TILE)
-    s, bad = _scale_of(blocks.abs().amax(dim=(2, 4)), pow2_scales)  # [n, P, C]
+    padded = torch.nn.functional.pad(wf, (0, i * TILE - I, 0, o * TILE - O))
+    blocks = padded.view(-1, o, TILE, i, TILE)
+    s, bad = _scale_of(blocks.abs().amax(dim=(2, 4)), pow2_scales)  # [n, o, i]
     q = _cast(blocks / s[:, :, None, :, None], bad[:, :, None, :, None])
-    q = q.view(-1, P * TILE, C * TILE)[:, :O, :I]
-    return (q.reshape(*lead, O, I).contiguous(), s.reshape(*lead, P, C).contiguous())
+    q = q.view(-1, o * TILE, i * TILE)[:, :O, :I]
+    return (q.reshape(*lead, O, I).contiguous(), s.reshape(*lead, o, i).contiguous())
 
 
 def swiglu_quantize(g_MF: Tensor, u_MF: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
@@ -403,7 +404,7 @@ def _scale_rows_impl(x_MI: Tensor, w_M: Tensor) -> Tensor:
     return scale_rows(x_MI, w_M) if k is None else k.scale_rows(x_MI, w_M)
 
 
-def _scale_rows_backward_impl(dz_MI, w_M, y_MI, pow2_scales):
+def _scale_rows_backward_impl(dz_MI, w_M, y_MI, pow2_scales=False):
     _check_rows_bf16("scale_rows_backward_fp8", w_M, dz=dz_MI, y=y_MI)
     _check_bool("scale_rows_backward_fp8", pow2_scales)
     k = _kernels(dz_MI)
@@ -423,27 +424,27 @@ def _dequantize_rows_bf16_impl(q_MI: Tensor, scale_MC: Tensor) -> Tensor:
 # Custom ops
 # --------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("moonep::quantize_fp8_rows", mutates_args=(),
-                         schema="(Tensor x, bool pow2_scales=False) -> (Tensor, Tensor)")
-def _quantize_rows_op(x: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
-    return rows_fp8(x, pow2_scales)
+def fake_rows_fp8(like: Tensor, M, I) -> tuple[Tensor, Tensor]:
+    """A fake kernel's 1 x 128-tile quantisation of [M, I] rows: empty (q e4m3, scale [M, C])."""
+    return (like.new_empty((M, I), dtype=FP8_DTYPE),
+            like.new_empty((M, scale_cols(I)), dtype=torch.float32))
+
+
+_quantize_rows_op = torch.library.custom_op(
+    "moonep::quantize_fp8_rows", rows_fp8, mutates_args=(),
+    schema="(Tensor x, bool pow2_scales=False) -> (Tensor, Tensor)")
 
 
 @_quantize_rows_op.register_fake
 def _(x, pow2_scales=False):
     _check_float("quantize_fp8_rows", "x", x, 2, 2)
     _check_bool("quantize_fp8_rows", pow2_scales)
-    M, I = x.shape
-    return (x.new_empty((M, I), dtype=FP8_DTYPE),
-            x.new_empty((M, scale_cols(I)), dtype=torch.float32))
+    return fake_rows_fp8(x, *x.shape)
 
 
-@torch.library.custom_op("moonep::quantize_fp8_blocks", mutates_args=(),
-                         schema="(Tensor w, bool pow2_scales=False, bool transpose=False)"
-                                " -> (Tensor, Tensor)")
-def _quantize_blocks_op(w: Tensor, pow2_scales: bool = False, transpose: bool = False
-                        ) -> tuple[Tensor, Tensor]:
-    return blocks_fp8(w, pow2_scales, transpose)
+_quantize_blocks_op = torch.library.custom_op(
+    "moonep::quantize_fp8_blocks", blocks_fp8, mutates_args=(),
+    schema="(Tensor w, bool pow2_scales=False, bool transpose=False) -> (Tensor, Tensor)")
 
 
 @_quantize_blocks_op.register_fake
@@ -456,24 +457,20 @@ def _(w, pow2_scales=False, transpose=False):
             w.new_empty((*lead, scale_cols(O), scale_cols(I)), dtype=torch.float32))
 
 
-@torch.library.custom_op("moonep::swiglu_quantize_fp8", mutates_args=(),
-                         schema="(Tensor g, Tensor u, bool pow2_scales=False) -> (Tensor, Tensor)")
-def _swiglu_quantize_op(g: Tensor, u: Tensor, pow2_scales: bool = False) -> tuple[Tensor, Tensor]:
-    return swiglu_quantize(g, u, pow2_scales)
+_swiglu_quantize_op = torch.library.custom_op(
+    "moonep::swiglu_quantize_fp8", swiglu_quantize, mutates_args=(),
+    schema="(Tensor g, Tensor u, bool pow2_scales=False) -> (Tensor, Tensor)")
 
 
 @_swiglu_quantize_op.register_fake
 def _(g, u, pow2_scales=False):
     _check_swiglu(g, u, pow2_scales)
-    M, F = g.shape
-    return (g.new_empty((M, F), dtype=FP8_DTYPE),
-            g.new_empty((M, scale_cols(F)), dtype=torch.float32))
+    return fake_rows_fp8(g, *g.shape)
 
 
-@torch.library.custom_op("moonep::scale_rows", mutates_args=(),
-                         schema="(Tensor x, Tensor row_weights) -> Tensor")
-def _scale_rows_op(x: Tensor, row_weights: Tensor) -> Tensor:
-    return _scale_rows_impl(x, row_weights)
+_scale_rows_op = torch.library.custom_op(
+    "moonep::scale_rows", _scale_rows_impl, mutates_args=(),
+    schema="(Tensor x, Tensor row_weights) -> Tensor")
 
 
 @_scale_rows_op.register_fake
@@ -482,27 +479,23 @@ def _(x, row_weights):
     return x.new_empty(x.shape, dtype=BF16)
 
 
-@torch.library.custom_op("moonep::scale_rows_backward_fp8", mutates_args=(),
-                         schema="(Tensor dz, Tensor row_weights, Tensor y, bool pow2_scales=False)"
-                                " -> (Tensor, Tensor, Tensor, Tensor)")
-def _scale_rows_backward_op(dz: Tensor, row_weights: Tensor, y: Tensor, pow2_scales: bool = False
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _scale_rows_backward_impl(dz, row_weights, y, pow2_scales)
+_scale_rows_backward_op = torch.library.custom_op(
+    "moonep::scale_rows_backward_fp8", _scale_rows_backward_impl, mutates_args=(),
+    schema="(Tensor dz, Tensor row_weights, Tensor y, bool pow2_scales=False)"
+           " -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @_scale_rows_backward_op.register_fake
 def _(dz, row_weights, y, pow2_scales=False):
     M, I = _check_rows_bf16("scale_rows_backward_fp8", row_weights, dz=dz, y=y)
     _check_bool("scale_rows_backward_fp8", pow2_scales)
-    return (dz.new_empty((M, I), dtype=BF16), dz.new_empty((M, I), dtype=FP8_DTYPE),
-            dz.new_empty((M, scale_cols(I)), dtype=torch.float32),
+    return (dz.new_empty((M, I), dtype=BF16), *fake_rows_fp8(dz, M, I),
             dz.new_empty((M,), dtype=torch.float32))
 
 
-@torch.library.custom_op("moonep::dequantize_fp8_rows", mutates_args=(),
-                         schema="(Tensor q, Tensor scale) -> Tensor")
-def _dequantize_rows_bf16_op(q: Tensor, scale: Tensor) -> Tensor:
-    return _dequantize_rows_bf16_impl(q, scale)
+_dequantize_rows_bf16_op = torch.library.custom_op(
+    "moonep::dequantize_fp8_rows", _dequantize_rows_bf16_impl, mutates_args=(),
+    schema="(Tensor q, Tensor scale) -> Tensor")
 
 
 @_dequantize_rows_bf16_op.register_fake

@@ -51,6 +51,7 @@ are written):
   tiles, and every consumer (the grouped GEMMs, combine) reads the groups' rows only.  The
   reference computes them.
 Helpers: ``token_tiles(M, G)`` (Nb), ``group_tiles(cu, M)`` (host: [(g, s, e, t0)]),
+``dequantize_group(qT, sT, t0, m)`` (fp32 [m, I]: one group's rows) and
 ``dequantize_tokens(qT, sT, cu, M)`` (fp32 [M, I] in the row layout; rows of no group 0).
 """
 from __future__ import annotations
@@ -64,7 +65,7 @@ from .quantize_fp8 import FP8_DTYPE, TILE, FP8ArgumentError
 BF16 = torch.bfloat16
 
 __all__ = ["token_tiles", "group_tiles", "quantize_tokens", "quantize_rows_tokens",
-           "scale_rows_backward_tokens", "dequantize_tokens", "quantize_fp8_tokens",
+           "scale_rows_backward_tokens", "dequantize_group", "dequantize_tokens", "quantize_fp8_tokens",
            "quantize_fp8_rows_tokens", "scale_rows_backward_fp8_tokens"]
 
 
@@ -192,18 +193,21 @@ def scale_rows_backward_tokens(dz: Tensor, row_weights: Tensor, y: Tensor, cu_se
     return q, s, qT, sT, d_rows
 
 
+def dequantize_group(qT: Tensor, sT: Tensor, t0: int, m: int) -> Tensor:
+    """fp32 [m, I] contiguous, in the row layout: the m token rows of the group whose tiles
+    start at t0, every element times its tile's scale (one rounded product each)."""
+    nb = -(-m // TILE)
+    scale = sT[t0:t0 + nb].repeat_interleave(TILE, dim=0)[:m]            # [m, I]
+    return (qT[:, t0 * TILE:t0 * TILE + m].to(torch.float32).t() * scale).contiguous()
+
+
 def dequantize_tokens(qT: Tensor, sT: Tensor, cu_seqlens: Tensor, M: int) -> Tensor:
-    """fp32 [M, I] in the row layout: every element of a group's tiles times its scale; rows
-    of no group 0."""
-    I = qT.shape[0]
-    out = torch.zeros(M, I, dtype=torch.float32, device=qT.device)
+    """fp32 [M, I] in the row layout: every group's rows (dequantize_group); rows of no group
+    0."""
+    out = torch.zeros(M, qT.shape[0], dtype=torch.float32, device=qT.device)
     for g, s, e, t0 in group_tiles(cu_seqlens, M):
-        m = e - s
-        if m <= 0:
-            continue
-        nb = -(-m // TILE)
-        scale = sT[t0:t0 + nb].repeat_interleave(TILE, dim=0)[:m]        # [m, I]
-        out[s:e] = qT[:, t0 * TILE:t0 * TILE + m].to(torch.float32).t() * scale
+        if e > s:
+            out[s:e] = dequantize_group(qT, sT, t0, e - s)
     return out
 
 
@@ -218,7 +222,7 @@ def _kernels(t: Tensor):
     return quantize_fp8_tokens_triton
 
 
-def _tokens_impl(x, cu, x_scale, pow2):
+def _tokens_impl(x, cu, x_scale=None, pow2=False):
     _check_tokens_args(x, cu, x_scale, pow2)
     k = _kernels(x)
     if k is None:
@@ -227,7 +231,7 @@ def _tokens_impl(x, cu, x_scale, pow2):
     return k.quantize_tokens(x, cu, x_scale, pow2)
 
 
-def _rows_tokens_impl(x, cu, pow2):
+def _rows_tokens_impl(x, cu, pow2=False):
     _check_rows_tokens_args(x, cu, pow2)
     k = _kernels(x)
     if k is None:
@@ -235,7 +239,7 @@ def _rows_tokens_impl(x, cu, pow2):
     return k.quantize_rows_tokens(x, cu, pow2)
 
 
-def _srb_impl(dz, w, y, cu, pow2):
+def _srb_impl(dz, w, y, cu, pow2=False):
     _check_srb_args(dz, w, y, cu, pow2)
     k = _kernels(dz)
     if k is None:
@@ -254,11 +258,10 @@ def _fake_tokens(x, I, G):
             x.new_empty((Nb, I), dtype=torch.float32))
 
 
-@torch.library.custom_op("moonep::quantize_fp8_tokens", mutates_args=(),
-                         schema="(Tensor x, Tensor cu_seqlens, Tensor? x_scale=None, "
-                                "bool pow2_scales=False) -> (Tensor, Tensor)")
-def _quantize_tokens_op(x, cu_seqlens, x_scale=None, pow2_scales=False):
-    return _tokens_impl(x, cu_seqlens, x_scale, pow2_scales)
+_quantize_tokens_op = torch.library.custom_op(
+    "moonep::quantize_fp8_tokens", _tokens_impl, mutates_args=(),
+    schema="(Tensor x, Tensor cu_seqlens, Tensor? x_scale=None, bool pow2_scales=False)"
+           " -> (Tensor, Tensor)")
 
 
 @_quantize_tokens_op.register_fake
@@ -267,33 +270,28 @@ def _(x, cu_seqlens, x_scale=None, pow2_scales=False):
     return _fake_tokens(x, I, G)
 
 
-@torch.library.custom_op("moonep::quantize_fp8_rows_tokens", mutates_args=(),
-                         schema="(Tensor x, Tensor cu_seqlens, bool pow2_scales=False)"
-                                " -> (Tensor, Tensor, Tensor, Tensor)")
-def _quantize_rows_tokens_op(x, cu_seqlens, pow2_scales=False):
-    return _rows_tokens_impl(x, cu_seqlens, pow2_scales)
+_quantize_rows_tokens_op = torch.library.custom_op(
+    "moonep::quantize_fp8_rows_tokens", _rows_tokens_impl, mutates_args=(),
+    schema="(Tensor x, Tensor cu_seqlens, bool pow2_scales=False)"
+           " -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @_quantize_rows_tokens_op.register_fake
 def _(x, cu_seqlens, pow2_scales=False):
     M, I, G = _check_rows_tokens_args(x, cu_seqlens, pow2_scales, values=False)
-    return (x.new_empty((M, I), dtype=FP8_DTYPE),
-            x.new_empty((M, qf.scale_cols(I)), dtype=torch.float32), *_fake_tokens(x, I, G))
+    return (*qf.fake_rows_fp8(x, M, I), *_fake_tokens(x, I, G))
 
 
-@torch.library.custom_op("moonep::scale_rows_backward_fp8_tokens", mutates_args=(),
-                         schema="(Tensor dz, Tensor row_weights, Tensor y, Tensor cu_seqlens, "
-                                "bool pow2_scales=False) -> (Tensor, Tensor, Tensor, Tensor, "
-                                "Tensor)")
-def _srb_tokens_op(dz, row_weights, y, cu_seqlens, pow2_scales=False):
-    return _srb_impl(dz, row_weights, y, cu_seqlens, pow2_scales)
+_srb_tokens_op = torch.library.custom_op(
+    "moonep::scale_rows_backward_fp8_tokens", _srb_impl, mutates_args=(),
+    schema="(Tensor dz, Tensor row_weights, Tensor y, Tensor cu_seqlens, "
+           "bool pow2_scales=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @_srb_tokens_op.register_fake
 def _(dz, row_weights, y, cu_seqlens, pow2_scales=False):
     M, I, G = _check_srb_args(dz, row_weights, y, cu_seqlens, pow2_scales, values=False)
-    return (dz.new_empty((M, I), dtype=FP8_DTYPE),
-            dz.new_empty((M, qf.scale_cols(I)), dtype=torch.float32), *_fake_tokens(dz, I, G),
+    return (*qf.fake_rows_fp8(dz, M, I), *_fake_tokens(dz, I, G),
             dz.new_empty((M,), dtype=torch.float32))
 
 

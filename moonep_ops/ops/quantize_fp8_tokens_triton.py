@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .quantize_fp8_triton import _abs_or_inf, _quant, _scale
+from .quantize_fp8_triton import _abs_or_inf, _quant, _scale, _store_rows
 
 TILE = 128
 
@@ -53,6 +53,22 @@ def _tile(cu_ptr, t, G, M, STEPS: tl.constexpr):
 
 
 @triton.jit
+def _block(cu_ptr, M, I, G, STEPS: tl.constexpr):
+    """This program's 128 x 128 block: token tile t (program 0) x feature tile pc (program 1).
+    (t, pc, valid rows (<= 0: a tile of no group), rows, rows_ok, cols, offs, mask)."""
+    t = tl.program_id(0)
+    pc = tl.program_id(1)
+    r0, nrows = _tile(cu_ptr, t, G, M, STEPS)
+    r = tl.arange(0, 128)
+    cols = pc * 128 + tl.arange(0, 128)
+    rows_ok = r < nrows
+    rows = r0 + r
+    mask = rows_ok[:, None] & (cols[None, :] < I)
+    offs = rows[:, None].to(tl.int64) * I + cols[None, :]
+    return t, pc, nrows, rows, rows_ok, cols, offs, mask
+
+
+@triton.jit
 def _store_tokens(qT_ptr, sT_ptr, xf, t, rows_ok, cols, I, Mp, POW2: tl.constexpr):
     # token scales: one per feature over the tile's valid tokens (the masked rows are 0 and move
     # no amax); q stored transposed, the columns past the group's last row 0
@@ -68,16 +84,8 @@ def _store_tokens(qT_ptr, sT_ptr, xf, t, rows_ok, cols, I, Mp, POW2: tl.constexp
 @triton.jit
 def _tokens_kernel(x_ptr, xs_ptr, cu_ptr, qT_ptr, sT_ptr, M, I, C, G, Mp,
                    HAS_SCALE: tl.constexpr, POW2: tl.constexpr, STEPS: tl.constexpr):
-    t = tl.program_id(0)
-    pc = tl.program_id(1)
-    r0, nrows = _tile(cu_ptr, t, G, M, STEPS)
+    t, pc, nrows, rows, rows_ok, cols, offs, mask = _block(cu_ptr, M, I, G, STEPS)
     if nrows > 0:
-        r = tl.arange(0, 128)
-        cols = pc * 128 + tl.arange(0, 128)
-        rows_ok = r < nrows
-        rows = r0 + r
-        mask = rows_ok[:, None] & (cols[None, :] < I)
-        offs = rows[:, None].to(tl.int64) * I + cols[None, :]
         if HAS_SCALE:
             # e4m3 rows with their 1 x 128 scales: q * s in fp32, one rounded product
             q = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -92,46 +100,26 @@ def _tokens_kernel(x_ptr, xs_ptr, cu_ptr, qT_ptr, sT_ptr, M, I, C, G, Mp,
 @triton.jit
 def _rows_tokens_kernel(x_ptr, cu_ptr, q_ptr, s_ptr, qT_ptr, sT_ptr, M, I, C, G, Mp,
                         POW2: tl.constexpr, STEPS: tl.constexpr):
-    t = tl.program_id(0)
-    pc = tl.program_id(1)
-    r0, nrows = _tile(cu_ptr, t, G, M, STEPS)
+    t, pc, nrows, rows, rows_ok, cols, offs, mask = _block(cu_ptr, M, I, G, STEPS)
     if nrows > 0:
-        r = tl.arange(0, 128)
-        cols = pc * 128 + tl.arange(0, 128)
-        rows_ok = r < nrows
-        rows = r0 + r
-        mask = rows_ok[:, None] & (cols[None, :] < I)
-        offs = rows[:, None].to(tl.int64) * I + cols[None, :]
         xf = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        # the row tiles (quantize_fp8_rows): the masked columns are 0 and move no amax
-        sr, badr = _scale(tl.max(_abs_or_inf(xf), axis=1), POW2)
-        tl.store(q_ptr + offs, _quant(xf, sr[:, None], badr[:, None]), mask=mask)
-        tl.store(s_ptr + rows.to(tl.int64) * C + pc, sr, mask=rows_ok)
+        # the row tiles (quantize_fp8_rows)
+        _store_rows(q_ptr, s_ptr, xf, offs, mask, rows, rows_ok, pc, C, POW2)
         _store_tokens(qT_ptr, sT_ptr, xf, t, rows_ok, cols, I, Mp, POW2)
 
 
 @triton.jit
 def _srb_tokens_kernel(dz_ptr, w_ptr, y_ptr, cu_ptr, q_ptr, s_ptr, qT_ptr, sT_ptr, p_ptr,
                        M, I, C, G, Mp, POW2: tl.constexpr, STEPS: tl.constexpr):
-    t = tl.program_id(0)
-    pc = tl.program_id(1)
-    r0, nrows = _tile(cu_ptr, t, G, M, STEPS)
+    t, pc, nrows, rows, rows_ok, cols, offs, mask = _block(cu_ptr, M, I, G, STEPS)
     if nrows > 0:
-        r = tl.arange(0, 128)
-        cols = pc * 128 + tl.arange(0, 128)
-        rows_ok = r < nrows
-        rows = r0 + r
-        mask = rows_ok[:, None] & (cols[None, :] < I)
-        offs = rows[:, None].to(tl.int64) * I + cols[None, :]
         dz = tl.load(dz_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rows, mask=rows_ok, other=0.0)
         # dy = bf16(fp32(dz) * w): one IEEE product, then RNE to bf16 (quantize_fp8_triton's
         # scale_rows_backward, which is bitwise the torch formulation)
         dyf = (dz * w[:, None]).to(tl.bfloat16).to(tl.float32)
-        sr, badr = _scale(tl.max(_abs_or_inf(dyf), axis=1), POW2)
-        tl.store(q_ptr + offs, _quant(dyf, sr[:, None], badr[:, None]), mask=mask)
-        tl.store(s_ptr + rows.to(tl.int64) * C + pc, sr, mask=rows_ok)
+        _store_rows(q_ptr, s_ptr, dyf, offs, mask, rows, rows_ok, pc, C, POW2)
         tl.store(p_ptr + rows.to(tl.int64) * C + pc, tl.sum(dz * y, axis=1), mask=rows_ok)
         _store_tokens(qT_ptr, sT_ptr, dyf, t, rows_ok, cols, I, Mp, POW2)
 
@@ -140,12 +128,17 @@ def _steps(G: int) -> int:
     return max(1, (G - 1).bit_length()) + 1
 
 
-def _outputs(x: Tensor, I: int, G: int):
-    M = x.shape[0]
-    Nb = M // TILE + G
-    qT = torch.empty(I, Nb * TILE, dtype=torch.float8_e4m3fn, device=x.device)
-    sT = torch.empty(Nb, I, dtype=torch.float32, device=x.device)
-    return Nb, qT, sT
+def _outputs(x: Tensor, G: int, rows: bool = False) -> tuple:
+    """(C, Nb, qT, sT) of x [M, I] quantised into the token tiles of G groups; ``rows``: then
+    its row tiles' q [M, I] and s [M, C] too."""
+    M, I = x.shape
+    C, Nb = triton.cdiv(I, TILE), M // TILE + G
+    out = (C, Nb, torch.empty(I, Nb * TILE, dtype=torch.float8_e4m3fn, device=x.device),
+           torch.empty(Nb, I, dtype=torch.float32, device=x.device))
+    if rows:
+        out += (torch.empty(M, I, dtype=torch.float8_e4m3fn, device=x.device),
+                torch.empty(M, C, dtype=torch.float32, device=x.device))
+    return out
 
 
 # 8 warps for a 128 x 128 block (64 values a thread, the transposed store through shared memory)
@@ -154,10 +147,8 @@ _WARPS = 8
 
 def quantize_tokens(x: Tensor, cu: Tensor, x_scale, pow2: bool) -> tuple[Tensor, Tensor]:
     x, cu = x.contiguous(), cu.contiguous()
-    M, I = x.shape
-    G = cu.shape[0]
-    C = triton.cdiv(I, TILE)
-    Nb, qT, sT = _outputs(x, I, G)
+    (M, I), G = x.shape, cu.shape[0]
+    C, Nb, qT, sT = _outputs(x, G)
     if M and I:
         xs = x_scale.contiguous() if x_scale is not None else sT     # unused without a scale
         _tokens_kernel[(Nb, C)](x, xs, cu, qT.view(torch.uint8), sT, M, I, C, G, Nb * TILE,
@@ -168,12 +159,8 @@ def quantize_tokens(x: Tensor, cu: Tensor, x_scale, pow2: bool) -> tuple[Tensor,
 
 def quantize_rows_tokens(x: Tensor, cu: Tensor, pow2: bool):
     x, cu = x.contiguous(), cu.contiguous()
-    M, I = x.shape
-    G = cu.shape[0]
-    C = triton.cdiv(I, TILE)
-    Nb, qT, sT = _outputs(x, I, G)
-    q = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(M, C, dtype=torch.float32, device=x.device)
+    (M, I), G = x.shape, cu.shape[0]
+    C, Nb, qT, sT, q, s = _outputs(x, G, rows=True)
     if M and I:
         _rows_tokens_kernel[(Nb, C)](x, cu, q.view(torch.uint8), s, qT.view(torch.uint8), sT,
                                      M, I, C, G, Nb * TILE, POW2=pow2, STEPS=_steps(G),
@@ -183,12 +170,8 @@ def quantize_rows_tokens(x: Tensor, cu: Tensor, pow2: bool):
 
 def scale_rows_backward_tokens(dz: Tensor, w: Tensor, y: Tensor, cu: Tensor, pow2: bool):
     dz, w, y, cu = dz.contiguous(), w.contiguous(), y.contiguous(), cu.contiguous()
-    M, I = dz.shape
-    G = cu.shape[0]
-    C = triton.cdiv(I, TILE)
-    Nb, qT, sT = _outputs(dz, I, G)
-    q = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=dz.device)
-    s = torch.empty(M, C, dtype=torch.float32, device=dz.device)
+    (M, I), G = dz.shape, cu.shape[0]
+    C, Nb, qT, sT, q, s = _outputs(dz, G, rows=True)
     # the tile partials of d_rows; zeros: the rows of no group read 0 (not written below)
     p = torch.zeros(M, C, dtype=torch.float32, device=dz.device)
     if M and I:

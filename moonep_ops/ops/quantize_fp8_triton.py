@@ -28,6 +28,7 @@ from torch import Tensor
 
 TILE = 128          # quantize_fp8.TILE; the kernels' literals 448.0 and 2^-126 are its FP8_MAX
                     # and SCALE_FLOOR (a jit function cannot read module globals)
+_BM = 16            # rows a program of the row-tile kernels
 
 
 @triton.jit
@@ -65,30 +66,43 @@ def _quant(x, s, bad):
 
 
 @triton.jit
-def _rows_kernel(x_ptr, q_ptr, s_ptr, M, I, C, BM: tl.constexpr, POW2: tl.constexpr):
-    # one program: BM rows x one 128-column tile
-    pm = tl.program_id(0)
+def _row_block(M, I, BM: tl.constexpr):
+    # this program's BM rows (program 0) x one 128-column tile pc (program 1) of an [M, I]
+    # tensor: (pc, rows, rows_ok, offs, mask)
     pc = tl.program_id(1)
-    rows = pm * BM + tl.arange(0, BM)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = pc * 128 + tl.arange(0, 128)
     mask = (rows[:, None] < M) & (cols[None, :] < I)
     offs = rows[:, None].to(tl.int64) * I + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s, bad = _scale(tl.max(_abs_or_inf(x), axis=1), POW2)          # [BM]
-    tl.store(q_ptr + offs, _quant(x, s[:, None], bad[:, None]), mask=mask)
-    tl.store(s_ptr + rows.to(tl.int64) * C + pc, s, mask=rows < M)
+    return pc, rows, rows < M, offs, mask
 
 
 @triton.jit
-def _blocks_kernel(w_ptr, q_ptr, s_ptr, O, I, P, C, POW2: tl.constexpr, TRANS: tl.constexpr):
-    # one program: one 128 x 128 block of one [O, I] matrix; TRANS: q is [I, O], scale [C, P]
-    # and the tile is stored transposed (tl.trans: a register / shared-memory shuffle, no
-    # second pass over memory)
+def _store_rows(q_ptr, s_ptr, x, offs, mask, rows, rows_ok, pc, C, POW2: tl.constexpr):
+    # the 1 x 128 tiles of fp32 rows x (its masked lanes are 0 and move no amax): the e4m3
+    # bytes at offs and one scale a row at [rows, pc] of the [M, C] scales
+    s, bad = _scale(tl.max(_abs_or_inf(x), axis=1), POW2)
+    tl.store(q_ptr + offs, _quant(x, s[:, None], bad[:, None]), mask=mask)
+    tl.store(s_ptr + rows.to(tl.int64) * C + pc, s, mask=rows_ok)
+
+
+@triton.jit
+def _rows_kernel(x_ptr, q_ptr, s_ptr, M, I, C, BM: tl.constexpr, POW2: tl.constexpr):
+    pc, rows, rows_ok, offs, mask = _row_block(M, I, BM)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    _store_rows(q_ptr, s_ptr, x, offs, mask, rows, rows_ok, pc, C, POW2)
+
+
+@triton.jit
+def _blocks_kernel(w_ptr, q_ptr, s_ptr, O, I, o, i, POW2: tl.constexpr, TRANS: tl.constexpr):
+    # one program: block (bo, bi) of one [O, I] matrix, scales [o, i]; TRANS: q is [I, O],
+    # scale [i, o] and the tile is stored transposed (tl.trans: a register / shared-memory
+    # shuffle, no second pass over memory)
     n = tl.program_id(0)
-    pp = tl.program_id(1)
-    pc = tl.program_id(2)
-    r = pp * 128 + tl.arange(0, 128)
-    c = pc * 128 + tl.arange(0, 128)
+    bo = tl.program_id(1)
+    bi = tl.program_id(2)
+    r = bo * 128 + tl.arange(0, 128)
+    c = bi * 128 + tl.arange(0, 128)
     mask = (r[:, None] < O) & (c[None, :] < I)
     base = n.to(tl.int64) * O * I
     offs = base + r[:, None].to(tl.int64) * I + c[None, :]
@@ -99,10 +113,10 @@ def _blocks_kernel(w_ptr, q_ptr, s_ptr, O, I, P, C, POW2: tl.constexpr, TRANS: t
         offs_t = base + c[:, None].to(tl.int64) * O + r[None, :]
         mask_t = (c[:, None] < I) & (r[None, :] < O)
         tl.store(q_ptr + offs_t, tl.trans(q), mask=mask_t)
-        tl.store(s_ptr + (n.to(tl.int64) * C + pc) * P + pp, s)
+        tl.store(s_ptr + (n.to(tl.int64) * i + bi) * o + bo, s)
     else:
         tl.store(q_ptr + offs, q, mask=mask)
-        tl.store(s_ptr + (n.to(tl.int64) * P + pp) * C + pc, s)
+        tl.store(s_ptr + (n.to(tl.int64) * o + bo) * i + bi, s)
 
 
 def quantize_rows(x_MI: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
@@ -112,15 +126,15 @@ def quantize_rows(x_MI: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
     q = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(M, C, dtype=torch.float32, device=x.device)
     if M and I:
-        BM = 16
-        _rows_kernel[(triton.cdiv(M, BM), C)](x, q.view(torch.uint8), s, M, I, C, BM=BM,
-                                              POW2=pow2, num_warps=4)
+        _rows_kernel[(triton.cdiv(M, _BM), C)](x, q.view(torch.uint8), s, M, I, C, BM=_BM,
+                                               POW2=pow2, num_warps=4)
     return q, s
 
 
 def quantize_blocks(w: Tensor, pow2: bool, transpose: bool = False, out=None
                     ) -> tuple[Tensor, Tensor]:
-    """(q, scale) of w [..., O, I]; transpose: of w^T, q [..., I, O] and scale [..., C, P].
+    """(q, scale [..., o, i]) of w [..., O, I]; transpose: of w^T, q [..., I, O] and scale
+    [..., i, o].
     ``out``: (q, scale) to write into (contiguous, of those shapes and dtypes; the FP8 weight
     cache's buffers, refreshed in place so that a captured graph keeps reading them)."""
     w = w.contiguous()
@@ -128,8 +142,8 @@ def quantize_blocks(w: Tensor, pow2: bool, transpose: bool = False, out=None
     n = 1
     for d in lead:
         n *= d
-    P, C = triton.cdiv(O, TILE), triton.cdiv(I, TILE)
-    qshape, sshape = ((*lead, I, O), (*lead, C, P)) if transpose else ((*lead, O, I), (*lead, P, C))
+    o, i = triton.cdiv(O, TILE), triton.cdiv(I, TILE)
+    qshape, sshape = ((*lead, I, O), (*lead, i, o)) if transpose else ((*lead, O, I), (*lead, o, i))
     if out is None:
         q = torch.empty(qshape, dtype=torch.float8_e4m3fn, device=w.device)
         s = torch.empty(sshape, dtype=torch.float32, device=w.device)
@@ -143,7 +157,7 @@ def quantize_blocks(w: Tensor, pow2: bool, transpose: bool = False, out=None
         # [32, 2048, 7168] / [32, 7168, 2048] and on held-out Qwen3-235B shapes, both layouts;
         # 4 warps and multi-block programs (2-8 blocks, pipelined) were slower
         # (diagnostics/quant_blocks_sweep.py, H200, 2026-12-02)
-        _blocks_kernel[(n, P, C)](w, q.view(torch.uint8), s, O, I, P, C, POW2=pow2,
+        _blocks_kernel[(n, o, i)](w, q.view(torch.uint8), s, O, I, o, i, POW2=pow2,
                                   TRANS=transpose, num_warps=16)
     return q, s
 
@@ -158,13 +172,10 @@ def quantize_blocks(w: Tensor, pow2: bool, transpose: bool = False, out=None
 
 @triton.jit
 def _scale_rows_kernel(x_ptr, w_ptr, z_ptr, M, I, BM: tl.constexpr):
-    # z = bf16(fp32(x) * w[:, None]); one program: BM rows x 128 columns
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
-    mask = (rows[:, None] < M) & (cols[None, :] < I)
-    offs = rows[:, None].to(tl.int64) * I + cols[None, :]
+    # z = bf16(fp32(x) * w[:, None])
+    _, rows, rows_ok, offs, mask = _row_block(M, I, BM)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + rows, mask=rows < M, other=0.0)
+    w = tl.load(w_ptr + rows, mask=rows_ok, other=0.0)
     tl.store(z_ptr + offs, (x * w[:, None]).to(tl.bfloat16), mask=mask)
 
 
@@ -173,38 +184,25 @@ def _scale_rows_bwd_kernel(dz_ptr, w_ptr, y_ptr, dy_ptr, q_ptr, s_ptr, p_ptr, M,
                            BM: tl.constexpr, POW2: tl.constexpr):
     # dy = bf16(fp32(dz) * w), (q, s) = the 1 x 128 tiles of dy, p [M, C] = the sum over each
     # tile of fp32(dz) * fp32(y) (d_rows = p.sum(-1): an fp32 [M, C] partial instead of the
-    # [M, I] products, 128x fewer bytes); one program: BM rows x one 128-column tile
-    pc = tl.program_id(1)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = pc * 128 + tl.arange(0, 128)
-    mask = (rows[:, None] < M) & (cols[None, :] < I)
-    offs = rows[:, None].to(tl.int64) * I + cols[None, :]
+    # [M, I] products, 128x fewer bytes)
+    pc, rows, rows_ok, offs, mask = _row_block(M, I, BM)
     dz = tl.load(dz_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + rows, mask=rows < M, other=0.0)
+    w = tl.load(w_ptr + rows, mask=rows_ok, other=0.0)
     dy = (dz * w[:, None]).to(tl.bfloat16)
     tl.store(dy_ptr + offs, dy, mask=mask)
-    dyf = dy.to(tl.float32)                      # masked lanes are 0: they do not move amax
-    s, bad = _scale(tl.max(_abs_or_inf(dyf), axis=1), POW2)
-    tl.store(q_ptr + offs, _quant(dyf, s[:, None], bad[:, None]), mask=mask)
-    tl.store(s_ptr + rows.to(tl.int64) * C + pc, s, mask=rows < M)
-    tl.store(p_ptr + rows.to(tl.int64) * C + pc, tl.sum(dz * y, axis=1), mask=rows < M)
+    dyf = dy.to(tl.float32)
+    _store_rows(q_ptr, s_ptr, dyf, offs, mask, rows, rows_ok, pc, C, POW2)
+    tl.store(p_ptr + rows.to(tl.int64) * C + pc, tl.sum(dz * y, axis=1), mask=rows_ok)
 
 
 @triton.jit
 def _dequant_rows_kernel(q_ptr, s_ptr, h_ptr, M, I, C, BM: tl.constexpr):
     # h = bf16(fp32(q) * scale of its 1 x 128 tile)
-    pc = tl.program_id(1)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = pc * 128 + tl.arange(0, 128)
-    mask = (rows[:, None] < M) & (cols[None, :] < I)
-    offs = rows[:, None].to(tl.int64) * I + cols[None, :]
+    pc, rows, rows_ok, offs, mask = _row_block(M, I, BM)
     q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(s_ptr + rows.to(tl.int64) * C + pc, mask=rows < M, other=0.0)
+    s = tl.load(s_ptr + rows.to(tl.int64) * C + pc, mask=rows_ok, other=0.0)
     tl.store(h_ptr + offs, (q * s[:, None]).to(tl.bfloat16), mask=mask)
-
-
-_BM = 16
 
 
 def scale_rows(x_MI: Tensor, w_M: Tensor) -> Tensor:
