@@ -6,7 +6,9 @@ backend sees tensors and Python ints only, every layout decision is the planner'
 the same for every backend:
 
   op                              backend method       what it does
-  moonep::dispatch                dispatch             exchange histograms, plan, scatter rows
+  moonep::dispatch                dispatch             exchange histograms and plan (the
+                                                       backend's _plan), scatter rows
+                                                       (its dispatch_with_plan)
   moonep::dispatch_with_plan      dispatch_with_plan   scatter rows with a saved plan
   moonep::dispatch_fp8            dispatch_fp8         dispatch of e4m3 rows with their scales
                                                        (capability supports_fp8_dispatch)
@@ -153,12 +155,23 @@ class Backend(abc.ABC):
 
     # -- the data plane -----------------------------------------------------------------------
     @abc.abstractmethod
+    def _plan(self, x_sD: Tensor, topk_sK: Tensor, total: int,
+              reject: str) -> tuple[tuple[Tensor, ...], int]:
+        """The first half of ``dispatch`` and ``dispatch_fp8``: exchange the [E] histograms and
+        plan (policy spec.policy); raise on a rejection (see ``dispatch``).  Returns the
+        planner's five tensors (dst, cu_seqlens, experts_to_copy, zero_fill, remote_stats) and
+        nvs_s, the rows this rank receives."""
+
     def dispatch(self, x_sD: Tensor, topk_sK: Tensor, w_sK: Optional[Tensor], total: int,
                  reject: str) -> DispatchResult:
-        """Exchange the [E] histograms, plan (policy spec.policy), scatter.  ``total``: the
-        group's token count, -1 when every rank passes the same s.  ``reject``: a non-empty
-        message when this rank's input failed a host check; the backend then raises a
-        ValueError on this rank and, where it can, on every rank, before anything is written."""
+        """Exchange the [E] histograms, plan (policy spec.policy), scatter: ``_plan``, then
+        ``dispatch_with_plan`` with that plan.  ``total``: the group's token count, -1 when
+        every rank passes the same s.  ``reject``: a non-empty message when this rank's input
+        failed a host check; the backend then raises a ValueError on this rank and, where it
+        can, on every rank, before anything is written."""
+        (dst, cu, etc, zf, stats), nvs_s = self._plan(x_sD, topk_sK, total, reject)
+        h, w = self.dispatch_with_plan(x_sD, w_sK, dst, nvs_s)
+        return DispatchResult(h, w, cu, dst, etc, zf, stats)
 
     @abc.abstractmethod
     def dispatch_with_plan(self, x_sD: Tensor, w_sK: Optional[Tensor], dst_N: Tensor,

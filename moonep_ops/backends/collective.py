@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ..geometry import GroupSpec
 from .. import planner as _plan
-from .base import Backend, DispatchFP8Result, DispatchResult
+from .base import Backend, DispatchFP8Result
 
 
 # The format of the rows a dispatch moves, agreed on in its histogram exchange.
@@ -194,8 +194,7 @@ class CollectiveBackend(Backend):
 
     # -- the data plane ----------------------------------------------------------------------
     def _plan(self, x_sD, topk_sK, total, reject, fmt=ROWS_DTYPE, op="dispatch"):
-        """Histogram exchange and planning, the first half of dispatch and dispatch_fp8:
-        (dst, cu, etc, zf, stats, nvs_s)."""
+        # ``fmt``: the rows' format, which every rank must agree on; ``op``: the name errors give
         self._no_capture(x_sD)
         spec = self.spec
         E, s = spec.E, x_sD.shape[0]
@@ -217,19 +216,14 @@ class CollectiveBackend(Backend):
         if total != -1 and sum(s_R) != total:
             raise ValueError(f"total_num_tokens={total} but the ranks pass s={s_R} "
                              f"(sum {sum(s_R)})")
-        dst, cu, etc, zf, stats = _plan.plan_from_host_rows(rows[:, :E + 3].contiguous(), topk_sK,
-                                                            self.rank, spec, total)
-        return dst, cu, etc, zf, stats, spec.nvs_s(s, total)
-
-    def dispatch(self, x_sD, topk_sK, w_sK, total, reject):
-        dst, cu, etc, zf, stats, nvs_s = self._plan(x_sD, topk_sK, total, reject)
-        h, w = self._scatter(x_sD, w_sK, dst, nvs_s)
-        return DispatchResult(h, w, cu, dst, etc, zf, stats)
+        outs = _plan.plan_from_host_rows(rows[:, :E + 3].contiguous(), topk_sK, self.rank, spec,
+                                         total)
+        return outs, spec.nvs_s(s, total)
 
     def dispatch_fp8(self, xq_sD, xs_sC, topk_sK, w_sK, total, reject, pow2_scales=False):
         fmt = ROWS_FP8_POW2 if pow2_scales else ROWS_FP8
-        dst, cu, etc, zf, stats, nvs_s = self._plan(xq_sD, topk_sK, total, reject, fmt,
-                                                    "dispatch_fp8")
+        (dst, cu, etc, zf, stats), nvs_s = self._plan(xq_sD, topk_sK, total, reject, fmt,
+                                                      "dispatch_fp8")
         # one row of bytes per token: its D e4m3 values, then its ceil(D/128) fp32 scales
         packed = torch.cat([_as_bytes(xq_sD), _as_bytes(xs_sC)], 1)
         hp, w = self._scatter(packed, w_sK, dst, nvs_s, "dispatch_fp8")
@@ -355,47 +349,43 @@ class CollectiveBackend(Backend):
             yield block[:, col:col + nb].contiguous().view(t.dtype).view(-1, *t.shape[1:])
             col += nb
 
-    def _slot_routes(self, etc_RB: Tensor):
-        """Host-side tables (etc is tiny): per destination rank, the slots this rank owns."""
+    def _slot_routes(self, op: str, etc_RB: Tensor, local: Sequence[Tensor]):
+        """The start of prefetch_weight and reduce_grad: the header exchange, then host-side
+        tables of the slots (etc is tiny), per rank in rank order:
+          feeds[d]  (b, local expert) of every slot on rank d that holds one of my experts;
+          mine[o]   my slot ids b that hold one of rank o's experts;
+        ascending b inside each."""
+        self._no_capture(local[0])
+        self._slot_header(op, local)
         etc, B, me = etc_RB.tolist(), self.spec.epn, self.rank
-        # Outgoing (I own): for each d in rank order, (b, local expert) of slots on d I feed.
-        out = [[(b, e % B) for b, e in enumerate(etc[d]) if e >= 0 and e // B == me]
-               for d in range(self.world_size)]
-        # Incoming (my slots): for each owner o in rank order, my slot ids b fed by o.
-        inc = [[b for b, e in enumerate(etc[me]) if e >= 0 and e // B == o]
-               for o in range(self.world_size)]
-        return etc, out, inc
+        feeds = [[(b, e % B) for b, e in enumerate(etc[d]) if e >= 0 and e // B == me]
+                 for d in range(self.world_size)]
+        mine = [[b for b, e in enumerate(etc[me]) if e >= 0 and e // B == o]
+                for o in range(self.world_size)]
+        return etc, feeds, mine
 
     def prefetch_weight(self, etc_RB, local, slots):
         if not local:
             return
-        self._no_capture(local[0])
-        self._slot_header("prefetch_weight", local)
+        _, feeds, mine = self._slot_routes("prefetch_weight", etc_RB, local)
         dev = local[0].device
-        etc, out, inc = self._slot_routes(etc_RB)
-        src_rows = torch.tensor([le for lst in out for _, le in lst], dtype=torch.long, device=dev)
-        dst_rows = torch.tensor([b for lst in inc for b in lst], dtype=torch.long, device=dev)
+        src_rows = torch.tensor([le for lst in feeds for _, le in lst], dtype=torch.long,
+                                device=dev)
+        dst_rows = torch.tensor([b for lst in mine for b in lst], dtype=torch.long, device=dev)
         block = self._pack(local, src_rows)
         landing = torch.empty((dst_rows.numel(), block.shape[1]), dtype=torch.uint8, device=dev)
-        self.all_to_all_v(landing, block, [len(x) for x in inc], [len(x) for x in out])
+        self.all_to_all_v(landing, block, [len(x) for x in mine], [len(x) for x in feeds])
         for t, part in zip(slots, self._unpack(landing, slots)):
             t[dst_rows] = part
 
     def reduce_grad(self, etc_RB, local, slots):
         if not local:
             return
-        self._no_capture(local[0])
-        self._slot_header("reduce_grad", local)
-        dev = local[0].device
-        B, me = self.spec.epn, self.rank
-        etc, _, _ = self._slot_routes(etc_RB)
-        # Outgoing: my consumed slots, grouped by owner in rank order, ascending b inside.
-        outgoing = [[b for b, e in enumerate(etc[me]) if e >= 0 and e // B == o]
-                    for o in range(self.world_size)]
-        # Incoming: (src, b, local expert) of every slot holding one of my experts, ascending
-        # (src, b) == ascending src*B + b: the fixed accumulation order.
-        incoming = [[(b, e % B) for b, e in enumerate(etc[src]) if e >= 0 and e // B == me]
-                    for src in range(self.world_size)]
+        # The reverse of prefetch_weight: my slots' grads go to their owners (outgoing, by
+        # owner in rank order), the grads of my experts' slots come in ascending (src, b) ==
+        # ascending src*B + b: the fixed accumulation order.
+        etc, incoming, outgoing = self._slot_routes("reduce_grad", etc_RB, local)
+        dev, me = local[0].device, self.rank
         send_idx = torch.tensor([b for lst in outgoing for b in lst], dtype=torch.long, device=dev)
         block = self._pack(slots, send_idx)
         flat_in = [le for lst in incoming for _, le in lst]

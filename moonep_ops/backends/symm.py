@@ -51,7 +51,7 @@ from .. import settings
 from ..geometry import GroupSpec, ceil_div
 from ..runtime import current_raw_stream
 from .. import planner as _plan
-from .base import Backend, DispatchFP8Result, DispatchResult
+from .base import Backend, DispatchFP8Result
 from .collective import _row_bytes
 
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
@@ -280,7 +280,6 @@ class SymmBackend(Backend):
 
     # -- Backend methods ----------------------------------------------------------------------
     def _plan(self, x_sD, topk_sK, total, reject):
-        """Histogram exchange and planning (the first half of dispatch and dispatch_fp8)."""
         spec = self.spec
         if reject:        # the peers' barriers time out (the device exchange has no flag)
             raise ValueError(f"moonep dispatch: {reject} (rank {self.rank})")
@@ -306,15 +305,9 @@ class SymmBackend(Backend):
         # The torch planner (planner="torch", or a policy the device planner lacks) runs on
         # device tensors: sync-free, many small kernels.  Ids the histogram kernel flagged as
         # bad are clamped so its indexing stays in bounds.
-        (dst, cu, etc, zf, stats), _ = _plan.plan_from_rows(
-            hist_RX, topk_sK, self.rank, spec, total, self.err,
-            device=self.planner != "torch", clamp_ids=True)
-        return dst, cu, etc, zf, stats, spec.nvs_s(s, total)
-
-    def dispatch(self, x_sD, topk_sK, w_sK, total, reject):
-        dst, cu, etc, zf, stats, nvs_s = self._plan(x_sD, topk_sK, total, reject)
-        h, w = self.dispatch_with_plan(x_sD, w_sK, dst, nvs_s)
-        return DispatchResult(h, w, cu, dst, etc, zf, stats)
+        outs, _ = _plan.plan_from_rows(hist_RX, topk_sK, self.rank, spec, total, self.err,
+                                       device=self.planner != "torch", clamp_ids=True)
+        return outs, spec.nvs_s(s, total)
 
     def dispatch_fp8(self, xq_sD, xs_sC, topk_sK, w_sK, total, reject, pow2_scales=False):
         # The data plane moves rows as bytes (csrc/ep_kernels.cu: dispatch_send stages s rows of
@@ -326,7 +319,7 @@ class SymmBackend(Backend):
         if rb > self.row_bytes:
             raise ValueError(f"moonep dispatch_fp8: a packed FP8 row ({rb} bytes) does not fit "
                              f"the Buffer's staging rows of {self.row_bytes} bytes")
-        dst, cu, etc, zf, stats, nvs_s = self._plan(xq_sD, topk_sK, total, reject)
+        (dst, cu, etc, zf, stats), nvs_s = self._plan(xq_sD, topk_sK, total, reject)
         packed = torch.cat([xq_sD.view(torch.uint8), xs_sC.view(torch.uint8)], 1)
         hp = torch.empty((nvs_s, rb), dtype=torch.uint8, device=xq_sD.device)
         w = self._scatter(packed, rb, w_sK, dst, hp)
