@@ -66,6 +66,12 @@ from .ops.quantize_fp8 import FP8ArgumentError
 from .planner import POLICIES, Plan, make_plan
 
 
+def _of_spec(name: str) -> property:
+    """A read-only Buffer attribute: the field ``name`` of its GroupSpec (a lambda, not an
+    attrgetter: torch.compile traces the one, not the other)."""
+    return property(lambda self: getattr(self.spec, name))
+
+
 class Buffer:
     """One EP group's state (see the module docstring).
 
@@ -148,21 +154,11 @@ class Buffer:
             # barrier pass early.  Set-up only, once per Buffer.
             torch.cuda.current_stream(self.device).synchronize()
 
-    # -- geometry (Python ints) ---------------------------------------------------------------
-    R = property(lambda self: self.spec.R)
-    E = property(lambda self: self.spec.E)
-    S = property(lambda self: self.spec.S)
-    K = property(lambda self: self.spec.K)
-    D = property(lambda self: self.spec.D)
-    epn = property(lambda self: self.spec.epn)
-    G = property(lambda self: self.spec.G)
-    NvS = property(lambda self: self.spec.NvS)
-    token_padding = property(lambda self: self.spec.token_padding)
-    dtype = property(lambda self: self.spec.dtype)
-    policy = property(lambda self: self.spec.policy)
-    slack_ppm = property(lambda self: self.spec.slack_ppm)
+    # -- geometry: the spec's, read-only (Python ints, the dtype, the policy and its inputs) ---
+    R, E, S, K, D, epn, G, NvS = map(_of_spec, ("R", "E", "S", "K", "D", "epn", "G", "NvS"))
+    token_padding, dtype, policy, slack_ppm, replica_cost = map(
+        _of_spec, ("token_padding", "dtype", "policy", "slack_ppm", "replica_cost"))
     slack = property(lambda self: self.spec.slack_ppm / PPM)
-    replica_cost = property(lambda self: self.spec.replica_cost)
     rank = property(lambda self: self.backend.rank)
     group = property(lambda self: self.backend.group)
 
@@ -296,15 +292,16 @@ class Buffer:
     def _check_plan(self, plan) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a moonep_ops.Plan, got {type(plan).__name__}")
-        mine = (self.rank, self.R, self.E, self.S, self.K, self.token_padding, self.NvS,
-                self.slack_ppm)
+        spec = self.spec                # its fields, not the Buffer's properties: per call
+        mine = (self.backend.rank, spec.R, spec.E, spec.S, spec.K, spec.token_padding, spec.NvS,
+                spec.slack_ppm)
         theirs = (plan.rank, plan.R, plan.E, plan.S, plan.K, plan.token_padding, plan.NvS,
                   plan.slack_ppm)
         if mine != theirs:
             raise ValueError(
                 "the plan was made for another Buffer or rank: (rank, R, E, S, K, token_padding, "
                 f"NvS, slack_ppm) = {theirs}, this Buffer has {mine}")
-        if plan.nvs_s != self.nvs_s(plan.s, plan.total_num_tokens):
+        if plan.nvs_s != spec.nvs_s(plan.s, plan.total_num_tokens):
             raise ValueError(f"plan.nvs_s={plan.nvs_s} is inconsistent with s={plan.s}, "
                              f"total_num_tokens={plan.total_num_tokens}")
 
