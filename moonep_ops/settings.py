@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,44 +19,66 @@ class Switch:
     what: str
 
 
-SWITCHES = {s.name: s for s in (
-    Switch("MOONEP_VALIDATE", "auto", "auto / 1 / 0",
-           "value checks (expert ids in range, histogram == bincount(topk), row sums): auto runs "
-           "them on CPU tensors only (on CUDA they need a host sync), 1 also on CUDA outside "
-           "CUDA-graph capture, 0 never; shape, dtype and device checks always run"),
-    Switch("MOONEP_GEMM_BACKEND", "auto", "auto / cutlass / torch / reference",
-           "force the grouped GEMMs' backend among those the data allows (the FP8 GEMMs: "
-           "reference or auto)"),
-    Switch("MOONEP_GEMM_FAMILY", "auto", "auto / moonep / torch",
-           "force the bf16 GEMM's kernel family instead of the device-side selector's choice"),
-    Switch("MOONEP_GEMM_CANDIDATES", "", "name,name,...",
-           "narrow the bf16 GEMM's candidate configs (one family)"),
-    Switch("MOONEP_GEMM_PDL", "1", "1 / 0",
-           "programmatic dependent launch of the GEMM kernels after their prep kernel"),
-    Switch("MOONEP_GEMM_FP8_CONFIG", "", "c128x128 / p64x128",
-           "force the FP8 forward / dgrad GEMM's config"),
-    Switch("MOONEP_GEMM_FP8_WGRAD_CONFIG", "", "a config name of gemm/fp8_wgrad_cost.py",
-           "force the FP8 wgrad GEMM's config"),
-    Switch("MOONEP_FP8_QUANT", "auto", "auto / reference",
-           "reference: the FP8 quantisers' torch reference on CUDA too (instead of Triton)"),
-    Switch("MOONEP_LIB_DIR", "", "a directory",
-           "where libmoonep_gemm.so and libmoonep_ep.so are loaded from (default: "
-           "moonep_ops/lib)"),
-    Switch("MOONEP_DISABLE_NATIVE", "0", "0 / 1", "1: never load the CUDA libraries"),
-    Switch("MOONEP_BARRIER_TIMEOUT_S", "60", "seconds",
-           "the CUDA data plane's cross-rank barrier timeout (read when a backend is built)"),
-    Switch("MOONEP_PLANNER", "auto", "auto / device / torch",
-           "the CUDA symmetric backend's planner: the device planner's kernel or moonep::plan "
-           "on device tensors"),
-    Switch("MOONEP_COMBINE", "auto", "auto / stage / direct",
-           "the CUDA symmetric backend's combine: staged copies, or direct reads (one rank)"),
-    # not ours, read as their owners define them
-    Switch("CUDA_MODULE_LOADING", "LAZY", "LAZY / EAGER",
-           "CUDA's own: virtual ranks prime the libraries when kernels load lazily"),
-    Switch("CUTLASS_INCLUDE", "", "a CUTLASS include directory",
-           "python -m moonep_ops.build: the CUTLASS headers (default: the nvidia-cutlass package)"),
-    Switch("NVCC", "", "a path", "python -m moonep_ops.build: the nvcc to run (default: PATH)"),
-)}
+# One switch a paragraph: its name, its default in quotes ("" when unset), its values; then,
+# indented, what it does.  The last three are not ours: read as their owners define them.
+_DECLARED = """
+MOONEP_VALIDATE "auto": auto / 1 / 0
+    value checks (expert ids in range, histogram == bincount(topk), row sums): auto runs them
+    on CPU tensors only (on CUDA they need a host sync), 1 also on CUDA outside CUDA-graph
+    capture, 0 never; shape, dtype and device checks always run
+MOONEP_GEMM_BACKEND "auto": auto / cutlass / torch / reference
+    force the grouped GEMMs' backend among those the data allows (the FP8 GEMMs: reference or
+    auto)
+MOONEP_GEMM_FAMILY "auto": auto / moonep / torch
+    force the bf16 GEMM's kernel family instead of the device-side selector's choice
+MOONEP_GEMM_CANDIDATES "": name,name,...
+    narrow the bf16 GEMM's candidate configs (one family)
+MOONEP_GEMM_PDL "1": 1 / 0
+    programmatic dependent launch of the GEMM kernels after their prep kernel
+MOONEP_GEMM_FP8_CONFIG "": c128x128 / p64x128
+    force the FP8 forward / dgrad GEMM's config
+MOONEP_GEMM_FP8_WGRAD_CONFIG "": a config name of gemm/fp8_wgrad_cost.py
+    force the FP8 wgrad GEMM's config
+MOONEP_FP8_QUANT "auto": auto / reference
+    reference: the FP8 quantisers' torch reference on CUDA too (instead of Triton)
+MOONEP_LIB_DIR "": a directory
+    where libmoonep_gemm.so and libmoonep_ep.so are loaded from (default: moonep_ops/lib)
+MOONEP_DISABLE_NATIVE "0": 0 / 1
+    1: never load the CUDA libraries
+MOONEP_BARRIER_TIMEOUT_S "60": seconds
+    the CUDA data plane's cross-rank barrier timeout (read when a backend is built)
+MOONEP_PLANNER "auto": auto / device / torch
+    the CUDA symmetric backend's planner: the device planner's kernel or moonep::plan on device
+    tensors
+MOONEP_COMBINE "auto": auto / stage / direct
+    the CUDA symmetric backend's combine: staged copies, or direct reads (one rank)
+CUDA_MODULE_LOADING "LAZY": LAZY / EAGER
+    CUDA's own: virtual ranks prime the libraries when kernels load lazily
+CUTLASS_INCLUDE "": a CUTLASS include directory
+    python -m moonep_ops.build: the CUTLASS headers (default: the nvidia-cutlass package)
+NVCC "": a path
+    python -m moonep_ops.build: the nvcc to run (default: PATH)
+"""
+
+
+def _parse(text: str) -> dict[str, Switch]:
+    """The Switches of ``_DECLARED``; a line that is neither a switch nor its description
+    raises (so no switch goes missing quietly)."""
+    rows: dict[str, list[str]] = {}
+    for line in text.strip("\n").splitlines():
+        if line.startswith("    ") and rows:
+            rows[name].append(line.strip())
+            continue
+        m = re.fullmatch(r'(\w+) "([^"]*)": (.+)', line)
+        if m is None:
+            raise ValueError(f"moonep_ops.settings: not a switch declaration: {line!r}")
+        name = m.group(1)
+        rows[name] = [m.group(2), m.group(3)]
+    return {n: Switch(n, default, values, " ".join(what))
+            for n, (default, values, *what) in rows.items()}
+
+
+SWITCHES = _parse(_DECLARED)
 
 _KEYS: dict[str, bytes] = {}
 
