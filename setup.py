@@ -25,5 +25,6 @@ setup(
         "gpu": ["triton", "nvidia-cutlass", "cuda-python"],
     },
     include_package_data=True,
-    package_data={"moonep_ops": ["lib/*.so"]},
+    # lib/*.so: the built CUDA libraries; gemm/*.json: the cost models' fitted constants
+    package_data={"moonep_ops": ["lib/*.so", "gemm/*.json"]},
 )

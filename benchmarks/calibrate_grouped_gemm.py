@@ -7,7 +7,7 @@ from the benchmark's histograms (uniform, log-normal and tiny-group histograms o
 shapes) and the dense bf16 ceiling and device-copy bandwidth, and writes them to
 DIR/calibration_grouped_gemm.json.  Then fits with benchmarks/fit_gemm_cost_model.py (the one fit
 of the project: deterministic, held-out check, never-lose margin) on that file and rewrites
---write (default: the package's moonep_ops/gemm/tuning.py).  ``--measure-only`` stops after the
+--write (default: the fit's, the package's moonep_ops/gemm/tuning.json).  ``--measure-only`` stops after the
 JSON; ``--from-json FILE`` fits an earlier file without the GPU.  For constants that others can
 reproduce, commit the JSON under benchmarks/calibration/ and fit from the committed files
 (fit_gemm_cost_model.py FILE...): CALIBRATION_SOURCES then names them.  The model zoo
@@ -29,8 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_grouped_gemm import Case, histogram, time_interleaved  # noqa: E402
 from gemm_bench_common import measure_ceilings  # noqa: E402
 from moonep_ops.gemm import cost_model as gemm_cost_model  # noqa: E402
-
-TUNING_PATH = Path(__file__).resolve().parent.parent / "moonep_ops" / "gemm" / "tuning.py"
 
 
 def calibration_set():
@@ -65,7 +63,7 @@ def measure(iters, kinds=gemm_cost_model.KINDS):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--write", default=str(TUNING_PATH))
+    ap.add_argument("--write", default=None, help="constants file (default: the fit's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--iters", type=int, default=4, help="interleaved rounds (3 runs each)")
     ap.add_argument("--measure-only", action="store_true",
@@ -95,8 +93,8 @@ def main(argv=None):
         if args.measure_only:
             return 0
     import fit_gemm_cost_model
-    return fit_gemm_cost_model.main([str(src), "--kinds", ",".join(kinds), "--write",
-                                     str(args.write)])
+    write = ["--write", args.write] if args.write else []
+    return fit_gemm_cost_model.main([str(src), "--kinds", ",".join(kinds)] + write)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Fit the FP8 grouped GEMM's cost model on COMMITTED measurements, check it on held-out shapes,
-write moonep_ops/gemm/tuning_fp8.py.  CPU only (numpy), deterministic.
+write moonep_ops/gemm/tuning_fp8.json.  CPU only (numpy), deterministic.
 
     python benchmarks/fit_fp8_cost_model.py benchmarks/calibration/fp8_zoo_<date>.json \
         [--write PATH | --no-write]
@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 
 from moonep_ops.gemm import fp8_cost, tuning, tuning_fp8  # noqa: E402
 
-TUNING_PATH = ROOT / "moonep_ops" / "gemm" / "tuning_fp8.py"
 MEM = float(tuning.HBM_TBPS) * 1e6          # bytes per microsecond
 
 
@@ -110,22 +109,16 @@ def report(rows, sms, consts):
 
 
 def write(path: Path, consts, sources):
-    text = TUNING_PATH.read_text()
-    head = text[:text.index("\nCALIBRATED") + 1]          # the docstring, kept as it is
-    body = ["CALIBRATED = True\n",
-            f"CALIBRATION_SOURCE = {sources!r}\n\n",
-            "CONSTANTS = {\n"] + [f"    {n!r}: {tuple(v)!r},\n" for n, v in consts.items()] + [
-            "}\n",
-            f"MEM_BYTES_PER_US = {MEM!r}   # gemm/tuning.py HBM_TBPS (not fitted)\n",
-            f"TIE_TOL = {tuning_fp8.TIE_TOL!r}\n"]
-    path.write_text(head + "".join(body))
+    """The constants file, whole, under tuning_fp8.KEYS (the tie window is not fitted: kept)."""
+    values = (True, sources, {n: tuple(v) for n, v in consts.items()}, MEM, tuning_fp8.TIE_TOL)
+    path.write_text(tuning.dumps(dict(zip(tuning_fp8.KEYS, values))))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+")
-    ap.add_argument("--write", default=str(TUNING_PATH))
+    ap.add_argument("--write", default=str(tuning.path("tuning_fp8.json")))
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     rows, sms = load(args.files)

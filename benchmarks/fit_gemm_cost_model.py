@@ -41,9 +41,9 @@ tuning.EFFICIENCY[kind][config] = (eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us)
      candidates (oracle / pick: gm, min), and the never-lose rule (calls sent to the torch
      family; against torch: gm, min, cases < 0.98; against the best of every config: gm, min),
      next to the numbers under the constants in force before the fit.
-Writes the tuning file whole, from TUNING_TEMPLATE and the fit (default: the package's; kinds
-not fitted keep the constants and sources in force; the dense peak and copy bandwidth are kept
-unless every kind is refitted; nothing of the file it replaces survives), and a JSON report
+Writes the constants file whole, from the fit (default: the package's moonep_ops/gemm/tuning.json;
+kinds not fitted keep the constants and sources in force; the dense peak and copy bandwidth are
+kept unless every kind is refitted; nothing of the file it replaces survives), and a JSON report
 (--report-out).
 """
 from __future__ import annotations
@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gemm_bench_common as common  # noqa: E402
 from moonep_ops.gemm import cost_model as _model  # noqa: E402  (the geometry FastModel shares)
+from moonep_ops.gemm import tuning as _tuning  # noqa: E402  (the constants file's format)
 
 ROOT = Path(__file__).resolve().parent.parent
 # Fixed starting points of the config-by-config fit (the best of them is kept): the fit never
@@ -475,81 +476,26 @@ def fit_margin(rows, weight: float = LOSS_WEIGHT) -> tuple[float | None, list]:
 # writing the constants file
 # ------------------------------------------------------------------------------------------
 
-# The whole tuning file is written from this template and the fit: what the constants are and
-# where they come from, never how earlier fits went (that belongs in the commit message).
-TUNING_TEMPLATE = '''"""Fitted constants of the grouped-GEMM cost model (moonep_ops.gemm.cost_model).
-
-WRITTEN BY benchmarks/fit_gemm_cost_model.py from the committed measurements in
-benchmarks/calibration/ (CALIBRATION_SOURCES names them); rerun the fit instead of editing.
-docs/grouped_gemm.md, "Cost model" and "Calibration", explains the model and the fit.
-
-PEAK_TFLOPS / HBM_TBPS: the measured dense bf16 ceiling and device-copy bandwidth of the H200;
-NUM_SMS: its SM count (the persistent grid's CTAs P when the device is not asked).
-EFFICIENCY[kind][config] = (eta, bw_frac, tau_sw_us, tau0_us, tau_epi_us):
-  eta        fraction of PEAK_TFLOPS one tile's MMA mainloop reaches with this config;
-  bw_frac    fraction of HBM_TBPS reached by rounds bound by first-touch HBM bytes;
-  tau_sw_us  extra time of a round in which some CTA starts a new group (descriptor update);
-  tau0_us    launch + prologue + tail of one GEMM;
-  tau_epi_us epilogue time one tile adds to its mainloop (not overlapped: cooperative kernels).
-SEEDED[kind][config]: configs whose constants are seeds, not fitted on measurements of the config
-  itself (why, and from what); the fit drops a config from it once the config is measured.
-SELECT_TIE_TOL, SELECT_TIE_TOL_SMALL: the selection rule's tie window (cost_model.pick,
-  tie_tolerance; not fitted): predictions within it of the fastest tie and go to the least MMA
-  work; the wider window applies to small groups (a config with max_mean_rows is a candidate),
-  where every round streams weights and the predictions differ only by per-call constants.
-NEVER_LOSE_PROBE_TP, NEVER_LOSE_MARGIN[kind]: the never-lose rule (cost_model.family_for): a call
-  runs torch._grouped_mm's kernel family when the model, on the shape's balanced probe
-  histogram (token padding NEVER_LOSE_PROBE_TP), predicts it at most (1 + margin) times our best
-  candidate; a kind without a margin never uses the torch family.
-"""
-
-CALIBRATED = {calibrated!r}
-# Where each kind's constants come from (a partial refit, --kinds, keeps the others').
-{sources}
-CALIBRATION_SOURCE = "; ".join(f"{{k}}: {{v}}" for k, v in CALIBRATION_SOURCES.items())
-
-PEAK_TFLOPS = {peak:.1f}
-HBM_TBPS = {hbm:.3f}
-NUM_SMS = {num_sms!r}
-
-SELECT_TIE_TOL = {tie_tol!r}
-SELECT_TIE_TOL_SMALL = {tie_tol_small!r}
-
-NEVER_LOSE_PROBE_TP = {probe_tp!r}
-{margins}
-
-{seeded}
-
-{efficiency}
-'''
-
-
 def render_tuning(efficiency: dict, sources: dict, peak: float, hbm: float, seeded: dict,
                   margins: dict, *, num_sms: int, tie_tol: float, tie_tol_small: float,
                   probe_tp: int, calibrated: bool = True) -> str:
-    """The tuning file, whole: the template filled with the fit's values (nothing of the file
-    it replaces survives, so no fit's history accumulates in it)."""
-    eff = ["EFFICIENCY = {"]
-    for kind, cfgs in efficiency.items():
-        eff.append(f'    "{kind}": {{')
-        for n, v in cfgs.items():
-            eff.append(f'        "{n}": {tuple(float(x) for x in v)!r},')
-        eff.append("    },")
-    eff.append("}")
-    srcs = ["CALIBRATION_SOURCES = {"] + [f"    {k!r}: {v!r}," for k, v in sources.items()] + ["}"]
-    sd = ["SEEDED = {"]
-    for kind, cfgs in seeded.items():
-        if cfgs:
-            sd.append(f'    "{kind}": {{')
-            sd += [f'        "{n}": {why!r},' for n, why in cfgs.items()]
-            sd.append("    },")
-    sd.append("}")
-    mg = "NEVER_LOSE_MARGIN: dict = {" + ", ".join(
-        f'"{k}": {float(v)!r}' for k, v in margins.items()) + "}"
-    return TUNING_TEMPLATE.format(
-        calibrated=bool(calibrated), sources="\n".join(srcs), peak=peak, hbm=hbm,
-        num_sms=int(num_sms), tie_tol=float(tie_tol), tie_tol_small=float(tie_tol_small),
-        probe_tp=int(probe_tp), margins=mg, seeded="\n".join(sd), efficiency="\n".join(eff))
+    """The constants file, whole: the fit's values under the names moonep_ops.gemm.tuning loads
+    them into, in its format (nothing of the file it replaces survives, so no fit's history
+    accumulates in it; what the constants are is tuning.py's docstring)."""
+    return _tuning.dumps({
+        "CALIBRATED": bool(calibrated),
+        "CALIBRATION_SOURCES": dict(sources),
+        "PEAK_TFLOPS": round(float(peak), 1),
+        "HBM_TBPS": round(float(hbm), 3),
+        "NUM_SMS": int(num_sms),
+        "SELECT_TIE_TOL": float(tie_tol),
+        "SELECT_TIE_TOL_SMALL": float(tie_tol_small),
+        "NEVER_LOSE_PROBE_TP": int(probe_tp),
+        "NEVER_LOSE_MARGIN": {k: float(v) for k, v in margins.items()},
+        "SEEDED": {k: dict(cfgs) for k, cfgs in seeded.items() if cfgs},
+        "EFFICIENCY": {k: {n: tuple(float(x) for x in v) for n, v in cfgs.items()}
+                       for k, cfgs in efficiency.items()},
+    })
 
 
 # ------------------------------------------------------------------------------------------
@@ -575,7 +521,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", help="gemm_zoo.json file(s) or calibration JSON(s)")
     ap.add_argument("--kinds", default="", help="kinds to fit (default: every kind in the data)")
-    ap.add_argument("--write", default=None, help="tuning file to write (default: the package's)")
+    ap.add_argument("--write", default=None,
+                    help="constants file to write (default: the package's tuning.json)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--report-out", default=None, help="JSON report of the fit and the checks")
     ap.add_argument("--holdout-every", type=int, default=4,
@@ -703,7 +650,7 @@ def main(argv=None):
         Path(args.report_out).write_text(json.dumps(report, indent=1, default=float))
         print(f"wrote {args.report_out}")
     if not args.no_write:
-        path = Path(args.write or tuning.__file__)
+        path = Path(args.write) if args.write else _tuning.path("tuning.json")
         sources = dict(getattr(tuning, "CALIBRATION_SOURCES", {}))
         for k in kinds:
             ntr = sum(not c["held_out"] for c in data[k])

@@ -1,11 +1,10 @@
 """The FP8 GEMM benchmark's case set and report, and the FP8 cost-model fit, on CPU (CI has no
 GPU): the small-batch cases are what they say, the report's ratios point the documented way,
-the fit recovers known constants from synthetic measurements and writes a tuning file that
-imports, and the committed calibration file refits to the committed constants."""
+the fit recovers known constants from synthetic measurements and writes a constants file that
+reads back exactly, and the committed calibration file refits to the committed constants."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -20,7 +19,7 @@ import bench_fp8_gemm as bench  # noqa: E402
 import fit_fp8_cost_model as fit  # noqa: E402
 import gemm_zoo_cases as zoo  # noqa: E402
 
-from moonep_ops.gemm import fp8_cost, tuning_fp8  # noqa: E402
+from moonep_ops.gemm import fp8_cost, tuning, tuning_fp8  # noqa: E402
 
 CALIB = ROOT / "benchmarks" / "calibration" / "fp8_zoo_2026-12-03.json"
 
@@ -85,21 +84,21 @@ def test_fit_recovers_known_constants(tmp_path):
         assert got[n] == pytest.approx(v, rel=0.05, abs=0.05), n
     rep = fit.report([r for r in rows if r["held_out"]], sms, got)
     assert rep["pick_oracle_gm"] > 0.999
-    out = tmp_path / "tuning_fp8.py"
+    out = tmp_path / "tuning_fp8.json"
     assert fit.main([str(path), "--write", str(out)]) == 0
-    spec = importlib.util.spec_from_file_location("tuning_written", out)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.CALIBRATED and set(mod.CONSTANTS) == set(fp8_cost.AUTO_NAMES)
-    assert mod.MEM_BYTES_PER_US == fit.MEM and mod.TIE_TOL == tuning_fp8.TIE_TOL
-    for n in truth:
-        assert mod.CONSTANTS[n] == pytest.approx(got[n], abs=1e-4)
+    calibrated, source, consts, mem, tie_tol = tuning_fp8.read(out)
+    assert calibrated and "fp8_zoo.json" in source
+    assert consts == got and mem == fit.MEM and tie_tol == tuning_fp8.TIE_TOL   # exactly
 
 
-def test_committed_constants_are_the_fit_of_the_committed_measurements():
+def test_committed_constants_are_the_fit_of_the_committed_measurements(tmp_path):
     rows, sms = fit.load([CALIB])
     got = fit.fit([r for r in rows if not r["held_out"]], sms)
     for n in fp8_cost.AUTO_NAMES:
         assert got[n] == pytest.approx(tuning_fp8.CONSTANTS[n], abs=1e-4), n
     assert tuning_fp8.MEM_BYTES_PER_US == fit.MEM
+    # the committed constants, written again, are the committed file byte for byte
+    out = tmp_path / "tuning_fp8.json"
+    fit.write(out, tuning_fp8.CONSTANTS, tuning_fp8.CALIBRATION_SOURCE)
+    assert out.read_text() == tuning.path("tuning_fp8.json").read_text()
     assert math.isfinite(fit.report(rows, sms, got)["pick_oracle_gm"])

@@ -2,14 +2,13 @@
 
 * the benchmark's --dry-run (reference backend, tiny shapes, the real planner) runs end to end and
   writes a JSON of the documented schema and the markdown report;
-* the fit runs on that JSON (fits, held-out report, never-lose rules, writes a tuning file that
-  imports and keeps the kinds it did not fit);
+* the fit runs on that JSON (fits, held-out report, never-lose rules, writes a constants file
+  that reads back exactly what was fitted and keeps the kinds it did not fit);
 * the fit's vectorised model equals the library's cost_model.predict;
 * the committed case file covers the zoo, is consistent, and a few cases regenerate exactly.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import sys
@@ -62,9 +61,8 @@ def test_dry_run_writes_schema(dry_json):
 
 def test_fit_on_dry_run(dry_json, tmp_path):
     mods = common.gemm_modules()
-    src = Path(mods.tuning.__file__)
-    out = tmp_path / "tuning_fitted.py"
-    out.write_text(src.read_text())
+    out = tmp_path / "tuning_fitted.json"
+    out.write_text(mods.tuning.path("tuning.json").read_text())
     rep = tmp_path / "fit.json"
     assert fit.main([str(dry_json), "--write", str(out), "--report-out", str(rep)]) == 0
     r = json.loads(rep.read_text())
@@ -73,51 +71,43 @@ def test_fit_on_dry_run(dry_json, tmp_path):
         assert ev["train"]["n"] > 0 and ev["held_out"]["n"] > 0
         assert 0 < ev["held_out"]["pick_vs_oracle_gm"] <= 1.0
         assert set(ev["constants"]) == {c.name for c in mods.cost_model.CONFIGS[kind]}
-    spec = importlib.util.spec_from_file_location("tuning_fitted", out)
-    t = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(t)
-    assert set(t.EFFICIENCY) == set(mods.cost_model.KINDS)
-    assert t.EFFICIENCY["wgrad"] == mods.tuning.EFFICIENCY["wgrad"]      # not fitted: kept
-    assert t.PEAK_TFLOPS == pytest.approx(mods.tuning.PEAK_TFLOPS, abs=0.05)  # partial fit
-    assert "fit_gemm_cost_model" in t.CALIBRATION_SOURCES["fwd"]
-    assert dry_json.name in t.CALIBRATION_SOURCES["fwd"]
+    t = mods.tuning.read(out)
+    assert set(t["EFFICIENCY"]) == set(mods.cost_model.KINDS)
+    assert t["EFFICIENCY"]["wgrad"] == mods.tuning.EFFICIENCY["wgrad"]      # not fitted: kept
+    assert t["PEAK_TFLOPS"] == pytest.approx(mods.tuning.PEAK_TFLOPS, abs=0.05)  # partial fit
+    assert "fit_gemm_cost_model" in t["CALIBRATION_SOURCES"]["fwd"]
+    assert dry_json.name in t["CALIBRATION_SOURCES"]["fwd"]
     for kind in bench.KINDS:
         for n, v in r["kinds"][kind]["constants"].items():
-            assert t.EFFICIENCY[kind][n] == tuple(v)
-        assert not t.SEEDED.get(kind)                  # the dry run measures every config
+            assert t["EFFICIENCY"][kind][n] == tuple(v)          # exactly the fitted floats
+        assert not t["SEEDED"].get(kind)                  # the dry run measures every config
         nl = r["kinds"][kind]["never_lose"]
         assert nl["held_out"]["n"] > 0 and len(nl["curve"]) == len(fit.MARGIN_GRID)
-        assert (kind in t.NEVER_LOSE_MARGIN) == (nl["margin"] is not None)
+        assert (kind in t["NEVER_LOSE_MARGIN"]) == (nl["margin"] is not None)
 
 
 def test_keep_margins_writes_the_rule_in_force(dry_json, tmp_path, monkeypatch):
-    # --keep-margins: the margins the fit finds are reported, those in force are written back,
-    # and the annotated assignment of the package's file is replaced, not followed by a second
+    # --keep-margins: the margins the fit finds are reported, those in force are written back
     mods = common.gemm_modules()
-    out = tmp_path / "tuning_kept.py"
-    out.write_text(Path(mods.tuning.__file__).read_text())
+    out = tmp_path / "tuning_kept.json"
+    out.write_text(mods.tuning.path("tuning.json").read_text())
     monkeypatch.setattr(mods.tuning, "NEVER_LOSE_MARGIN", {"wgrad_lp": 0.25})
     rep = tmp_path / "fit.json"
     assert fit.main([str(dry_json), "--write", str(out), "--report-out", str(rep),
                      "--kinds", "fwd", "--keep-margins"]) == 0
     assert "never_lose" in json.loads(rep.read_text())["kinds"]["fwd"]
-    text = out.read_text()
-    assert text.count("NEVER_LOSE_MARGIN =") + text.count("NEVER_LOSE_MARGIN: dict =") == 1
-    spec = importlib.util.spec_from_file_location("tuning_kept", out)
-    t = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(t)
-    assert t.NEVER_LOSE_MARGIN == {"wgrad_lp": 0.25}
+    assert mods.tuning.read(out)["NEVER_LOSE_MARGIN"] == {"wgrad_lp": 0.25}
 
 
-def test_tuning_file_is_the_template_and_the_values():
-    # the package's tuning file is exactly what the fit writes for its values: no hand-written
-    # comment or fit history survives a refit (it would be rewritten from the template)
+def test_tuning_file_is_what_the_fit_writes_for_its_values():
+    # the package's constants file is exactly what the fit writes for its values (the file
+    # round-trips: read, then written, byte for byte)
     t = common.gemm_modules().tuning
     text = fit.render_tuning(t.EFFICIENCY, t.CALIBRATION_SOURCES, t.PEAK_TFLOPS, t.HBM_TBPS,
                              t.SEEDED, t.NEVER_LOSE_MARGIN, num_sms=t.NUM_SMS,
                              tie_tol=t.SELECT_TIE_TOL, tie_tol_small=t.SELECT_TIE_TOL_SMALL,
                              probe_tp=t.NEVER_LOSE_PROBE_TP, calibrated=t.CALIBRATED)
-    assert text == Path(t.__file__).read_text()
+    assert text == t.path("tuning.json").read_text()
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad", "wgrad_lp"])

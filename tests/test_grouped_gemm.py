@@ -786,7 +786,6 @@ def test_calibration_refits_only_the_kinds_asked(tmp_path, monkeypatch):
     bandwidth stay as the tuning file has them (they were fitted together), and the source names
     the input file.  calibrate_grouped_gemm.py --from-json delegates to it."""
     import copy
-    import runpy
     import sys
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -802,12 +801,12 @@ def test_calibration_refits_only_the_kinds_asked(tmp_path, monkeypatch):
                          peak=2 * peak, hbm=2 * hbm)
     outs = []
     for run in range(2):
-        out = tmp_path / f"tuning_{run}.py"
+        out = tmp_path / f"tuning_{run}.json"
         if run:     # a different starting file: the fit must not depend on it
-            text = (tmp_path / "tuning_0.py").read_text().replace("0.0", "0.5", 3)
+            text = (tmp_path / "tuning_0.json").read_text().replace("0.0", "0.5", 3)
             out.write_text(text)
         assert fit.main([str(src), "--kinds", "wgrad_lp", "--write", str(out)]) == 0
-        outs.append(runpy.run_path(str(out)))
+        outs.append(gemm_tuning.read(out))
     new = outs[0]
     assert outs[1]["EFFICIENCY"]["wgrad_lp"] == new["EFFICIENCY"]["wgrad_lp"]
     assert (new["PEAK_TFLOPS"], new["HBM_TBPS"]) == (round(peak, 1), round(hbm, 3))
@@ -823,13 +822,13 @@ def test_calibration_refits_only_the_kinds_asked(tmp_path, monkeypatch):
         k: gemm_tuning.CALIBRATION_SOURCES[k] for k in ("fwd", "dgrad", "wgrad")}
     assert set(new["NEVER_LOSE_MARGIN"]) <= {"fwd", "dgrad", "wgrad_lp"}
     with pytest.raises(SystemExit, match="unknown kind"):
-        fit.main([str(src), "--kinds", "wgrad,bogus", "--write", str(tmp_path / "x.py")])
+        fit.main([str(src), "--kinds", "wgrad,bogus", "--write", str(tmp_path / "x.json")])
     # calibrate_grouped_gemm.py --from-json runs the same fit
     monkeypatch.setattr(sys, "argv", ["calibrate_grouped_gemm.py"])
     import calibrate_grouped_gemm as cal
-    out = tmp_path / "tuning_cal.py"
+    out = tmp_path / "tuning_cal.json"
     assert cal.main(["--from-json", str(src), "--kinds", "wgrad_lp", "--write", str(out)]) == 0
-    assert runpy.run_path(str(out))["EFFICIENCY"] == new["EFFICIENCY"]
+    assert gemm_tuning.read(out)["EFFICIENCY"] == new["EFFICIENCY"]
 
 
 def test_bench_report_and_kinds_option(monkeypatch, capsys):

@@ -29,8 +29,8 @@ wgrad (every non-empty group has the same tile count, but a tile costs ~ M_g):
   O*I*8 (fp32 grad read + write; O*I*2 for wgrad_lp); CTA p's time is the sum over its tiles (+tau_sw per group it
   enters), and T(c) = tau0 + max_p.
 
-The constants (eta, bw_frac, tau_sw, tau0, tau_epi per config) live in moonep_ops/gemm/tuning.py and
-are fitted by benchmarks/fit_gemm_cost_model.py on the committed H200 measurements
+The constants (eta, bw_frac, tau_sw, tau0, tau_epi per config) are moonep_ops/gemm/tuning.py's
+(from tuning.json), fitted by benchmarks/fit_gemm_cost_model.py on the committed H200 measurements
 (benchmarks/calibration/*.json).  The same formulas run on the GPU inside the prep kernel
 (cutlass_kernels/prep.cu, one warp per config), which is how the op selects a config from
 device-resident counts without a host sync; this module is the reference and the API a user
@@ -48,7 +48,7 @@ capturable; `call_candidates` is what one call's device choice ranges over.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -100,36 +100,29 @@ class GemmConfig:
 # tile instead).  Candidate sets of "moonep" by mean rows per group (M / G): <= 64: c128x256,
 # p128x128, s256x80, s256x96, p64x256; 65-255: the first four; >= 256: the first four and
 # s256x128.  At most 5, the prep kernel's budget (a fifth costs it 0.2-0.7 us).
+_FWD_CONFIGS = (
+    GemmConfig("c128x256", 128, 256, 64, 1, 2, False, EN=64),
+    GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
+    GemmConfig("s256x80", 256, 80, 64, 1, 2, False, swap=True),
+    GemmConfig("s256x96", 256, 96, 64, 1, 2, False, swap=True),
+    # 64-row tiles: the best config only for groups of <= ~64 rows (decode-like; 2-5 % over
+    # c128x256 there, eta 0.51-0.61 elsewhere), so a candidate only there: a fifth candidate
+    # costs the prep kernel 0.2-0.7 us, past the 5 us budget at MoE sizes.
+    GemmConfig("p64x256", 64, 256, 64, 1, 2, True, max_mean_rows=64),
+    # torch's cooperative 128x256x64 2x1 transposed (swap-AB: 256 weight rows x 128 tokens,
+    # the 1x2 cluster pairs token tiles sharing one multicast weight tile): the same tile
+    # area, bytes per k-step (16 + 16 KB) and 256-row token granularity, so it follows the
+    # torch kernel where that wins (groups of >= 256 rows, n_out an odd number of 256-column
+    # tiles) while the device still chooses per call.
+    GemmConfig("s256x128", 256, 128, 64, 1, 2, False, swap=True, min_mean_rows=256),
+    # family "torch": torch._grouped_mm's kernels (aten GroupMM.cu, sm90 bf16)
+    GemmConfig("t128x256", 128, 256, 64, 2, 1, False),
+    GemmConfig("t64x128", 64, 128, 128, 2, 1, True),
+)
 CONFIGS: dict[str, tuple[GemmConfig, ...]] = {
-    "fwd": (
-        GemmConfig("c128x256", 128, 256, 64, 1, 2, False, EN=64),
-        GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
-        GemmConfig("s256x80", 256, 80, 64, 1, 2, False, swap=True),
-        GemmConfig("s256x96", 256, 96, 64, 1, 2, False, swap=True),
-        # 64-row tiles: the best config only for groups of <= ~64 rows (decode-like; 2-5 % over
-        # c128x256 there, eta 0.51-0.61 elsewhere), so a candidate only there: a fifth candidate
-        # costs the prep kernel 0.2-0.7 us, past the 5 us budget at MoE sizes.
-        GemmConfig("p64x256", 64, 256, 64, 1, 2, True, max_mean_rows=64),
-        # torch's cooperative 128x256x64 2x1 transposed (swap-AB: 256 weight rows x 128 tokens,
-        # the 1x2 cluster pairs token tiles sharing one multicast weight tile): the same tile
-        # area, bytes per k-step (16 + 16 KB) and 256-row token granularity, so it follows the
-        # torch kernel where that wins (groups of >= 256 rows, n_out an odd number of 256-column
-        # tiles) while the device still chooses per call.
-        GemmConfig("s256x128", 256, 128, 64, 1, 2, False, swap=True, min_mean_rows=256),
-        # family "torch": torch._grouped_mm's kernels (aten GroupMM.cu, sm90 bf16)
-        GemmConfig("t128x256", 128, 256, 64, 2, 1, False),
-        GemmConfig("t64x128", 64, 128, 128, 2, 1, True),
-    ),
-    "dgrad": (
-        GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
-        GemmConfig("p128x128", 128, 128, 64, 1, 2, True),
-        GemmConfig("s256x80", 256, 80, 64, 1, 2, False, swap=True),
-        GemmConfig("s256x96", 256, 96, 64, 1, 2, False, swap=True),
-        GemmConfig("p64x256", 64, 256, 64, 1, 2, True, max_mean_rows=64),
-        GemmConfig("s256x128", 256, 128, 64, 1, 2, False, swap=True, min_mean_rows=256),
-        GemmConfig("t128x256", 128, 256, 64, 2, 1, False),
-        GemmConfig("t64x128", 64, 128, 128, 2, 1, True),
-    ),
+    "fwd": _FWD_CONFIGS,
+    # dgrad runs fwd's configs; its c128x256 keeps CUTLASS's epilogue subtile
+    "dgrad": (replace(_FWD_CONFIGS[0], EN=0),) + _FWD_CONFIGS[1:],
     "wgrad": (
         GemmConfig("c128x256", 128, 256, 64, 1, 2, False),
         GemmConfig("c128x128", 128, 128, 64, 1, 2, False),

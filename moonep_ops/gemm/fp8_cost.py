@@ -59,29 +59,35 @@ NAMES = tuple(c.name for c in FP8_CONFIGS)
 AUTO_NAMES = NAMES[:AUTO_CONFIGS]
 
 
-def config_index(config) -> int:
-    """-1 for None / 'auto' / -1, else the index of a name or an int in range (ValueError)."""
-    if config is None or config == "auto" or config == -1:
-        return -1
-    if isinstance(config, str):
-        if config not in NAMES:
-            raise ValueError(f"FP8 GEMM config {config!r}: not one of {NAMES} or 'auto'")
-        return NAMES.index(config)
-    if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < len(NAMES):
-        raise ValueError(f"FP8 GEMM config {config!r}: an index in [0, {len(NAMES)}), a name "
-                         f"of {NAMES}, or -1 / None / 'auto'")
-    return config
+def config_indexer(names: tuple[str, ...], what: str):
+    """An FP8 GEMM's ``config_index`` over its config ``names`` (``what``: its name in errors)."""
+    def config_index(config) -> int:
+        """-1 for None / 'auto' / -1, else the index of a name or an int in range (ValueError)."""
+        if config is None or config == "auto" or config == -1:
+            return -1
+        if isinstance(config, str):
+            if config not in names:
+                raise ValueError(f"{what} config {config!r}: not one of {names} or 'auto'")
+            return names.index(config)
+        if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < len(names):
+            raise ValueError(f"{what} config {config!r}: an index in [0, {len(names)}), a name "
+                             f"of {names}, or -1 / None / 'auto'")
+        return config
+    return config_index
 
 
-def _round_up(a: int, b: int) -> int:
+config_index = config_indexer(NAMES, "FP8 GEMM")
+
+
+def round_up(a: int, b: int) -> int:
     return -(-a // b) * b
 
 
 def tiles(counts: Sequence[int], n: int, cfg: Fp8Config) -> int:
     """Output tiles the persistent scheduler walks: every group's M and N tile counts rounded up
     to the cluster's."""
-    n_tiles = _round_up(-(-n // cfg.BN), cfg.CN)
-    return sum(_round_up(-(-int(c) // cfg.BM), cfg.CM) * n_tiles for c in counts if c > 0)
+    n_tiles = round_up(-(-n // cfg.BN), cfg.CN)
+    return sum(round_up(-(-int(c) // cfg.BM), cfg.CM) * n_tiles for c in counts if c > 0)
 
 
 def rounds(counts: Sequence[int], n: int, cfg: Fp8Config, sm_count: int) -> int:
@@ -111,10 +117,15 @@ def predict(counts: Sequence[int], n: int, k: int, sm_count: int,
 
 def pick(pred: dict, tie_tol: float | None = None) -> str:
     """The cheapest config; within tie_tol of it the lowest index wins (the device's rule)."""
-    tol = np.float32(tuning_fp8.TIE_TOL if tie_tol is None else tie_tol)
-    best = np.float32(min(pred.values()))
-    for name in NAMES:
-        if name in pred and np.float32(pred[name]) <= best * (np.float32(1.0) + tol):
+    return pick_among(NAMES, pred, tuning_fp8.TIE_TOL if tie_tol is None else tie_tol)
+
+
+def pick_among(names: Sequence[str], pred: dict, tie_tol: float) -> str:
+    """``pick``'s rule over ``names`` (config-index order), in the device's float32 operations."""
+    f = np.float32
+    window = f(f(min(pred.values())) * f(f(1.0) + f(tie_tol)))
+    for name in names:
+        if name in pred and f(pred[name]) <= window:
             return name
     raise AssertionError("unreachable")
 
@@ -124,13 +135,17 @@ def select(counts: Sequence[int], n: int, k: int, sm_count: int) -> str:
 
 
 def tuning_table() -> list[float]:
-    """The device's float[MOONEP_GEMM_FP8_TUNING_LEN]: fixed[MAX], per_round[MAX],
-    per_kblock[MAX] (config-index order, unused slots 0), mem_bytes_per_us, tie_tol."""
+    return tuning_table_of(FP8_CONFIGS[:AUTO_CONFIGS], tuning_fp8)
+
+
+def tuning_table_of(configs: Sequence[Fp8Config], tuning) -> list[float]:
+    """The device's float[MOONEP_GEMM_FP8_TUNING_LEN] for the configs it chooses among (in
+    config-index order) with the constants of ``tuning`` (tuning_fp8 or tuning_fp8_wgrad):
+    fixed[MAX], per_round[MAX], per_kblock[MAX] (unused slots 0), mem_bytes_per_us, tie_tol."""
     cols = [[0.0] * MAX_CONFIGS for _ in range(3)]
-    for i, cfg in enumerate(FP8_CONFIGS[:AUTO_CONFIGS]):
-        for j, v in enumerate(tuning_fp8.CONSTANTS[cfg.name]):
+    for i, cfg in enumerate(configs):
+        for j, v in enumerate(tuning.CONSTANTS[cfg.name]):
             cols[j][i] = float(v)
-    out = cols[0] + cols[1] + cols[2] + [float(tuning_fp8.MEM_BYTES_PER_US),
-                                         float(tuning_fp8.TIE_TOL)]
+    out = cols[0] + cols[1] + cols[2] + [float(tuning.MEM_BYTES_PER_US), float(tuning.TIE_TOL)]
     assert all(math.isfinite(v) for v in out)
     return out

@@ -23,13 +23,12 @@ prediction wins; one within TIE_TOL of it ties and goes to the lower index. Cons
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import numpy as np
 
-from . import tuning_fp8_wgrad
-from .fp8_cost import MAX_CONFIGS, TILE, Fp8Config
+from . import fp8_cost, tuning_fp8_wgrad
+from .fp8_cost import MAX_CONFIGS, TILE, Fp8Config, round_up
 
 # Config-index order of the library (kernel_fp8_wgrad.cu Configs); the device chooses among all.
 WGRAD_CONFIGS: tuple[Fp8Config, ...] = (
@@ -37,28 +36,11 @@ WGRAD_CONFIGS: tuple[Fp8Config, ...] = (
     Fp8Config("p64x128", 64, 128, True, raster_n=True),
 )
 NAMES = tuple(c.name for c in WGRAD_CONFIGS)
-
-
-def config_index(config) -> int:
-    """-1 for None / 'auto' / -1, else the index of a name or an int in range (ValueError)."""
-    if config is None or config == "auto" or config == -1:
-        return -1
-    if isinstance(config, str):
-        if config not in NAMES:
-            raise ValueError(f"FP8 wgrad config {config!r}: not one of {NAMES} or 'auto'")
-        return NAMES.index(config)
-    if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < len(NAMES):
-        raise ValueError(f"FP8 wgrad config {config!r}: an index in [0, {len(NAMES)}), a name "
-                         f"of {NAMES}, or -1 / None / 'auto'")
-    return config
-
-
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
+config_index = fp8_cost.config_indexer(NAMES, "FP8 wgrad")
 
 
 def tiles_per_group(O: int, I: int, cfg: Fp8Config) -> int:
-    return _round_up(-(-O // cfg.BM), cfg.CM) * _round_up(-(-I // cfg.BN), cfg.CN)
+    return round_up(-(-O // cfg.BM), cfg.CM) * round_up(-(-I // cfg.BN), cfg.CN)
 
 
 def predict(counts: Sequence[int], O: int, I: int, sm_count: int,
@@ -85,13 +67,8 @@ def predict(counts: Sequence[int], O: int, I: int, sm_count: int,
 
 def pick(pred: dict, tie_tol: float | None = None) -> str:
     """The cheapest config; within tie_tol of it the lowest index wins (the device's rule)."""
-    f = np.float32
-    tol = f(tuning_fp8_wgrad.TIE_TOL if tie_tol is None else tie_tol)
-    window = f(f(min(pred.values())) * f(f(1.0) + tol))
-    for name in NAMES:
-        if name in pred and f(pred[name]) <= window:
-            return name
-    raise AssertionError("unreachable")
+    return fp8_cost.pick_among(NAMES, pred,
+                               tuning_fp8_wgrad.TIE_TOL if tie_tol is None else tie_tol)
 
 
 def select(counts: Sequence[int], O: int, I: int, sm_count: int) -> str:
@@ -99,14 +76,5 @@ def select(counts: Sequence[int], O: int, I: int, sm_count: int) -> str:
 
 
 def tuning_table() -> list[float]:
-    """The device's float[MOONEP_GEMM_FP8_TUNING_LEN] (the FP8 GEMM's layout): fixed[MAX],
-    per_round[MAX], per_kblock[MAX] (config-index order, unused slots 0), mem_bytes_per_us,
-    tie_tol."""
-    cols = [[0.0] * MAX_CONFIGS for _ in range(3)]
-    for i, cfg in enumerate(WGRAD_CONFIGS):
-        for j, v in enumerate(tuning_fp8_wgrad.CONSTANTS[cfg.name]):
-            cols[j][i] = float(v)
-    out = cols[0] + cols[1] + cols[2] + [float(tuning_fp8_wgrad.MEM_BYTES_PER_US),
-                                         float(tuning_fp8_wgrad.TIE_TOL)]
-    assert all(math.isfinite(v) for v in out)
-    return out
+    """The device's tuning table, the FP8 GEMM's layout (fp8_cost.tuning_table_of)."""
+    return fp8_cost.tuning_table_of(WGRAD_CONFIGS, tuning_fp8_wgrad)

@@ -1,7 +1,7 @@
 """Link constants of the planner's cost policy, kept next to the GEMM tuning constants (tuning.py).
 
-tuning.py is rewritten by benchmarks/calibrate_grouped_gemm.py; these constants are not fitted
-by it, so they live here.  A Buffer user overrides the link bandwidth with
+tuning.py's constants are fitted (benchmarks/fit_gemm_cost_model.py rewrites tuning.json); these
+are not, so they live here.  A Buffer user overrides the link bandwidth with
 ``Buffer(..., policy="cost", link_gbps=...)`` (or ``MoEArgs(link_gbps=...)``).
 
 LINK_GBPS         GB/s (1e9 bytes/s) one GPU sends (or receives) over its NVLink, per direction.

@@ -1,8 +1,15 @@
-"""Fitted constants of the grouped-GEMM cost model (moonep_ops.gemm.cost_model).
+"""Fitted constants of the GEMM cost models: the one reader (and format) of the files that hold
+them, and the grouped bf16 GEMM's constants (moonep_ops.gemm.cost_model).
 
-WRITTEN BY benchmarks/fit_gemm_cost_model.py from the committed measurements in
-benchmarks/calibration/ (CALIBRATION_SOURCES names them); rerun the fit instead of editing.
-docs/grouped_gemm.md, "Cost model" and "Calibration", explains the model and the fit.
+The constants are data: JSON files next to this module (package data, setup.py), each WRITTEN
+BY a fit from the committed measurements in benchmarks/calibration/ (rerun the fit instead of
+editing), each key the name of the attribute its module loads it into:
+
+  tuning.json            this module's, by benchmarks/fit_gemm_cost_model.py
+  tuning_fp8.json        tuning_fp8.py's (the FP8 GEMM), by benchmarks/fit_fp8_cost_model.py
+  tuning_fp8_wgrad.json  tuning_fp8_wgrad.py's (the FP8 wgrad GEMM), seeded by hand
+
+docs/grouped_gemm.md, "Cost model" and "Calibration", explains the bf16 model and its fit.
 
 PEAK_TFLOPS / HBM_TBPS: the measured dense bf16 ceiling and device-copy bandwidth of the H200;
 NUM_SMS: its SM count (the persistent grid's CTAs P when the device is not asked).
@@ -22,62 +29,52 @@ NEVER_LOSE_PROBE_TP, NEVER_LOSE_MARGIN[kind]: the never-lose rule (cost_model.fa
   runs torch._grouped_mm's kernel family when the model, on the shape's balanced probe
   histogram (token padding NEVER_LOSE_PROBE_TP), predicts it at most (1 + margin) times our best
   candidate; a kind without a margin never uses the torch family.
+CALIBRATED; CALIBRATION_SOURCES[kind]: where each kind's constants come from (a partial refit,
+  --kinds, keeps the others'); CALIBRATION_SOURCE: the same on one line.
 """
+from __future__ import annotations
 
-CALIBRATED = True
-# Where each kind's constants come from (a partial refit, --kinds, keeps the others').
-CALIBRATION_SOURCES = {
-    'fwd': 'benchmarks/fit_gemm_cost_model.py on benchmarks/calibration/zoo_2026-12-04_no_tail.json + benchmarks/calibration/zoo_2026-12-01_families.json (545 training cases, 175 held out)',
-    'dgrad': 'benchmarks/fit_gemm_cost_model.py on benchmarks/calibration/zoo_2026-12-04_no_tail.json + benchmarks/calibration/zoo_2026-12-01_families.json (545 training cases, 175 held out)',
-    'wgrad': "benchmarks/calibrate_grouped_gemm.py on its calibration set, measured on the H200 2026-11-30 (the fp32 += is not in the model zoo; that run's JSON is not committed)",
-    'wgrad_lp': 'benchmarks/fit_gemm_cost_model.py on benchmarks/calibration/zoo_2026-12-01_families.json (285 training cases, 91 held out)',
-}
+import json
+from pathlib import Path
+
+
+def path(name: str) -> Path:
+    """The constants file ``name`` of this package."""
+    return Path(__file__).with_name(name)
+
+
+def _tuples(value):
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return tuple(value) if isinstance(value, list) else value
+
+
+def read(file: Path | str) -> dict:
+    """A constants file (a name: this package's) as {attribute: value}, its lists as tuples.
+    A fit writes ``dumps`` of the same dict, so a value read back is the value written."""
+    return _tuples(json.loads((path(file) if isinstance(file, str) else file).read_text()))
+
+
+def dumps(data, indent: str = "") -> str:
+    """The text of a constants file: JSON, one key a line, a tuple of numbers on its key's line
+    (floats as Python's repr writes them: ``read`` gives back the same doubles)."""
+    if not isinstance(data, dict) or not data:
+        return json.dumps(data)
+    inner = indent + " "
+    items = ",\n".join(f"{inner}{json.dumps(k)}: {dumps(v, inner)}" for k, v in data.items())
+    return "{\n" + items + "\n" + indent + "}" + ("" if indent else "\n")
+
+
+_FILE = read("tuning.json")
+CALIBRATED: bool = _FILE["CALIBRATED"]
+CALIBRATION_SOURCES: dict[str, str] = _FILE["CALIBRATION_SOURCES"]
 CALIBRATION_SOURCE = "; ".join(f"{k}: {v}" for k, v in CALIBRATION_SOURCES.items())
-
-PEAK_TFLOPS = 796.2
-HBM_TBPS = 4.243
-NUM_SMS = 132
-
-SELECT_TIE_TOL = 0.005
-SELECT_TIE_TOL_SMALL = 0.02
-
-NEVER_LOSE_PROBE_TP = 128
-NEVER_LOSE_MARGIN: dict = {}
-
-SEEDED = {
-}
-
-EFFICIENCY = {
-    "fwd": {
-        "c128x256": (0.8653, 0.9728, 0.3107, 0.0, 1.3038),
-        "p128x128": (0.8563, 0.9408, 0.7106, 5.6514, 0.09),
-        "s256x80": (0.8411, 0.893, 0.0, 0.0, 1.9047),
-        "s256x96": (0.8558, 0.9934, 0.3569, 0.0, 1.2389),
-        "p64x256": (0.7202, 0.8965, 4.4514, 0.0, 0.0),
-        "s256x128": (0.8799, 1.0, 0.0, 0.0, 1.5011),
-        "t128x256": (0.8811, 1.0, 0.0, 0.0, 1.7216),
-        "t64x128": (0.6163, 0.791, 0.0, 0.0, 0.0),
-    },
-    "dgrad": {
-        "c128x256": (0.8583, 1.0, 0.4046, 0.0, 1.5145),
-        "p128x128": (0.8515, 0.9468, 0.8392, 4.8194, 0.0498),
-        "s256x80": (0.8353, 0.9287, 0.0366, 0.0, 1.851),
-        "s256x96": (0.8493, 0.8767, 0.4523, 0.0, 1.1612),
-        "p64x256": (0.6902, 1.0, 3.7564, 0.0, 0.0),
-        "s256x128": (0.8652, 0.6896, 0.0, 0.0, 1.3251),
-        "t128x256": (0.8685, 0.8904, 0.0, 0.0, 1.5773),
-        "t64x128": (0.6122, 0.7739, 0.0, 0.001, 0.0047),
-    },
-    "wgrad": {
-        "c128x256": (0.8394, 0.8219, 0.2747, 10.6539, 8.1877),
-        "c128x128": (0.8519, 0.8117, 0.017, 32.3064, 3.9817),
-        "p128x128": (0.8626, 0.8762, 0.0, 22.4692, 2.5417),
-    },
-    "wgrad_lp": {
-        "c128x256": (0.8931, 0.6421, 0.034, 0.0, 2.5551),
-        "c128x128": (0.8745, 0.6156, 0.2149, 6.879, 1.3905),
-        "p128x128": (0.8875, 0.4434, 0.0378, 9.4568, 0.8412),
-        "t128x256": (0.9058, 1.0, 0.0, 0.0, 3.0215),
-        "t64x128": (0.6329, 0.4119, 0.2075, 0.0, 0.4541),
-    },
-}
+PEAK_TFLOPS: float = _FILE["PEAK_TFLOPS"]
+HBM_TBPS: float = _FILE["HBM_TBPS"]
+NUM_SMS: int = _FILE["NUM_SMS"]
+SELECT_TIE_TOL: float = _FILE["SELECT_TIE_TOL"]
+SELECT_TIE_TOL_SMALL: float = _FILE["SELECT_TIE_TOL_SMALL"]
+NEVER_LOSE_PROBE_TP: int = _FILE["NEVER_LOSE_PROBE_TP"]
+NEVER_LOSE_MARGIN: dict[str, float] = _FILE["NEVER_LOSE_MARGIN"]
+SEEDED: dict[str, dict[str, str]] = _FILE["SEEDED"]
+EFFICIENCY: dict[str, dict[str, tuple[float, ...]]] = _FILE["EFFICIENCY"]

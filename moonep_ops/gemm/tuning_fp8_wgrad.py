@@ -1,9 +1,10 @@
-"""Constants of the FP8 wgrad GEMM's cost model (moonep_ops.gemm.fp8_wgrad_cost).
+"""Constants of the FP8 wgrad GEMM's cost model (moonep_ops.gemm.fp8_wgrad_cost), loaded from
+tuning_fp8_wgrad.json (the format and the keys of tuning_fp8.py).
 
 SEEDED BY HAND, not fitted: no GPU measurement of the FP8 wgrad kernel exists yet.  The seeds are
-the forward FP8 GEMM's fitted constants (tuning_fp8.py, 2026-12-03), since a wgrad tile runs the
-same mainloop over K = 128-token blocks (one more fp32 multiply per accumulator element in the
-promotion: the per-column scale) and the same epilogue.  scripts/gpu_fp8_step.sh times every
+the forward FP8 GEMM's fitted constants (tuning_fp8.json, 2026-12-03), since a wgrad tile runs
+the same mainloop over K = 128-token blocks (one more fp32 multiply per accumulator element in
+the promotion: the per-column scale) and the same epilogue.  scripts/gpu_fp8_step.sh times every
 config forced on the model-zoo cases and prints the model's error; refit from those times before
 trusting the choice (an unfitted model can only cost the gap between the two configs).
 
@@ -14,13 +15,9 @@ CONSTANTS[config] = (fixed_us, per_round_us, per_kblock_us), as in tuning_fp8.py
 MEM_BYTES_PER_US: the bytes a call moves at least, per microsecond (the memory bound).
 TIE_TOL: predictions within this fraction of the cheapest tie and go to the lower config index.
 """
+from __future__ import annotations
 
-CALIBRATED = False
-CALIBRATION_SOURCE = "seeded from tuning_fp8.py (forward FP8 GEMM fit of 2026-12-03)"
+from .tuning_fp8 import read
 
-CONSTANTS = {
-    'c128x128': (9.02635, 0.81589, 0.46766),
-    'p64x128': (8.055, 0.11272, 0.67381),
-}
-MEM_BYTES_PER_US = 4243000.0   # gemm/tuning.py HBM_TBPS (not fitted)
-TIE_TOL = 0.01
+CALIBRATED, CALIBRATION_SOURCE, CONSTANTS, MEM_BYTES_PER_US, TIE_TOL = read(
+    "tuning_fp8_wgrad.json")
