@@ -46,7 +46,7 @@ def _first_module(*names):
 
 
 def gemm_modules() -> SimpleNamespace:
-    """cost_model, tuning (module objects; tuning's path is ``tuning.__file__``) and ops (the
+    """cost_model, tuning (module objects; the constants file is ``tuning.path("tuning.json")``) and ops (the
     module that defines the grouped-GEMM ops and ``backend_for``), new layout first."""
     cost_model = _first_module("moonep_ops.gemm.cost_model", "moonep_ops.gemm_cost_model")
     tuning = _first_module("moonep_ops.gemm.tuning", "moonep_ops.gemm_tuning")
