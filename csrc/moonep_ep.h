@@ -1,6 +1,6 @@
 // Public C ABI of libmoonep_ep.so: the GPU data plane over symmetric memory (barrier, histogram
 // exchange, dispatch, combine, prefetch_weight, reduce_grad: ep_kernels.cu), the device planner
-// (plan_kernels.cu) and the routed experts' fused SwiGLU (swiglu.cu).  Every export of the
+// (plan_kernels.cu and its plan_* files) and the routed experts' fused SwiGLU (swiglu.cu).  Every export of the
 // library is declared here, and every .cu file of csrc/ includes this header, so the compiler
 // checks each definition against its prototype.  Loaded with ctypes by moonep_ops/native.py.
 //
@@ -394,7 +394,7 @@ MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void*
 // Device planner (plan_kernels.cu): the planner of policies "moonep" and "cost" on the device,
 // bit-exact with the torch op moonep::plan (moonep_ops/planner/) for every histogram that
 // passes validation.  No host synchronisation, no allocation: capturable in a CUDA graph.
-// Algorithm notes: plan_kernels.cu, docs/planner.md.
+// Algorithm notes: docs/planner.md; the planner's files: plan_internal.cuh.
 // Argument checks (else cudaErrorInvalidValue and a message): 1 <= R <= 1024, E a positive
 // multiple of R, 1 <= K <= 127, 1 <= s <= S, 0 <= rank < R, tp >= 1, R*S*K < 2^31,
 // 0 <= slack_ppm <= 10^6, 0 <= replica_cost < 2^40, with slack_ppm > 0 (policy "cost")
