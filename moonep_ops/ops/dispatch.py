@@ -106,7 +106,7 @@ def _check_dst(dst, s, be, dev) -> None:
             f"tokens: a plan can only be reused with the same number of tokens")
 
 
-def check_dispatch_args(x, topk, rw, be, total: int) -> int:
+def check_dispatch_args(be, x, topk, rw, total: int) -> int:
     dev = call_device(x, be.device)
     s = _check_hidden("x [s, D]", x, be, dev)
     _tensor("topk_ids [s, K]", topk, torch.int32, 2, be, dev)
@@ -117,16 +117,18 @@ def check_dispatch_args(x, topk, rw, be, total: int) -> int:
     return s
 
 
-def check_reuse_args(x, rw, dst, be, total: int) -> int:
+def check_reuse_args(be, x, rw, dst, total: int, values: bool = False) -> int:
     dev = call_device(x, be.device)
     s = _check_hidden("x [s, D]", x, be, dev)
     _check_route_weights(rw, s, be, dev)
     check_s(be, s, total)
     _check_dst(dst, s, be, dev)
+    if values:
+        check_dst_values(dst, be, s, total)
     return s
 
 
-def check_combine_args(h, w, dst, be, total: int) -> int:
+def check_combine_args(be, h, w, dst, total: int, values: bool = False) -> int:
     dev = call_device(h, be.device)
     _tensor("plan.dst [s*K]", dst, torch.int32, 1, be, dev, "h")
     if dst.shape[0] % be.spec.K:
@@ -143,11 +145,14 @@ def check_combine_args(h, w, dst, be, total: int) -> int:
         _tensor("route_weights [nvs_s]", w, torch.float32, 1, be, dev, "h")
         if w.shape[0] != h.shape[0]:
             raise ValueError(f"route_weights must have h's {h.shape[0]} rows, got {w.shape[0]}")
+    if values:
+        check_dst_values(dst, be, s, total)
     return s
 
 
 def check_dst_values(dst, be, s: int, total: int) -> None:
-    """Data check (CPU / MOONEP_VALIDATE=1): every slot lies inside its destination's rows."""
+    """Data check (real kernels; CPU / MOONEP_VALIDATE=1): every slot lies inside its
+    destination's rows."""
     if not runtime.should_validate(dst) or dst.numel() == 0:
         return
     raw = decode_raw_dst(dst)
@@ -159,13 +164,22 @@ def check_dst_values(dst, be, s: int, total: int) -> None:
                          "made for another token count or Buffer")
 
 
+def _fake_checked(buffer: str, op: str, check, *args):
+    """(the Buffer's backend ``be``, ``check(be, *args)``): a fake kernel's argument checks (a
+    real kernel makes the same try inline: no wrapper call on the eager hot path).  A fake
+    kernel on real tensors is an eager call that a meta tensor routed here (the dispatcher
+    prefers the Meta kernel): its error reaches the peers as the real kernel's would
+    (checks.reject_call)."""
+    be = _backend(buffer)
+    try:
+        return be, check(be, *args)
+    except ARG_ERRORS as e:
+        raise reject_call(be, op, op, e, eager=has_real_tensor(*args)) from None
+
+
 # ---------------------------------------------------------------------------------------------
 # moonep::dispatch  (gather histograms, plan, scatter)
 # ---------------------------------------------------------------------------------------------
-
-_DISPATCH_SCHEMA = ("(Tensor x, Tensor topk_ids, Tensor? route_weights, str buffer, "
-                    "int total_num_tokens) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-                    "Tensor)")
 
 
 def dispatch_body(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], buffer: str,
@@ -173,15 +187,17 @@ def dispatch_body(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], 
     """moonep::dispatch's kernel (every device; the backend does the work)."""
     be = _backend(buffer)
     try:
-        check_dispatch_args(x, topk_ids, route_weights, be, total_num_tokens)
+        check_dispatch_args(be, x, topk_ids, route_weights, total_num_tokens)
     except ARG_ERRORS as e:
         raise reject_call(be, "dispatch", "dispatch", e) from None
     return tuple(be.dispatch(x, topk_ids, route_weights, total_num_tokens,
                              _id_values(topk_ids, be)))
 
 
-_dispatch = torch.library.custom_op("moonep::dispatch", dispatch_body, mutates_args=(),
-                                    schema=_DISPATCH_SCHEMA, tags=_TAGS)
+_dispatch = torch.library.custom_op(
+    "moonep::dispatch", dispatch_body, mutates_args=(), tags=_TAGS,
+    schema="(Tensor x, Tensor topk_ids, Tensor? route_weights, str buffer, int total_num_tokens)"
+           " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _id_values(topk_ids, be) -> str:
@@ -195,21 +211,10 @@ def _id_values(topk_ids, be) -> str:
     return ""
 
 
-def _fake_checks(check, be, op: str, *args):
-    """A fake kernel's argument checks.  A fake kernel on real tensors is an eager call that a
-    meta tensor routed here (the dispatcher prefers the Meta kernel): its error must reach the
-    peers as the real kernel's would (checks.reject_call)."""
-    try:
-        return check(*args, be)
-    except ARG_ERRORS as e:
-        raise reject_call(be, op, op, e, eager=has_real_tensor(*args)) from None
-
-
 @_dispatch.register_fake
 def _dispatch_fake(x, topk_ids, route_weights, buffer, total_num_tokens):
-    be = _backend(buffer)
-    s = _fake_checks(lambda *a: check_dispatch_args(*a, total_num_tokens), be, "dispatch",
-                     x, topk_ids, route_weights)
+    be, s = _fake_checked(buffer, "dispatch", check_dispatch_args, x, topk_ids, route_weights,
+                          total_num_tokens)
     n = be.spec.nvs_s(s, total_num_tokens)
     i32 = torch.int32
     return (x.new_empty((n, be.spec.D)), x.new_empty((n,), dtype=torch.float32),
@@ -218,21 +223,34 @@ def _dispatch_fake(x, topk_ids, route_weights, buffer, total_num_tokens):
             x.new_empty((2,), dtype=i32))
 
 
+def _save_plan(ctx, dst, rw, buffer: str, total: int, rw_at: int) -> None:
+    """What the backward of dispatch, dispatch_with_plan and combine keeps: the plan's dst (it
+    runs the transpose with it), the Buffer, the token total and route_weights' input position
+    (None: no route weights)."""
+    ctx.save_for_backward(dst)
+    ctx.buffer, ctx.total, ctx.rw_at = buffer, total, None if rw is None else rw_at
+
+
+def _scatter_backward(ctx, grad_h, grad_w, *_plan_grads):
+    """The backward of dispatch and dispatch_with_plan: combine with the saved plan, their
+    exact transpose; x's grad, and route_weights' at its position."""
+    (dst,) = ctx.saved_tensors
+    has_w = ctx.rw_at is not None
+    gx, gw = combine(grad_h.contiguous(), grad_w.contiguous() if has_w else None, dst,
+                     ctx.buffer, ctx.total)
+    grads = [gx, None, None, None, None]
+    if has_w:
+        grads[ctx.rw_at] = gw
+    return tuple(grads)
+
+
 def _dispatch_setup(ctx, inputs, output):
     _, _, rw, buffer, total = inputs
-    ctx.save_for_backward(output[3])
-    ctx.buffer, ctx.total, ctx.has_w = buffer, total, rw is not None
+    _save_plan(ctx, output[3], rw, buffer, total, 2)
 
 
-def _dispatch_backward(ctx, grad_h, grad_w, *_plan_grads):
-    (dst,) = ctx.saved_tensors
-    gx, gw = combine(grad_h.contiguous(), grad_w.contiguous() if ctx.has_w else None,
-                     dst, ctx.buffer, ctx.total)
-    return gx, None, (gw if ctx.has_w else None), None, None
-
-
-_dispatch.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
-_DispatchFn = fastpath.function("DispatchFn", dispatch_body, _dispatch_setup, _dispatch_backward)
+_DispatchFn = fastpath.autograd(_dispatch, "DispatchFn", dispatch_body, _dispatch_setup,
+                                _scatter_backward)
 
 
 def dispatch(x, topk_ids, route_weights, buffer: str, total_num_tokens: int):
@@ -244,52 +262,39 @@ def dispatch(x, topk_ids, route_weights, buffer: str, total_num_tokens: int):
 # moonep::dispatch_with_plan  (scatter only)
 # ---------------------------------------------------------------------------------------------
 
-_REUSE_SCHEMA = ("(Tensor x, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens)"
-                 " -> (Tensor, Tensor)")
-
 
 def dispatch_with_plan_body(x: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer: str,
                             total_num_tokens: int):
     """moonep::dispatch_with_plan's kernel."""
     be = _backend(buffer)
     try:
-        s = check_reuse_args(x, route_weights, dst, be, total_num_tokens)
-        check_dst_values(dst, be, s, total_num_tokens)
+        s = check_reuse_args(be, x, route_weights, dst, total_num_tokens, values=True)
     except ARG_ERRORS as e:
         raise reject_call(be, "dispatch_with_plan", "dispatch_with_plan", e) from None
     return be.dispatch_with_plan(x, route_weights, dst, be.spec.nvs_s(s, total_num_tokens))
 
 
-_dispatch_with_plan = torch.library.custom_op("moonep::dispatch_with_plan",
-                                              dispatch_with_plan_body, mutates_args=(),
-                                              schema=_REUSE_SCHEMA, tags=_TAGS)
+_dispatch_with_plan = torch.library.custom_op(
+    "moonep::dispatch_with_plan", dispatch_with_plan_body, mutates_args=(), tags=_TAGS,
+    schema="(Tensor x, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens)"
+           " -> (Tensor, Tensor)")
 
 
 @_dispatch_with_plan.register_fake
 def _dispatch_with_plan_fake(x, route_weights, dst, buffer, total_num_tokens):
-    be = _backend(buffer)
-    s = _fake_checks(lambda *a: check_reuse_args(*a, total_num_tokens), be, "dispatch_with_plan",
-                     x, route_weights, dst)
+    be, s = _fake_checked(buffer, "dispatch_with_plan", check_reuse_args, x, route_weights, dst,
+                          total_num_tokens)
     n = be.spec.nvs_s(s, total_num_tokens)
     return x.new_empty((n, be.spec.D)), x.new_empty((n,), dtype=torch.float32)
 
 
 def _reuse_setup(ctx, inputs, output):
     _, rw, dst, buffer, total = inputs
-    ctx.save_for_backward(dst)
-    ctx.buffer, ctx.total, ctx.has_w = buffer, total, rw is not None
+    _save_plan(ctx, dst, rw, buffer, total, 1)
 
 
-def _reuse_backward(ctx, grad_h, grad_w):
-    (dst,) = ctx.saved_tensors
-    gx, gw = combine(grad_h.contiguous(), grad_w.contiguous() if ctx.has_w else None,
-                     dst, ctx.buffer, ctx.total)
-    return gx, (gw if ctx.has_w else None), None, None, None
-
-
-_dispatch_with_plan.register_autograd(_reuse_backward, setup_context=_reuse_setup)
-_ReuseFn = fastpath.function("DispatchWithPlanFn", dispatch_with_plan_body, _reuse_setup,
-                             _reuse_backward)
+_ReuseFn = fastpath.autograd(_dispatch_with_plan, "DispatchWithPlanFn", dispatch_with_plan_body,
+                             _reuse_setup, _scatter_backward)
 
 
 def dispatch_with_plan(x, route_weights, dst, buffer: str, total_num_tokens: int):
@@ -301,17 +306,13 @@ def dispatch_with_plan(x, route_weights, dst, buffer: str, total_num_tokens: int
 # moonep::combine
 # ---------------------------------------------------------------------------------------------
 
-_COMBINE_SCHEMA = ("(Tensor h, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens)"
-                   " -> (Tensor, Tensor)")
-
 
 def combine_body(h: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer: str,
                  total_num_tokens: int):
     """moonep::combine's kernel."""
     be = _backend(buffer)
     try:
-        s = check_combine_args(h, route_weights, dst, be, total_num_tokens)
-        check_dst_values(dst, be, s, total_num_tokens)
+        s = check_combine_args(be, h, route_weights, dst, total_num_tokens, values=True)
     except ARG_ERRORS as e:
         raise reject_call(be, "combine", "combine", e) from None
     y, w = be.combine(h, route_weights, dst)
@@ -320,37 +321,39 @@ def combine_body(h: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer
     return y, w
 
 
-_combine = torch.library.custom_op("moonep::combine", combine_body, mutates_args=(),
-                                   schema=_COMBINE_SCHEMA, tags=_TAGS)
+_combine = torch.library.custom_op(
+    "moonep::combine", combine_body, mutates_args=(), tags=_TAGS,
+    schema="(Tensor h, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens)"
+           " -> (Tensor, Tensor)")
 
 
 @_combine.register_fake
 def _combine_fake(h, route_weights, dst, buffer, total_num_tokens):
-    be = _backend(buffer)
-    s = _fake_checks(lambda *a: check_combine_args(*a, total_num_tokens), be, "combine",
-                     h, route_weights, dst)
+    be, s = _fake_checked(buffer, "combine", check_combine_args, h, route_weights, dst,
+                          total_num_tokens)
     return h.new_empty((s, be.spec.D)), h.new_empty((s, be.spec.K), dtype=torch.float32)
 
 
 def _combine_setup(ctx, inputs, output):
     h, rw, dst, buffer, total = inputs
-    ctx.save_for_backward(dst)
-    ctx.buffer, ctx.total, ctx.has_w, ctx.rows = buffer, total, rw is not None, h.shape[0]
+    _save_plan(ctx, dst, rw, buffer, total, 1)
+    ctx.rows = h.shape[0]
 
 
 def _combine_backward(ctx, grad_y, grad_w):
     (dst,) = ctx.saved_tensors
-    gh, gw = dispatch_with_plan(grad_y.contiguous(), grad_w.contiguous() if ctx.has_w else None,
+    has_w = ctx.rw_at is not None
+    gh, gw = dispatch_with_plan(grad_y.contiguous(), grad_w.contiguous() if has_w else None,
                                 dst, ctx.buffer, ctx.total)
     pad = ctx.rows - gh.shape[0]                 # h had NvS rows: the tail gets zero gradient
     if pad:
         gh = torch.nn.functional.pad(gh, (0, 0, 0, pad))
         gw = torch.nn.functional.pad(gw, (0, pad))
-    return gh, (gw if ctx.has_w else None), None, None, None
+    return gh, (gw if has_w else None), None, None, None
 
 
-_combine.register_autograd(_combine_backward, setup_context=_combine_setup)
-_CombineFn = fastpath.function("CombineFn", combine_body, _combine_setup, _combine_backward)
+_CombineFn = fastpath.autograd(_combine, "CombineFn", combine_body, _combine_setup,
+                               _combine_backward)
 
 
 def combine(h, route_weights, dst, buffer: str, total_num_tokens: int):
@@ -364,10 +367,6 @@ def combine(h, route_weights, dst, buffer: str, total_num_tokens: int):
 # moonep::dispatch_fp8  (quantise once on the source rank, rows + scales travel together)
 # ---------------------------------------------------------------------------------------------
 
-_DISPATCH_FP8_SCHEMA = ("(Tensor x, Tensor topk_ids, Tensor? route_weights, str buffer, "
-                        "int total_num_tokens, bool pow2_scales=False) -> (Tensor, Tensor, Tensor, "
-                        "Tensor, Tensor, Tensor, Tensor, Tensor)")
-
 
 def check_fp8_dispatch(be, pow2_scales) -> None:
     """The capability and the flag (the shared dispatch checks run first)."""
@@ -380,21 +379,24 @@ def check_fp8_dispatch(be, pow2_scales) -> None:
 
 
 @fp8_checks
-def check_dispatch_fp8_args(x, topk, rw, be, total, pow2_scales) -> int:
+def check_dispatch_fp8_args(be, x, topk, rw, total, pow2_scales) -> int:
     """dispatch's checks, then the FP8 ones; every bad argument is a ValueError
     (FP8ArgumentError, also a TypeError for a wrong type or dtype) raised before any work."""
-    s = check_dispatch_args(x, topk, rw, be, total)
+    s = check_dispatch_args(be, x, topk, rw, total)
     check_fp8_dispatch(be, pow2_scales)
     return s
 
 
-@torch.library.custom_op("moonep::dispatch_fp8", mutates_args=(), schema=_DISPATCH_FP8_SCHEMA,
-                         tags=_TAGS)
+@torch.library.custom_op(
+    "moonep::dispatch_fp8", mutates_args=(), tags=_TAGS,
+    schema="(Tensor x, Tensor topk_ids, Tensor? route_weights, str buffer, int total_num_tokens, "
+           "bool pow2_scales=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+           "Tensor)")
 def _dispatch_fp8(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], buffer: str,
                   total_num_tokens: int, pow2_scales: bool = False):
     be = _backend(buffer)
     try:
-        check_dispatch_fp8_args(x, topk_ids, route_weights, be, total_num_tokens, pow2_scales)
+        check_dispatch_fp8_args(be, x, topk_ids, route_weights, total_num_tokens, pow2_scales)
     except ARG_ERRORS as e:
         raise reject_call(be, "dispatch_fp8", "dispatch_fp8", e) from None
     reject = _id_values(topk_ids, be)
@@ -405,9 +407,8 @@ def _dispatch_fp8(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], 
 
 @_dispatch_fp8.register_fake
 def _dispatch_fp8_fake(x, topk_ids, route_weights, buffer, total_num_tokens, pow2_scales=False):
-    be = _backend(buffer)
-    s = _fake_checks(lambda *a: check_dispatch_fp8_args(*a, total_num_tokens, pow2_scales), be,
-                     "dispatch_fp8", x, topk_ids, route_weights)
+    be, s = _fake_checked(buffer, "dispatch_fp8", check_dispatch_fp8_args, x, topk_ids,
+                          route_weights, total_num_tokens, pow2_scales)
     n = be.spec.nvs_s(s, total_num_tokens)
     D, i32 = be.spec.D, torch.int32
     return (*fake_rows_fp8(x, n, D), x.new_empty((n,), dtype=torch.float32),

@@ -68,10 +68,12 @@ def call(op, body, fn, *args):
     return op(*args)
 
 
-def function(name: str, body, setup_context, backward) -> type:
-    """The autograd.Function of an op's eager path: forward = the op's body and its
-    setup_context, backward = the op's registered backward (autograd.Function has the same
-    contract for both: grads of every output in, one grad or None per input out)."""
+def autograd(op, name: str, body, setup_context, backward) -> type:
+    """Registers ``op``'s autograd and returns ``name``, the autograd.Function of its eager
+    path: forward = the op's body and its setup_context, backward = the op's backward (one
+    registration for both paths; autograd.Function has the same contract: grads of every
+    output in, one grad or None per input out)."""
+    op.register_autograd(backward, setup_context=setup_context)
 
     def forward(ctx, *args):
         out = body(*args)
@@ -82,4 +84,4 @@ def function(name: str, body, setup_context, backward) -> type:
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-__all__ = ["eager", "needs_grad", "call", "function"]
+__all__ = ["eager", "needs_grad", "call", "autograd"]

@@ -1,9 +1,7 @@
 """MoE grouped GEMM ops: forward, dgrad and wgrad over 2*epn groups of token rows.
 
-Legend (shape suffixes):
-  M   rows of the token buffer (received rows, padding included)   B = epn  experts per rank
-  G   2*epn groups: 0..epn-1 use w_local_BOI[g], epn..2epn-1 use w_slot_BOI[g - epn]
-  O   output features of the weight (nn.Linear "out")    I  input features (nn.Linear "in")
+Shape letters: docs/architecture.md, "Shape legend" (M rows of the token buffer, padding
+included; G = 2*epn groups: 0..epn-1 use w_local_BOI[g], epn..2epn-1 w_slot_BOI[g - epn]).
 
   cu_seqlens_G  int32 inclusive END offsets (torch._grouped_mm's ``offs``): group g owns rows
                 [cu_seqlens_G[g-1], cu_seqlens_G[g]) (start 0 for g = 0).  Rows at or past
@@ -61,7 +59,7 @@ from . import fastpath
 from .checks import check_no_overlap
 from . import grouped_mm_kernels as _kernels
 from .grouped_mm_kernels import (_cutlass_wgrad_lp, _nonempty_G11, _ref_fwd, _wgrad_acc_impl,
-                                 backend_for, run_dgrad, run_fwd, run_wgrad_into)
+                                 backend_for, run_dgrad, run_fwd, run_mm, run_wgrad_into)
 
 # The backends live in grouped_mm_kernels.py; the names other modules, benchmarks and tests use
 # stay reachable here (the same objects).
@@ -84,14 +82,19 @@ __all__ = [
 # Input checks: shape / dtype / device only (they read no data, so they never sync).
 # --------------------------------------------------------------------------------------------
 
+def _check_floating(name: str, t, ndim: int, dims: str = "") -> None:
+    """t a floating ``ndim``-D Tensor (``dims``: their names, for the message)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D{dims}, got shape {tuple(t.shape)}")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+
+
 def _check_weights(w_local: torch.Tensor, w_slot: torch.Tensor) -> tuple[int, int, int]:
     for name, w in (("w_local_BOI", w_local), ("w_slot_BOI", w_slot)):
-        if not isinstance(w, torch.Tensor):
-            raise TypeError(f"{name} must be a Tensor, got {type(w).__name__}")
-        if w.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [epn, O, I], got shape {tuple(w.shape)}")
-        if not w.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a floating tensor, got {w.dtype}")
+        _check_floating(name, w, 3, " [epn, O, I]")
     if w_local.shape != w_slot.shape:
         raise ValueError(f"w_local_BOI {tuple(w_local.shape)} and w_slot_BOI "
                          f"{tuple(w_slot.shape)} must have the same shape [epn, O, I]")
@@ -146,19 +149,16 @@ def _check_config(config: int, kind: str) -> None:
         raise ValueError(f"config must be -1 (automatic) or in [0, {n}) for {kind}, got {config}")
 
 
-def _check_fwd(x, w_local, w_slot, cu, config, values=True):
+def _check_mm(kind, a, w_local, w_slot, cu, config, values=True):
+    """The checks of grouped_mm (``kind`` "fwd": a is x_MI) or grouped_mm_dgrad ("dgrad": a is
+    dy_MO).  Returns (epn, O, I)."""
     epn, O, I = _check_weights(w_local, w_slot)
-    _check_rows("x_MI", x, I, "I", w_local)
-    _check_cu(cu, 2 * epn, x.shape[0], x.device, values)
-    _check_config(config, "fwd")
-    return epn, O, I
-
-
-def _check_dgrad(dy, w_local, w_slot, cu, config, values=True):
-    epn, O, I = _check_weights(w_local, w_slot)
-    _check_rows("dy_MO", dy, O, "O", w_local)
-    _check_cu(cu, 2 * epn, dy.shape[0], dy.device, values)
-    _check_config(config, "dgrad")
+    if kind == "fwd":
+        _check_rows("x_MI", a, I, "I", w_local)
+    else:
+        _check_rows("dy_MO", a, O, "O", w_local)
+    _check_cu(cu, 2 * epn, a.shape[0], a.device, values)
+    _check_config(config, kind)
     return epn, O, I
 
 
@@ -168,12 +168,7 @@ def _check_wgrad(dy, x, cu, epn, config, values=True, kind="wgrad"):
             not isinstance(epn, int) or isinstance(epn, bool) or epn < 1):
         raise ValueError(f"epn must be an int >= 1, got {epn!r}")
     for name, t in (("dy_MO", dy), ("x_MI", x)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name} must be floating, got {t.dtype}")
+        _check_floating(name, t, 2)
     if dy.shape[0] != x.shape[0]:
         raise ValueError(f"dy_MO has {dy.shape[0]} rows, x_MI {x.shape[0]}")
     if dy.dtype != x.dtype:
@@ -203,7 +198,7 @@ def _check_grads(grad_local, grad_slot, epn, O, I, device, dtype=torch.float32,
 
 def reference_grouped_mm(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G):
     """Plain per-group loop (fp32 accumulation, fp64 for fp64 inputs); the tests' oracle."""
-    _check_fwd(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G, -1)
+    _check_mm("fwd", x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G, -1)
     return _ref_fwd(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G)
 
 
@@ -211,15 +206,15 @@ def reference_grouped_mm(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G):
 # Custom ops
 # --------------------------------------------------------------------------------------------
 
-def _rows_op(name: str, a: str, check, run, width: int):
-    """moonep::<name>, grouped_mm (``a`` is x) or grouped_mm_dgrad (dy): its body (its checks,
-    then ``run``; the op's kernel and the eager path's) and the op with its fake, whose output
-    has the ``width``-th of (epn, O, I) columns.  An explicit schema: `int` (not the inferred
-    SymInt) so config is static in traces."""
+def _rows_op(name: str, a: str, kind: str, width: int):
+    """moonep::<name>, grouped_mm (``a`` is x, ``kind`` "fwd") or grouped_mm_dgrad (dy,
+    "dgrad"): its body (its checks, then run_mm; the op's kernel and the eager path's) and the
+    op with its fake, whose output has the ``width``-th of (epn, O, I) columns.  An explicit
+    schema: `int` (not the inferred SymInt) so config is static in traces."""
     def body(a: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
              cu_seqlens: torch.Tensor, config: int = -1, zero_tail: bool = True) -> torch.Tensor:
-        check(a, w_local, w_slot, cu_seqlens, config)
-        return run(a, w_local, w_slot, cu_seqlens, config, zero_tail)
+        _check_mm(kind, a, w_local, w_slot, cu_seqlens, config)
+        return run_mm(kind, a, w_local, w_slot, cu_seqlens, config, zero_tail)
 
     op = torch.library.custom_op(
         f"moonep::{name}", body, mutates_args=(),
@@ -228,16 +223,15 @@ def _rows_op(name: str, a: str, check, run, width: int):
 
     @op.register_fake
     def _(a, w_local, w_slot, cu_seqlens, config=-1, zero_tail=True):
-        cols = check(a, w_local, w_slot, cu_seqlens, config, values=False)[width]
+        cols = _check_mm(kind, a, w_local, w_slot, cu_seqlens, config, values=False)[width]
         return a.new_empty(a.shape[0], cols)
 
     return body, op
 
 
 # (every op held by a module-level name: torch keeps custom ops by weak reference)
-grouped_mm_body, _grouped_mm_op = _rows_op("grouped_mm", "x", _check_fwd, run_fwd, 1)
-grouped_mm_dgrad_body, _grouped_mm_dgrad_op = _rows_op("grouped_mm_dgrad", "dy", _check_dgrad,
-                                                       run_dgrad, 2)
+grouped_mm_body, _grouped_mm_op = _rows_op("grouped_mm", "x", "fwd", 1)
+grouped_mm_dgrad_body, _grouped_mm_dgrad_op = _rows_op("grouped_mm_dgrad", "dy", "dgrad", 2)
 
 
 def _check_wgrad_grads(dy, x, cu, grad_local, grad_slot, config, values=True,
@@ -362,8 +356,8 @@ def _backward(ctx, dy):
     return dx, dwl, dws, None, None, None
 
 
-_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
-_GroupedMMFn = fastpath.function("GroupedMMFn", grouped_mm_body, _setup_context, _backward)
+_GroupedMMFn = fastpath.autograd(_grouped_mm_op, "GroupedMMFn", grouped_mm_body, _setup_context,
+                                 _backward)
 
 
 # --------------------------------------------------------------------------------------------

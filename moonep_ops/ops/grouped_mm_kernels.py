@@ -8,8 +8,9 @@ launch.
   CUTLASS          libmoonep_gemm.so: one prep kernel and the family's fused GEMM per call; the
                    per-shape constants (tuning table, candidate mask, workspace bytes) looked up
                    once per call shape (_call_constants).
-  run_fwd, run_dgrad, run_wgrad_into   an op's work after its checks: the ops call them, and so
-                   does moonep::moe_experts, which checks its arguments once for all its GEMMs.
+  run_mm (run_fwd, run_dgrad), run_wgrad_into   an op's work after its checks: the ops call
+                   them, and so does moonep::moe_experts, which checks its arguments once for
+                   all its GEMMs.
 """
 from __future__ import annotations
 
@@ -328,26 +329,20 @@ def _cutlass_wgrad_lp(dy, x, cu, epn, config):
 # dispatcher calls and repeated checks cost ~20-30 us each on the host).
 # --------------------------------------------------------------------------------------------
 
-def run_fwd(x, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
-    """moonep::grouped_mm without its checks (the caller made them)."""
-    O, I = w_local.shape[1], w_local.shape[2]
-    backend = backend_for(x, O, I)
+def run_mm(kind: str, a, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
+    """moonep::grouped_mm (``kind`` "fwd", a = x) or grouped_mm_dgrad ("dgrad", a = dy) without
+    its checks (the caller made them)."""
+    backend = backend_for(a, w_local.shape[1], w_local.shape[2])
     if backend == "cutlass":
-        return _cutlass_mm("fwd", x, w_local, w_slot, cu, config, zero_tail)
+        return _cutlass_mm(kind, a, w_local, w_slot, cu, config, zero_tail)
+    fwd = kind == "fwd"
     if backend == "torch":
-        return _torch_fwd(x, w_local, w_slot, cu, zero_tail)
-    return _ref_fwd(x, w_local, w_slot, cu)
+        return (_torch_fwd if fwd else _torch_dgrad)(a, w_local, w_slot, cu, zero_tail)
+    return (_ref_fwd if fwd else _ref_dgrad)(a, w_local, w_slot, cu)
 
 
-def run_dgrad(dy, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
-    """moonep::grouped_mm_dgrad without its checks (the caller made them)."""
-    O, I = w_local.shape[1], w_local.shape[2]
-    backend = backend_for(dy, O, I)
-    if backend == "cutlass":
-        return _cutlass_mm("dgrad", dy, w_local, w_slot, cu, config, zero_tail)
-    if backend == "torch":
-        return _torch_dgrad(dy, w_local, w_slot, cu, zero_tail)
-    return _ref_dgrad(dy, w_local, w_slot, cu)
+run_fwd = functools.partial(run_mm, "fwd")
+run_dgrad = functools.partial(run_mm, "dgrad")
 
 
 def run_wgrad_into(dy, x, cu, grad_local, grad_slot, config: int = -1) -> None:

@@ -137,6 +137,22 @@ def _prefetch(pool: ExpertPool, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor)
           [w1.detach(), w3.detach(), w2.detach()], [pool.w1, pool.w3, pool.w2])
 
 
+def check_expert_weights(w1, w3, w2, pool: ExpertPool, prefix: str = "") -> tuple[int, int, int]:
+    """3-D w1, w3 [B, F, D] and w2 [B, D, F] of the pool's D, F and dtype, B = the Buffer's
+    epn; returns (B, F, D).  ``prefix``: of the messages (the FP8 op's name)."""
+    B, F, D = w1.shape
+    if w3.shape != w1.shape or tuple(w2.shape) != (B, D, F):
+        raise ValueError(f"{prefix}expert weights must be w1, w3 [B, F, D] and w2 [B, D, F]; "
+                         f"got {tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)}")
+    if (D, F, w1.dtype) != (pool.D, pool.F, pool.dtype):
+        raise ValueError(f"{prefix}weights (D={D}, F={F}, {w1.dtype}) do not match the pool "
+                         f"(D={pool.D}, F={pool.F}, {pool.dtype})")
+    if B != pool.w1.shape[0]:
+        raise ValueError(f"{prefix}expert weights hold B={B} experts, the Buffer has epn="
+                         f"{pool.w1.shape[0]}")
+    return B, F, D
+
+
 def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
                        pool: ExpertPool, values: bool = True, precision: str = "bf16",
                        **more: Tensor) -> None:
@@ -150,19 +166,10 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
     for name in ("w1", "w3", "w2"):
         if named_t[name].dim() != 3:
             raise ValueError(f"moe_experts: {name} must be 3-D, got {tuple(named_t[name].shape)}")
-    B, F, D = w1.shape
-    if w3.shape != w1.shape or tuple(w2.shape) != (B, D, F):
-        raise ValueError(f"expert weights must be w1, w3 [B, F, D] and w2 [B, D, F]; got "
-                         f"{tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)}")
     if pool.precision != precision:
         raise ValueError(f"the pool holds {pool.precision} slots; this op needs a {precision} "
                          f"pool (Buffer.expert_pool(D, F, dtype, precision={precision!r}))")
-    if (D, F, w1.dtype) != (pool.D, pool.F, pool.dtype):
-        raise ValueError(f"weights (D={D}, F={F}, {w1.dtype}) do not match the pool "
-                         f"(D={pool.D}, F={pool.F}, {pool.dtype})")
-    if B != pool.w1.shape[0]:
-        raise ValueError(f"expert weights hold B={B} experts, the Buffer has epn="
-                         f"{pool.w1.shape[0]}")
+    B, F, D = check_expert_weights(w1, w3, w2, pool)
     dev = call_device(h, pool.w1.device)       # the pool's, or meta for a shape-only call
     for name, t in named_t.items():
         if not on_device(t, dev):
@@ -308,8 +315,7 @@ def _experts_backward(ctx, dy, _dg, _du):
     return dh, None, None, d1, d3, d2, None
 
 
-_moe_experts.register_autograd(_experts_backward, setup_context=_experts_setup)
-_ExpertsFn = fastpath.function("MoeExpertsFn", moe_experts_body, _experts_setup,
+_ExpertsFn = fastpath.autograd(_moe_experts, "MoeExpertsFn", moe_experts_body, _experts_setup,
                                _experts_backward)
 
 

@@ -58,10 +58,11 @@ tensor's dtype).  So ``moonep::dispatch_fp8`` is not differentiable, and this op
 source rank's ``x_sD`` and ``route_weights_sK`` (read by nothing but autograd) plus the plan's
 ``dst_N``, and returns their gradients from its backward's combine.
 
-Shapes (moonep_ops/geometry.py): h [M, D] e4m3, h_scale [M, ceil(D/128)] fp32, w_M [M] fp32,
-w1, w3 [B, F, D], w2 [B, D, F] bf16 (the layer's weights), x [s, D] bf16, route_weights [s, K]
-fp32, dst [s*K] int32; D and F multiples of 16 (grouped_mm_fp8).  The pool is the Buffer's
-precision "fp8" ExpertPool (``Buffer.expert_pool(D, F, torch.bfloat16, "fp8")``).
+Shapes (docs/architecture.md, "Shape legend"): h [M, D] e4m3, h_scale [M, ceil(D/128)] fp32,
+w_M [M] fp32, w1, w3 [B, F, D], w2 [B, D, F] bf16 (the layer's weights), x [s, D] bf16,
+route_weights [s, K] fp32, dst [s*K] int32; D and F multiples of 16 (grouped_mm_fp8).  The
+pool is the Buffer's precision "fp8" ExpertPool (``Buffer.expert_pool(D, F, torch.bfloat16,
+"fp8")``).
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ from . import quantize_fp8 as qf
 from . import quantize_fp8_tokens as _qt  # noqa: F401  (registers the token quantisers)
 from .fp8_weight_cache import FP8WeightCache
 from .checks import call_device, check_no_overlap, device_error, on_device
-from .moe_experts import ExpertPool, checked
+from .moe_experts import ExpertPool, check_expert_weights, checked
 from .swiglu import swiglu_backward
 
 DTYPE = torch.bfloat16        # the recipe's activations, outputs and weights
@@ -156,16 +157,7 @@ def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, valu
                             f"{t.dtype}")
         if not t.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous (got strides {t.stride()})")
-    B, F, D = w1.shape
-    if w3.shape != w1.shape or tuple(w2.shape) != (B, D, F):
-        raise ValueError(f"{op}: expert weights must be w1, w3 [B, F, D] and w2 [B, D, F]; got "
-                         f"{tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)}")
-    if (D, F, w1.dtype) != (pool.D, pool.F, pool.dtype):
-        raise ValueError(f"{op}: weights (D={D}, F={F}, {w1.dtype}) do not match the pool "
-                         f"(D={pool.D}, F={pool.F}, {pool.dtype})")
-    if B != pool.w1.shape[0]:
-        raise ValueError(f"{op}: expert weights hold B={B} experts, the Buffer has epn="
-                         f"{pool.w1.shape[0]}")
+    B, F, D = check_expert_weights(w1, w3, w2, pool, f"{op}: ")
     g8._check_align(op, F, D, names=("F", "D"))
     if not isinstance(fp8_wgrad, bool):
         raise qf.FP8ArgumentError(f"{op}: fp8_wgrad must be a bool, got {type(fp8_wgrad).__name__}")

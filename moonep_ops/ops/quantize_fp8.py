@@ -10,8 +10,8 @@ number an element stands for is ``q * scale`` of its tile or block:
   weights      w_..OI -> q_..OI e4m3, scale_..oi   one scale per 128 x 128 block:
                                                     o = ceil(O / 128), i = ceil(I / 128)
 
-(legend: docs/architecture.md, "Shape legend"; a last tile or block that is cut short by the dims is scaled
-like a full one.)  A tile's scale is ``max(amax / 448, 2^-126)``, amax = its largest |x| in fp32,
+(letters: docs/architecture.md, "Shape legend"; a last tile or block that is cut short by the
+dims is scaled like a full one.)  A tile's scale is ``max(amax / 448, 2^-126)``, amax = its largest |x| in fp32,
 so its largest element maps to +-448 and an all-zero tile gets the smallest normal fp32 scale
 (its elements stay exactly 0).  With ``pow2_scales`` the scale is rounded UP to a power of two
 (2^ceil(log2(amax / 448))): multiplying by it is exact, the largest element maps into
