@@ -1,24 +1,7 @@
-"""Shapes: the one legend of the package, and the static sizes of an EP group.
+"""Shapes: the static sizes of an EP group (the legend: docs/architecture.md#shape-legend).
 
-Every tensor name ends in its shape, one letter per dimension (torchtitan style), and each letter
-means one thing everywhere:
-
-  R    EP ranks                                 E    routed experts
-  B    epn = E / R: home experts per rank (= redundant slots per rank)
-  G    2*B expert groups of a rank's receive buffer (B home experts, then B slots)
-  S    capacity: max tokens per rank per call   s    tokens of this rank in this call (1 <= s <= S)
-  T    tokens of a whole batch in a dense (non-EP) reference: T = sum of every rank's s
-  K    top-k (only top-k)                       N    s*K entries (token copies) of one rank
-  D    model dim (hidden size)                  F    expert FFN dim
-  M    rows of a rank's expert-grouped receive buffer (nvs_s this call, NvS at capacity)
-  O, I a grouped-GEMM weight's output and input features: W_g is [O, I] (nn.Linear layout)
-  tp   token_padding
-  NvS  receive rows at capacity;  nvs_s  receive rows this call (depends on the total token
-       count over the group, not on this rank's s)
-  eps  the cap slack of policy "cost" (slack_ppm parts per million): a rank may receive up to
-       slack_cap(ceil(T/R)) = ceil(ceil(T/R) * (1 + eps)) token copies instead of exactly its cap
-Inside cutlass_kernels/ the tile extents keep CUTLASS's names (BM, BN, BK; m, n, k of a CUTLASS
-problem shape).
+Every tensor name ends in its shape, one letter per dimension (torchtitan style), each letter
+with one meaning everywhere: the one legend is docs/architecture.md#shape-legend.
 
 Why NvS = align_up(S*K + (tp-1)*G, tp): every rank receives exactly its cap (<= S*K) token copies,
 spread over at most G non-empty segments (B home + at most B redundant experts, the theorem of
