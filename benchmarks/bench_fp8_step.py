@@ -3,7 +3,7 @@ with several micro-batches per optimizer step, in CUDA graphs; every variant int
 process.
 
     python benchmarks/bench_fp8_step.py [--experts 32,8] [--micro 1,4] [--iters 10]
-                                        [--variants bf16,fp8,fp8_base] [--capture graph|eager]
+                                        [--variants bf16,fp8,fp8_cache,fp8_base] [--capture graph|eager]
 
 One rank (R = 1 Buffer), D 7168, F 2048, K 8, 4096 tokens a micro-batch, token_padding 128, so
 --experts is the experts a rank holds (32: DeepSeek-V3 at EP 8, 8: at EP 32).  A step is n
@@ -12,6 +12,7 @@ parameter and, for an FP8 layer with the weight cache, ``refresh_fp8_weights()``
 step refresh: both layouts re-quantised once per step, inside the captured step).  Variants:
   bf16      precision "bf16";
   fp8       precision "fp8" with the weight cache and the FP8 wgrad (the recipe of docs/fp8.md);
+  fp8_cache precision "fp8" with the weight cache only (bf16 wgrads);
   fp8_base  precision "fp8" without either (fp8_weight_cache=False, fp8_wgrad=False): the recipe
             of the 22.0 vs 19.2 ms table in docs/fp8.md, for attribution.
 --capture graph (default): each (variant, n) step captured once in a CUDA graph
@@ -42,6 +43,8 @@ class Variant:
             kw = dict(precision="bf16")
         elif name == "fp8":
             kw = dict(precision="fp8", fp8_weight_cache=True, fp8_wgrad=True)
+        elif name == "fp8_cache":
+            kw = dict(precision="fp8", fp8_weight_cache=True, fp8_wgrad=False)
         elif name == "fp8_base":
             kw = dict(precision="fp8", fp8_weight_cache=False, fp8_wgrad=False)
         else:
