@@ -4,7 +4,8 @@
 // reduction (CUTLASS's K) runs over each group's TOKENS.  The exports
 // (moonep_grouped_gemm_fp8_wgrad, moonep_gemm_fp8_wgrad_workspace_bytes,
 // moonep_gemm_fp8_wgrad_num_configs, moonep_gemm_fp8_wgrad_config_info) are documented in
-// moonep_gemm.h; the op is moonep_ops/ops/grouped_mm_fp8_wgrad.py.
+// moonep_gemm.h; the op is moonep_ops/ops/grouped_mm_fp8_wgrad.py.  What it shares with the
+// forward FP8 GEMM (types, config kernel, workspace, launch) is fp8_common.cuh.
 //
 // Operands: token-major ("transposed") e4m3 copies with one fp32 scale per 1 x 128 tile along
 // the tokens of one group (moonep::quantize_fp8_tokens and its fused forms, quantize_fp8.py):
@@ -41,110 +42,25 @@
 // its blocks >= 1 zero the dW of empty groups; then one launch of the fused CUTLASS kernel
 // (gemm_kernel.cuh's fused_grouped_gemm) runs the chosen config as a programmatic dependent.
 // Capturable: group sizes never reach the host.
-#include <cuda_runtime.h>
-
-#include <cstddef>
-#include <cstdint>
-#include <cstdio>
-
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/detail/blockwise_scale_layout.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/util/packed_stride.hpp"
-
-#include "gemm_kernel.cuh"  // fused_grouped_gemm, FusedParams, launch_fused, ConfigGeom
-#include "moonep_gemm.h"
+#include "fp8_common.cuh"
 
 namespace moonep {
-
-// prep.cu: the thread-local message of moonep_gemm_last_error()
-void gemm_clear_error();
-int gemm_fail(const char* msg);
-
 namespace fp8w {
 
-using namespace cute;
+using namespace fp8_common;
 
-constexpr int kTile = 128;  // token tile (the reduction's scale block) and K tile of every config
-constexpr int kMaxGroups = 1024;
-constexpr int kMaxSms = 1024;
-
-using ElementA = cutlass::float_e4m3_t;  // dyT [O, Mp], tokens contiguous: O x M_g, K-major
-using LayoutA = cutlass::layout::RowMajor;
-using ElementB = cutlass::float_e4m3_t;  // xT [I, Mp], tokens contiguous: CUTLASS's N x K
-using LayoutB = cutlass::layout::ColumnMajor;  // column-major B (K contiguous)
-using ElementD = cutlass::bfloat16_t;    // dW_g [O, I] row-major, written once (beta = 0)
-using LayoutD = cutlass::layout::RowMajor;
-using ElementC = void;
-using ElementAcc = float;
-using ElementScale = float;
-
-constexpr int kAlignA = 128 / cutlass::sizeof_bits<ElementA>::value;  // 16 e4m3 (TMA unit)
-constexpr int kAlignB = 128 / cutlass::sizeof_bits<ElementB>::value;
-constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;  // 8 bf16
-
-using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+// The token tile (the reduction's scale block) = every config's K tile.  Operands: A = dyT
+// [O, Mp], tokens contiguous (O x M_g, K-major); B = xT [I, Mp], tokens contiguous (CUTLASS's
+// column-major N x K); D = dW_g [O, I] row-major, written once (beta = 0).
+constexpr int kTile = kTileK;
 
 // Granularity (M, N, K) = (1, 1, 128), both MN-major (see the top of the file).
-using ScaleConfig =
-    cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, kTile, cute::GMMA::Major::MN,
-                                              cute::GMMA::Major::MN>;
-using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-using Fusion = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>;
+using Sc = Scales<1, cute::GMMA::Major::MN>;
 
-// One config: tile BM x BN x 128 (BK = the token tile: one promotion per K tile), cluster
-// CM x CN, cooperative or ping-pong, epilogue subtile width EN (0: CUTLASS's), raster order of
-// the persistent scheduler (0 along M, 1 along N).
+// One config of this GEMM (fp8_common.cuh's Config with these scales): tile BM x BN x 128,
+// cluster CM x CN, cooperative or ping-pong, epilogue subtile width EN, raster order RasterN.
 template <int BM, int BN, bool Pingpong, int CM, int CN, int EN = 0, int RasterN = 0>
-struct WgradConfig {
-  using TileShape = Shape<Int<BM>, Int<BN>, Int<kTile>>;
-  using ClusterShape = Shape<Int<CM>, Int<CN>, _1>;
-  using KernelSchedule = std::conditional_t<
-      Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>;
-  using EpilogueSchedule =
-      std::conditional_t<Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  using EpiTile = cute::conditional_t<EN == 0, cutlass::epilogue::collective::EpilogueTileAuto,
-                                      Shape<Int<Pingpong ? 64 : 128>, Int<(EN > 0 ? EN : 32)>>>;
-
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpiTile,
-      ElementAcc, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
-      EpilogueSchedule, Fusion>::CollectiveOp;
-
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
-      cute::tuple<LayoutA*, LayoutSFA*>, kAlignA, ElementB, cute::tuple<LayoutB*, LayoutSFB*>,
-      kAlignB, ElementAcc, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
-
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static constexpr int cm = CM, cn = CN, raster_n = RasterN;
-  __host__ __device__ static constexpr ConfigGeom geom() {
-    return {BM, BN, kTile, CM, CN, Pingpong ? 1 : 0, EN, 0};
-  }
-
-  // The mainloop must read MN-major scales of granularity (1, 1, 128): our scale tensors as they
-  // are (the mainloop rebuilds the layout from the group's shape and these compile-time facts).
-  static_assert(CollectiveMainloop::MMajorSFA && CollectiveMainloop::NMajorSFB,
-                "the mainloop must read MN-major scales (our [Nb, O] / [Nb, I] tensors)");
-  static_assert(CollectiveMainloop::ScaleGranularityM == 1 &&
-                    CollectiveMainloop::ScaleGranularityN == 1 &&
-                    CollectiveMainloop::ScaleGranularityK == kTile,
-                "scale granularity (1, 1, 128)");
-};
+using WgradConfig = Config<Sc, BM, BN, Pingpong, CM, CN, EN, RasterN>;
 
 // The config table, in config-index order (moonep_ops/gemm/fp8_wgrad_cost.py WGRAD_CONFIGS
 // mirrors it; tests compare through moonep_gemm_fp8_wgrad_config_info).  One family (cluster
@@ -155,113 +71,11 @@ struct WgradConfig {
 //             other's MMAs; for groups of few tokens (short K loops, epilogue-heavy tiles).
 using Configs = std::tuple<WgradConfig<128, 128, false, 1, 2, 64, 1>,   // c128x128
                            WgradConfig<64, 128, true, 1, 2, 0, 1>>;      // p64x128
-constexpr int kNumConfigs = int(std::tuple_size_v<Configs>);
-template <int I>
-using Cfg = std::tuple_element_t<I, Configs>;
-static_assert(kNumConfigs <= MOONEP_GEMM_FP8_MAX_CONFIGS, "config count");
-
-template <size_t... I>
-__host__ __device__ constexpr ConfigGeom geom_at(int c, std::index_sequence<I...>) {
-  ConfigGeom g{};
-  (void)((c == int(I) ? (g = Cfg<I>::geom(), true) : false) || ...);
-  return g;
-}
-__host__ __device__ constexpr ConfigGeom geom_of(int c) {
-  return geom_at(c, std::make_index_sequence<kNumConfigs>{});
-}
-
-using StrideA = typename Cfg<0>::Kernel::InternalStrideA;
-using StrideB = typename Cfg<0>::Kernel::InternalStrideB;
-using StrideD = typename Cfg<0>::Kernel::InternalStrideD;
-template <size_t... I>
-constexpr bool same_strides(std::index_sequence<I...>) {
-  return ((std::is_same_v<StrideA, typename Cfg<I>::Kernel::InternalStrideA> &&
-           std::is_same_v<StrideB, typename Cfg<I>::Kernel::InternalStrideB> &&
-           std::is_same_v<StrideD, typename Cfg<I>::Kernel::InternalStrideD>) && ...);
-}
-static_assert(same_strides(std::make_index_sequence<kNumConfigs>{}),
-              "configs must share the stride types");
-using UShape = typename ProblemShape::UnderlyingProblemShape;
-
-// ---- workspace ----------------------------------------------------------------------------
-
-constexpr size_t kAlign = 256;
-inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-
-struct Layout {  // byte offsets inside the call's workspace
-  size_t chosen, shapes, ptr_a, ptr_b, ptr_d, ptr_sfa, ptr_sfb, stride_a, stride_b, stride_d,
-      lay_sfa, lay_sfb, cutlass[kNumConfigs], total;
-};
-
-template <class C>
-typename C::Gemm::Arguments arguments(int G, int sm_count, char* base, const Layout& L) {
-  using Args = typename C::Gemm::Arguments;
-  const uintptr_t ws0 = reinterpret_cast<uintptr_t>(base);  // may be 0 (sizing): no deref
-  auto at = [&](size_t off) { return reinterpret_cast<char*>(ws0 + off); };
-  Args args;
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {G, reinterpret_cast<UShape*>(at(L.shapes)), nullptr};
-  args.mainloop.ptr_A = reinterpret_cast<ElementA const**>(at(L.ptr_a));
-  args.mainloop.dA = reinterpret_cast<StrideA*>(at(L.stride_a));
-  args.mainloop.ptr_B = reinterpret_cast<ElementB const**>(at(L.ptr_b));
-  args.mainloop.dB = reinterpret_cast<StrideB*>(at(L.stride_b));
-  args.mainloop.ptr_SFA = reinterpret_cast<ElementScale const**>(at(L.ptr_sfa));
-  args.mainloop.layout_SFA = reinterpret_cast<LayoutSFA*>(at(L.lay_sfa));
-  args.mainloop.ptr_SFB = reinterpret_cast<ElementScale const**>(at(L.ptr_sfb));
-  args.mainloop.layout_SFB = reinterpret_cast<LayoutSFB*>(at(L.lay_sfb));
-  typename C::CollectiveEpilogue::Arguments epi{};
-  epi.thread.alpha = 1.f;
-  epi.thread.beta = 0.f;
-  epi.ptr_C = nullptr;
-  epi.dC = nullptr;
-  epi.ptr_D = reinterpret_cast<ElementD**>(at(L.ptr_d));
-  epi.dD = reinterpret_cast<StrideD*>(at(L.stride_d));
-  args.epilogue = epi;
-  int device = 0;
-  cudaGetDevice(&device);
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count;
-  static int max_active_clusters = -1;  // occupancy query once per process and config
-  if (max_active_clusters < 0)
-    max_active_clusters =
-        cutlass::KernelHardwareInfo::query_device_max_active_clusters<typename C::Kernel>();
-  args.hw_info.max_active_clusters = max_active_clusters;
-  using Raster = typename cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90GroupParams<
-      UShape>::RasterOrderOptions;
-  args.scheduler.raster_order = C::raster_n ? Raster::AlongN : Raster::AlongM;
-  return args;
-}
-
-template <class Take, size_t... I>
-void take_cutlass(Layout& L, Take& take, int G, int sm_count, std::index_sequence<I...>) {
-  ((L.cutlass[I] = take(Cfg<I>::Gemm::get_workspace_size(
-        arguments<Cfg<I>>(G, sm_count, nullptr, L)))), ...);
-}
-
-Layout layout(int G, int sm_count) {
-  Layout L{};
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    const size_t at = off;
-    off = align_up(off + bytes);
-    return at;
-  };
-  L.chosen = take(sizeof(int));
-  L.shapes = take((size_t)G * sizeof(UShape));
-  L.ptr_a = take((size_t)G * sizeof(void*));
-  L.ptr_b = take((size_t)G * sizeof(void*));
-  L.ptr_d = take((size_t)G * sizeof(void*));
-  L.ptr_sfa = take((size_t)G * sizeof(void*));
-  L.ptr_sfb = take((size_t)G * sizeof(void*));
-  L.stride_a = take((size_t)G * sizeof(StrideA));
-  L.stride_b = take((size_t)G * sizeof(StrideB));
-  L.stride_d = take((size_t)G * sizeof(StrideD));
-  L.lay_sfa = take((size_t)G * sizeof(LayoutSFA));
-  L.lay_sfb = take((size_t)G * sizeof(LayoutSFB));
-  take_cutlass(L, take, G, sm_count, std::make_index_sequence<kNumConfigs>{});
-  L.total = off;
-  return L;
-}
+using T = Table<Configs>;
+constexpr int kNumConfigs = T::kNumConfigs;
+using StrideA = T::StrideA;
+using StrideB = T::StrideB;
+using StrideD = T::StrideD;
 
 // ---- the cost model (warp 0 of the prep kernel's block 0) ----------------------------------
 //
@@ -276,16 +90,7 @@ Layout layout(int G, int sm_count) {
 // balanced bound work / slots nearly exact when tiles outnumber the SMs, and the one-tile term
 // bounds it when they do not.  bytes: the e4m3 operands (M_g * (O + I)) and the bf16 dW
 // (2 * O * I) of every non-empty group.  The cheapest wins; within tie_tol of it the lower index.
-struct Tuning {
-  float fixed[MOONEP_GEMM_FP8_MAX_CONFIGS], per_round[MOONEP_GEMM_FP8_MAX_CONFIGS],
-      per_kblock[MOONEP_GEMM_FP8_MAX_CONFIGS];
-  float mem_bytes_per_us, tie_tol;
-};
 
-__device__ __forceinline__ int warp_sum_i(int v) {
-  for (int o = 16; o; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-  return v;
-}
 __device__ __forceinline__ long long warp_sum_ll(long long v) {
   for (int o = 16; o; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
   return v;
@@ -297,7 +102,7 @@ __device__ __forceinline__ int warp_max_i(int v) {
 
 // ---- prep kernel --------------------------------------------------------------------------
 
-struct PrepParams {
+struct PrepParams : T::Problems {  // the problem arrays to write, then the call's operands
   const int* cu;
   int G, epn, M;        // M: the offsets' clamp bound, 128 * (Nb - G) + 127 (the launcher)
   int O, I, Mp;         // dW_g is O x I; the token-major operands have Mp = 128 * Nb columns
@@ -310,25 +115,8 @@ struct PrepParams {
   const ElementB* B;    // xT
   const ElementScale* SB;
   ElementD *DL, *DS;    // dW of the home experts / of the slots, [epn, O, I] each
-  int* chosen;
-  UShape* shapes;
-  const ElementA** ptr_a;
-  const ElementB** ptr_b;
-  ElementD** ptr_d;
-  const ElementScale** ptr_sfa;
-  const ElementScale** ptr_sfb;
-  StrideA* stride_a;
-  StrideB* stride_b;
-  StrideD* stride_d;
-  LayoutSFA* lay_sfa;
-  LayoutSFB* lay_sfb;
 };
 
-__device__ __forceinline__ int clampi(int v, int lo, int hi) {
-  return v < lo ? lo : (v > hi ? hi : v);
-}
-
-constexpr int kPrepThreads = 256;
 constexpr int kMaxZeroBlocks = 128;
 
 // Every block first reads the groups' (start, rows) into shared memory (clamped: rows of group g
@@ -371,8 +159,8 @@ __global__ void __launch_bounds__(kPrepThreads)
         kb_max = max(kb_max, kb);
         rows_all += r;
       }
-      nonempty = warp_sum_i(nonempty);
-      kb_sum = warp_sum_i(kb_sum);
+      nonempty = warp_sum(nonempty);
+      kb_sum = warp_sum(kb_sum);
       kb_max = warp_max_i(kb_max);
       rows_all = warp_sum_ll(rows_all);
       if (threadIdx.x == 0) {
@@ -384,7 +172,7 @@ __global__ void __launch_bounds__(kPrepThreads)
         float best = 3.4e38f;
 #pragma unroll
         for (int c = 0; c < kNumConfigs; ++c) {
-          const ConfigGeom gc = geom_of(c);
+          const ConfigGeom gc = T::geom_of(c);
           const int nt = (p.I + gc.BN - 1) / gc.BN;
           const int tiles = ((p.O + gc.BM - 1) / gc.BM + gc.CM - 1) / gc.CM * gc.CM *
                             ((nt + gc.CN - 1) / gc.CN * gc.CN);
@@ -436,8 +224,8 @@ __global__ void __launch_bounds__(kPrepThreads)
       p.stride_d[pos] = cutlass::make_cute_packed_stride(StrideD{}, make_shape(p.O, p.I, 1));
       // Not read by this mainloop (it rebuilds the same layouts from the shapes); written so
       // that the arrays CUTLASS is handed hold what they claim to.
-      p.lay_sfa[pos] = ScaleConfig::tile_atom_to_shape_SFA(make_shape(p.O, p.I, rows, 1));
-      p.lay_sfb[pos] = ScaleConfig::tile_atom_to_shape_SFB(make_shape(p.O, p.I, rows, 1));
+      p.lay_sfa[pos] = Sc::Config::tile_atom_to_shape_SFA(make_shape(p.O, p.I, rows, 1));
+      p.lay_sfb[pos] = Sc::Config::tile_atom_to_shape_SFB(make_shape(p.O, p.I, rows, 1));
     }
     return;
   }
@@ -453,89 +241,9 @@ __global__ void __launch_bounds__(kPrepThreads)
   }
 }
 
-bool aligned16(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; }
-bool aligned4(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 3u) == 0; }
-
-// The family of every config as one fused kernel (as kernel_fp8_fwd.cu's Family).
-template <size_t... I>
-struct Family {
-  using FP = FusedParams<typename Cfg<I>::Kernel...>;
-  using C0 = Cfg<0>;
-  static_assert(((Cfg<I>::cm == C0::cm && Cfg<I>::cn == C0::cn) && ...),
-                "a family has one cluster shape");
-  static_assert(((Cfg<I>::Kernel::MaxThreadsPerBlock == C0::Kernel::MaxThreadsPerBlock) && ...),
-                "a family has one block size");
-  static constexpr int smem() {
-    int m = 0;
-    ((m = int(Cfg<I>::Kernel::SharedStorageSize) > m ? int(Cfg<I>::Kernel::SharedStorageSize)
-                                                      : m),
-     ...);
-    return m;
-  }
-
-  template <size_t J>
-  static cutlass::Status init_one(FP& fp, int G, int sm_count, char* ws, const Layout& L,
-                                  cudaStream_t s, dim3& grid) {
-    using C = Cfg<J>;
-    auto args = arguments<C>(G, sm_count, ws, L);
-    cutlass::Status st = C::Kernel::initialize_workspace(args, ws + L.cutlass[J], s);
-    if (st != cutlass::Status::kSuccess) return st;
-    cute::get<J>(fp.p) = C::Kernel::to_underlying_arguments(args, ws + L.cutlass[J]);
-    const dim3 g = C::Kernel::get_grid_shape(cute::get<J>(fp.p));
-    // the smallest persistent grid of the family: every CTA co-resident whichever branch runs
-    if (J == 0 || (size_t)g.x * g.y * g.z < (size_t)grid.x * grid.y * grid.z) grid = g;
-    return cutlass::Status::kSuccess;
-  }
-
-  static cutlass::Status init(FP& fp, int G, int sm_count, char* ws, const Layout& L,
-                              cudaStream_t s, dim3& grid, const int* chosen) {
-    cutlass::Status st = cutlass::Status::kSuccess;
-    (void)(((st = init_one<I>(fp, G, sm_count, ws, L, s, grid)) == cutlass::Status::kSuccess) &&
-           ...);
-    fp.chosen = chosen;
-    fp.first = 0;
-    return st;
-  }
-
-  static cudaError_t launch(const FP& fp, dim3 grid, cudaStream_t s, bool pdl,
-                            const char** step) {
-    return launch_fused(&fused_grouped_gemm<typename Cfg<I>::Kernel...>, fp, grid,
-                        C0::Kernel::get_block_shape(), smem(), C0::cm, C0::cn, s, pdl, step);
-  }
-};
-
-using Family0 = Family<0, 1>;
+// The family of every config as one fused kernel.
+using Family0 = T::Family<0, 0, 1>;
 static_assert(kNumConfigs == 2, "Family0 lists every config");
-
-int run(const PrepParams& p, int G, int sm_count, char* ws, const Layout& L, cudaStream_t s,
-        int zero_blocks, bool pdl) {
-  typename Family0::FP fp;
-  dim3 grid(1, 1, 1);
-  const cutlass::Status st = Family0::init(fp, G, sm_count, ws, L, s, grid, p.chosen);
-  if (st != cutlass::Status::kSuccess) {
-    char msg[256];
-    snprintf(msg, sizeof(msg), "moonep_grouped_gemm_fp8_wgrad: CUTLASS initialize failed: %s",
-             cutlassGetStatusString(st));
-    return gemm_fail(msg);
-  }
-  prep_fp8_wgrad<<<1 + zero_blocks, kPrepThreads, 0, s>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    char msg[256];
-    snprintf(msg, sizeof(msg), "moonep_grouped_gemm_fp8_wgrad: prep kernel launch failed: %s",
-             cudaGetErrorString(e));
-    return gemm_fail(msg);
-  }
-  const char* step = "";
-  e = Family0::launch(fp, grid, s, pdl, &step);
-  if (e != cudaSuccess) {
-    char msg[256];
-    snprintf(msg, sizeof(msg), "moonep_grouped_gemm_fp8_wgrad: %s failed: %s (grid %u x %u)",
-             step, cudaGetErrorString(e), grid.x, grid.y);
-    return gemm_fail(msg);
-  }
-  return 0;
-}
 
 }  // namespace fp8w
 }  // namespace moonep
@@ -547,16 +255,11 @@ extern "C" {
 int moonep_gemm_fp8_wgrad_num_configs(void) { return fp8w::kNumConfigs; }
 
 int moonep_gemm_fp8_wgrad_config_info(int config, int* out8) {
-  if (config < 0 || config >= fp8w::kNumConfigs || !out8) return -1;
-  const ConfigGeom g = fp8w::geom_of(config);
-  const int v[8] = {g.BM, g.BN, g.BK, g.CM, g.CN, g.pingpong, g.EN, g.swap};
-  for (int i = 0; i < 8; ++i) out8[i] = v[i];
-  return 0;
+  return fp8w::T::config_info(config, out8);
 }
 
 size_t moonep_gemm_fp8_wgrad_workspace_bytes(int G, int sm_count) {
-  if (G <= 0 || G > fp8w::kMaxGroups || sm_count <= 0 || sm_count > fp8w::kMaxSms) return 0;
-  return fp8w::layout(G, sm_count).total;
+  return fp8w::T::workspace_bytes(G, sm_count);
 }
 
 int moonep_grouped_gemm_fp8_wgrad(const void* a_t, const float* a_t_scale, const void* b_t,
@@ -584,7 +287,7 @@ int moonep_grouped_gemm_fp8_wgrad(const void* a_t, const float* a_t_scale, const
                      "MOONEP_GEMM_KEEP_EMPTY_SLOTS");
   if (sm_count <= 0 || sm_count > fp8w::kMaxSms)
     return gemm_fail("moonep_grouped_gemm_fp8_wgrad: sm_count must be in [1, 1024]");
-  const fp8w::Layout L = fp8w::layout(G, sm_count);
+  const fp8w::T::Layout L = fp8w::T::layout(G, sm_count);
   if (!workspace || workspace_bytes < L.total)
     return gemm_fail("moonep_grouped_gemm_fp8_wgrad: workspace missing or smaller than "
                      "moonep_gemm_fp8_wgrad_workspace_bytes(G, sm_count)");
@@ -616,34 +319,14 @@ int moonep_grouped_gemm_fp8_wgrad(const void* a_t, const float* a_t_scale, const
   p.config = config;
   p.sm_count = sm_count;
   p.zero_groups = (flags & MOONEP_GEMM_KEEP_EMPTY_SLOTS) ? epn : G;
-  if (tuning) {  // MOONEP_GEMM_FP8_TUNING_LEN floats, the FP8 GEMM's table layout
-    const int C = MOONEP_GEMM_FP8_MAX_CONFIGS;
-    for (int c = 0; c < C; ++c) {
-      p.tune.fixed[c] = tuning[c];
-      p.tune.per_round[c] = tuning[C + c];
-      p.tune.per_kblock[c] = tuning[2 * C + c];
-    }
-    p.tune.mem_bytes_per_us = tuning[3 * C] > 0.f ? tuning[3 * C] : 1.f;
-    p.tune.tie_tol = tuning[3 * C + 1];
-  }
+  if (tuning) p.tune = fp8w::read_tuning(tuning);  // the FP8 GEMM's table layout
   p.A = static_cast<const fp8w::ElementA*>(a_t);
   p.SA = a_t_scale;
   p.B = static_cast<const fp8w::ElementB*>(b_t);
   p.SB = b_t_scale;
   p.DL = static_cast<fp8w::ElementD*>(d_local);
   p.DS = static_cast<fp8w::ElementD*>(d_slot);
-  p.chosen = reinterpret_cast<int*>(ws + L.chosen);
-  p.shapes = reinterpret_cast<fp8w::UShape*>(ws + L.shapes);
-  p.ptr_a = reinterpret_cast<const fp8w::ElementA**>(ws + L.ptr_a);
-  p.ptr_b = reinterpret_cast<const fp8w::ElementB**>(ws + L.ptr_b);
-  p.ptr_d = reinterpret_cast<fp8w::ElementD**>(ws + L.ptr_d);
-  p.ptr_sfa = reinterpret_cast<const fp8w::ElementScale**>(ws + L.ptr_sfa);
-  p.ptr_sfb = reinterpret_cast<const fp8w::ElementScale**>(ws + L.ptr_sfb);
-  p.stride_a = reinterpret_cast<fp8w::StrideA*>(ws + L.stride_a);
-  p.stride_b = reinterpret_cast<fp8w::StrideB*>(ws + L.stride_b);
-  p.stride_d = reinterpret_cast<fp8w::StrideD*>(ws + L.stride_d);
-  p.lay_sfa = reinterpret_cast<fp8w::LayoutSFA*>(ws + L.lay_sfa);
-  p.lay_sfb = reinterpret_cast<fp8w::LayoutSFB*>(ws + L.lay_sfb);
+  static_cast<fp8w::T::Problems&>(p) = fp8w::T::problems(ws, L);
 
   // Zeroing blocks sized to one dW (the empty groups are known on the device only; at most
   // kMaxZeroBlocks, grid-strided over every empty group's dW); at least one, which finds
@@ -654,7 +337,10 @@ int moonep_grouped_gemm_fp8_wgrad(const void* a_t, const float* a_t_scale, const
   if (zb > sm_count - 1) zb = sm_count - 1;
   if (zb < 1) zb = 1;
   const bool pdl = (flags & MOONEP_GEMM_PDL) != 0;
-  return fp8w::run(p, G, sm_count, ws, L, s, (int)zb, pdl);
+  return fp8w::T::run<fp8w::Family0>("moonep_grouped_gemm_fp8_wgrad", p.chosen, G, sm_count, ws,
+                                     L, s, pdl, [&] {
+    fp8w::prep_fp8_wgrad<<<1 + (int)zb, fp8w::kPrepThreads, 0, s>>>(p);
+  });
 }
 
 }  // extern "C"
