@@ -415,6 +415,23 @@ def test_scale_rows_backward_is_the_torch_formulation(M, I, pow2):
         assert gp.dtype == torch.float32 and torch.equal(gp, d_rows)
 
 
+@pytest.mark.parametrize("M,I", FUSED_SHAPES)
+def test_scale_rows_autograd_is_the_torch_formulation(M, I):
+    """The bf16 layer's z = scale_rows(y, w): its grads (moonep::scale_rows_backward) are
+    bitwise those torch's autograd gives the formulation it replaced, on the CPU."""
+    dz, y, w = _layer_rows(M, I, seed=7 * M + I)
+    grads = []
+    for f in (lambda y, w: (y * w[:, None]).to(torch.bfloat16), torch.ops.moonep.scale_rows):
+        yr, wr = y.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        f(yr, wr).backward(dz)
+        grads.append((yr.grad, wr.grad))
+    (gy0, gw0), (gy1, gw1) = grads
+    assert gy1.dtype == torch.bfloat16 and torch.equal(gy1, gy0)
+    assert gw1.dtype == torch.float32 and torch.equal(gw1, gw0)
+    dy, d_rows = torch.ops.moonep.scale_rows_backward(dz, w, y)
+    assert torch.equal(dy, gy0) and torch.equal(d_rows, gw0)
+
+
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("M,I", FUSED_SHAPES)
 def test_dequantize_fp8_rows_is_the_torch_formulation(M, I, pow2):
@@ -427,7 +444,9 @@ def test_dequantize_fp8_rows_is_the_torch_formulation(M, I, pow2):
 
 def test_fused_layer_ops_opcheck():
     dz, y, w = _layer_rows(37, 200, seed=11)
-    opcheck(torch.ops.moonep.scale_rows.default, (y, w))
+    opcheck(torch.ops.moonep.scale_rows.default, (y, w.requires_grad_(True)))
+    w = w.detach()
+    opcheck(torch.ops.moonep.scale_rows_backward.default, (dz, w, y))
     for pow2 in (False, True):
         opcheck(torch.ops.moonep.scale_rows_backward_fp8.default, (dz, w, y, pow2))
         q, s = qf.quantize_rows(y, pow2)
@@ -438,6 +457,9 @@ def test_fused_layer_ops_opcheck():
         dz, y, w = torch.empty(32768, 7168, dtype=torch.bfloat16), None, torch.empty(32768)
         assert torch.ops.moonep.scale_rows(dz, w).shape == (32768, 7168)
         dy, q, s, p = torch.ops.moonep.scale_rows_backward_fp8(dz, w, dz, False)
+        dy2, p2 = torch.ops.moonep.scale_rows_backward(dz, w, dz)
+        assert (dy2.shape, dy2.dtype, p2.shape, p2.dtype) == (
+            (32768, 7168), torch.bfloat16, (32768,), torch.float32)
         assert (dy.dtype, q.dtype, s.shape, p.shape, p.dtype) == (
             torch.bfloat16, E4M3, (32768, 56), (32768,), torch.float32)
         h = torch.ops.moonep.dequantize_fp8_rows(q, s)
@@ -454,6 +476,8 @@ def test_fused_layer_ops_bad_input():
         torch.ops.moonep.scale_rows(y, w[:5])
     with pytest.raises(ValueError, match="must match"):
         torch.ops.moonep.scale_rows_backward_fp8(dz, w, y[:, :128], False)
+    with pytest.raises(ValueError, match="must match"):
+        torch.ops.moonep.scale_rows_backward(dz, w, y[:, :128])
     with pytest.raises(ValueError, match="2-D"):
         qf.scale_rows(y[None], w)
     with pytest.raises(qf.FP8ArgumentError, match="pow2_scales"):

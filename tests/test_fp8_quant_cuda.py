@@ -1,9 +1,9 @@
 """The FP8 quantisers on CUDA (moonep_ops/ops/quantize_fp8_triton.py) against the torch reference
 (moonep_ops/ops/quantize_fp8.py), bitwise: e4m3 bytes and fp32 scales, the plain and the
-transposed (transpose=True) block quantiser; the FP8 layer's fused elementwise kernels
-(scale_rows, scale_rows_backward, dequantize_rows_bf16) against their references; and the FP8
-layer's backward on CUDA (which runs on those transposed weights and kernels) against the CPU
-reference.
+transposed (transpose=True) block quantiser; the layers' fused elementwise kernels (scale_rows,
+scale_rows_backward with and without its quantisation, dequantize_rows_bf16) against their
+references; and the FP8 layer's backward on CUDA (which runs on those transposed weights and
+kernels) against the CPU reference.
 
 Skips without CUDA or without Triton.  Inputs are fresh random values whose magnitude varies
 per tile and block (2^-20 .. 2^12), with all-zero tiles, exact powers of two and dims that cut
@@ -288,6 +288,26 @@ def test_scale_rows_backward_bitwise(shape, pow2):
     again = torch.ops.moonep.scale_rows_backward_fp8(dz, w, y, pow2)   # the op routes to it,
     for a, b in zip(again, got):                                       # run to run bitwise
         _same(a, b)
+
+
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
+def test_scale_rows_backward_bf16(shape):
+    """The bf16 layer's backward of z = scale_rows(y, w) (no quantisation): dy bitwise the
+    FP8 kernel's and the torch formulation's, d_rows the FP8 kernel's bitwise (the same tile
+    sums); through autograd of moonep::scale_rows too."""
+    k = _kernels()
+    y = _data(shape, torch.bfloat16, seed=hash(shape) % 1000 + 17)
+    dz = _data(shape, torch.bfloat16, seed=hash(shape) % 1000 + 18)
+    w = _row_weights(shape[0], seed=shape[0] + 3)
+    dy, d_rows = torch.ops.moonep.scale_rows_backward(dz, w, y)
+    full = k.scale_rows_backward(dz, w, y, False)
+    _same(dy, full[0])
+    _same(d_rows, full[3])
+    _same(dy, (dz.float() * w[:, None]).to(torch.bfloat16))
+    yr, wr = y.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    torch.ops.moonep.scale_rows(yr, wr).backward(dz)
+    _same(yr.grad, dy)
+    _same(wr.grad, d_rows)
 
 
 @pytest.mark.parametrize("pow2", [False, True])

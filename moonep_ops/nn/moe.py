@@ -41,6 +41,7 @@ from ..ops import moe_experts as _moe_experts  # registers moonep::moe_experts; 
 from ..ops import moe_experts_fp8 as _moe_experts_fp8  # noqa: F401  (moonep::moe_experts_fp8)
 from ..ops.fp8_weight_cache import FP8WeightCache
 from ..ops.grouped_mm_fp8 import ALIGN as FP8_ALIGN
+from ..ops import quantize_fp8 as _qf  # moonep::scale_rows, the route weights of the bf16 layer
 from ..ops.moe_experts import PRECISIONS
 from ..planner import POLICIES
 from .router import Router
@@ -85,11 +86,15 @@ def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_
     else:
         h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
         y, _, _ = _moe_experts.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2, pool_name)
-        # The weights in fp32: bf16 / fp16 / fp32 y promotes in the multiplication, which then
-        # computes from y's exact fp32 value (bitwise y.float() * w, forward and backward)
-        # without an [M, D] fp32 copy of y; a wider y is rounded to fp32 first, as documented.
-        yw = y if y.dtype.itemsize <= 4 else y.float()
-        z = (yw * w_M[:, None]).to(x_sD.dtype)
+        # The weights in fp32: z = x_dtype(fp32(y) * w).  bf16: moonep::scale_rows, one pass
+        # forward and one backward (dy and the route weights' grad), never the [M, D] fp32
+        # products the torch formulation writes and reads back.  Other dtypes: y promotes in
+        # the multiplication (bitwise y.float() * w); a wider y is rounded to fp32 first.
+        if y.dtype == torch.bfloat16 and x_sD.dtype == torch.bfloat16:
+            z = _qf.scale_rows_differentiable(y, w_M)
+        else:
+            yw = y if y.dtype.itemsize <= 4 else y.float()
+            z = (yw * w_M[:, None]).to(x_sD.dtype)
     out, _ = buf.combine(plan, z)
     return out
 

@@ -66,6 +66,7 @@ from torch import Tensor
 
 from ..geometry import ceil_div
 from .. import settings
+from . import fastpath
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0                     # torch.finfo(torch.float8_e4m3fn).max
@@ -393,6 +394,16 @@ def scale_rows_backward(dz_MI: Tensor, w_M: Tensor, y_MI: Tensor, pow2_scales: b
     return dy, q, s, (dzf * y_MI.float()).sum(-1)
 
 
+def scale_rows_backward_bf16(dz_MI: Tensor, w_M: Tensor, y_MI: Tensor
+                             ) -> tuple[Tensor, Tensor]:
+    """Reference of moonep::scale_rows_backward, the autograd of moonep::scale_rows: (dy,
+    d_rows) of scale_rows_backward without the quantisation (the bf16 layer's; the CUDA
+    kernel's d_rows is the same sum in tile order, as there)."""
+    _check_rows_bf16("scale_rows_backward", w_M, dz=dz_MI, y=y_MI)
+    dzf = dz_MI.float()
+    return (dzf * w_M[:, None]).to(BF16), (dzf * y_MI.float()).sum(-1)
+
+
 def dequantize_rows_bf16(q_MI: Tensor, scale_MC: Tensor) -> Tensor:
     """Reference of moonep::dequantize_fp8_rows: bf16(dequantize_rows(q, scale))."""
     return dequantize_rows(q_MI, scale_MC).to(BF16)
@@ -411,6 +422,14 @@ def _scale_rows_backward_impl(dz_MI, w_M, y_MI, pow2_scales=False):
     if k is None:
         return scale_rows_backward(dz_MI, w_M, y_MI, pow2_scales)
     return k.scale_rows_backward(dz_MI, w_M, y_MI, pow2_scales)
+
+
+def _scale_rows_backward_bf16_impl(dz_MI, w_M, y_MI):
+    _check_rows_bf16("scale_rows_backward", w_M, dz=dz_MI, y=y_MI)
+    k = _kernels(dz_MI)
+    if k is None:
+        return scale_rows_backward_bf16(dz_MI, w_M, y_MI)
+    return k.scale_rows_backward(dz_MI, w_M, y_MI, False, quantize=False)
 
 
 def _dequantize_rows_bf16_impl(q_MI: Tensor, scale_MC: Tensor) -> Tensor:
@@ -492,6 +511,38 @@ def _(dz, row_weights, y, pow2_scales=False):
     return (dz.new_empty((M, I), dtype=BF16), *fake_rows_fp8(dz, M, I),
             dz.new_empty((M,), dtype=torch.float32))
 
+
+_scale_rows_backward_bf16_op = torch.library.custom_op(
+    "moonep::scale_rows_backward", _scale_rows_backward_bf16_impl, mutates_args=(),
+    schema="(Tensor dz, Tensor row_weights, Tensor y) -> (Tensor, Tensor)")
+
+
+@_scale_rows_backward_bf16_op.register_fake
+def _(dz, row_weights, y):
+    M, I = _check_rows_bf16("scale_rows_backward", row_weights, dz=dz, y=y)
+    return dz.new_empty((M, I), dtype=BF16), dz.new_empty((M,), dtype=torch.float32)
+
+
+def _scale_rows_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+
+
+def _scale_rows_grad(ctx, dz):
+    # z = bf16(fp32(y) * w): dy = bf16(fp32(dz) * w), dw = sum_I fp32(dz) * fp32(y), the
+    # grads torch's autograd gives the formulation (the bf16 layer's route weights)
+    y, w = ctx.saved_tensors
+    return fastpath.call(torch.ops.moonep.scale_rows_backward, _scale_rows_backward_bf16_impl,
+                         None, dz.contiguous(), w, y)
+
+
+_ScaleRowsFn = fastpath.autograd(_scale_rows_op, "ScaleRowsFn", _scale_rows_impl,
+                                 _scale_rows_setup, _scale_rows_grad)
+
+
+def scale_rows_differentiable(y_MI: Tensor, w_M: Tensor) -> Tensor:
+    """moonep::scale_rows with its autograd (the bf16 layer's route weights): the op's body
+    directly in eager mode (ops/fastpath.py), the op elsewhere."""
+    return fastpath.call(torch.ops.moonep.scale_rows, _scale_rows_impl, _ScaleRowsFn, y_MI, w_M)
 
 _dequantize_rows_bf16_op = torch.library.custom_op(
     "moonep::dequantize_fp8_rows", _dequantize_rows_bf16_impl, mutates_args=(),

@@ -181,18 +181,20 @@ def _scale_rows_kernel(x_ptr, w_ptr, z_ptr, M, I, BM: tl.constexpr):
 
 @triton.jit
 def _scale_rows_bwd_kernel(dz_ptr, w_ptr, y_ptr, dy_ptr, q_ptr, s_ptr, p_ptr, M, I, C,
-                           BM: tl.constexpr, POW2: tl.constexpr):
-    # dy = bf16(fp32(dz) * w), (q, s) = the 1 x 128 tiles of dy, p [M, C] = the sum over each
-    # tile of fp32(dz) * fp32(y) (d_rows = p.sum(-1): an fp32 [M, C] partial instead of the
-    # [M, I] products, 128x fewer bytes)
+                           BM: tl.constexpr, POW2: tl.constexpr, QUANT: tl.constexpr):
+    # dy = bf16(fp32(dz) * w), (q, s) = the 1 x 128 tiles of dy (QUANT: the FP8 layer's; the
+    # bf16 layer's backward writes none), p [M, C] = the sum over each tile of fp32(dz) *
+    # fp32(y) (d_rows = p.sum(-1): an fp32 [M, C] partial instead of the [M, I] products,
+    # 128x fewer bytes)
     pc, rows, rows_ok, offs, mask = _row_block(M, I, BM)
     dz = tl.load(dz_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + rows, mask=rows_ok, other=0.0)
     dy = (dz * w[:, None]).to(tl.bfloat16)
     tl.store(dy_ptr + offs, dy, mask=mask)
-    dyf = dy.to(tl.float32)
-    _store_rows(q_ptr, s_ptr, dyf, offs, mask, rows, rows_ok, pc, C, POW2)
+    if QUANT:
+        dyf = dy.to(tl.float32)
+        _store_rows(q_ptr, s_ptr, dyf, offs, mask, rows, rows_ok, pc, C, POW2)
     tl.store(p_ptr + rows.to(tl.int64) * C + pc, tl.sum(dz * y, axis=1), mask=rows_ok)
 
 
@@ -215,19 +217,21 @@ def scale_rows(x_MI: Tensor, w_M: Tensor) -> Tensor:
     return z
 
 
-def scale_rows_backward(dz_MI: Tensor, w_M: Tensor, y_MI: Tensor, pow2: bool
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def scale_rows_backward(dz_MI: Tensor, w_M: Tensor, y_MI: Tensor, pow2: bool,
+                        quantize: bool = True) -> tuple:
+    """(dy, q, s, d_rows), or (dy, d_rows) without ``quantize`` (the bf16 layer's)."""
     dz, w, y = dz_MI.contiguous(), w_M.contiguous(), y_MI.contiguous()
     M, I = dz.shape
     C = triton.cdiv(I, TILE)
     dy = torch.empty(M, I, dtype=torch.bfloat16, device=dz.device)
-    q = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=dz.device)
-    s = torch.empty(M, C, dtype=torch.float32, device=dz.device)
+    q = torch.empty(M if quantize else 0, I, dtype=torch.float8_e4m3fn, device=dz.device)
+    s = torch.empty(M if quantize else 0, C, dtype=torch.float32, device=dz.device)
     p = torch.empty(M, C, dtype=torch.float32, device=dz.device)
     if M and I:
         _scale_rows_bwd_kernel[(triton.cdiv(M, _BM), C)](dz, w, y, dy, q.view(torch.uint8), s, p,
-                                                         M, I, C, BM=_BM, POW2=pow2, num_warps=4)
-    return dy, q, s, p.sum(-1)
+                                                         M, I, C, BM=_BM, POW2=pow2,
+                                                         QUANT=quantize, num_warps=4)
+    return (dy, q, s, p.sum(-1)) if quantize else (dy, p.sum(-1))
 
 
 def dequantize_rows_bf16(q_MI: Tensor, scale_MC: Tensor) -> Tensor:
