@@ -1,5 +1,5 @@
 """What the launchers need of the running process: SM counts, the raw current stream, the
-current device, and whether value checks run (``MOONEP_VALIDATE``, moonep_ops/settings.py).
+current device (``on_device_of``, ``call_on``), and whether value checks run (``MOONEP_VALIDATE``, moonep_ops/settings.py).
 Shape, dtype and device checks always run: they read no data.
 """
 from __future__ import annotations
@@ -72,3 +72,13 @@ class on_device_of:
         if self.prev >= 0:
             torch.cuda.set_device(self.prev)
         return False
+
+
+def call_on(device: torch.device, fn, *args):
+    """``fn(*args)`` with ``device`` the current CUDA device, as inside ``on_device_of(device)``,
+    but without the context manager's object and calls when it already is current."""
+    idx = device.index
+    if idx is None or idx == torch.cuda.current_device():
+        return fn(*args)
+    with on_device_of(device):
+        return fn(*args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,23 +81,24 @@ def _parse(text: str) -> dict[str, Switch]:
 
 SWITCHES = _parse(_DECLARED)
 
-_KEYS: dict[str, bytes] = {}
+# name -> (its key in os.environ's bytes mapping, its default)
+_KEYS = {n: (os.fsencode(n), s.default) for n, s in SWITCHES.items()}
+_POSIX = os.name == "posix"
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 
 def get(name: str) -> str:
     """The switch's value, its default when unset.  ``os.environ.get`` raises and catches a
     KeyError for every unset name (~1 us, and a GEMM call reads four switches): on POSIX this
     reads the bytes mapping os.environ keeps in step with every set and delete (monkeypatch and
-    ``os.environ[...] = v`` included); elsewhere os.environ itself."""
-    default = SWITCHES[name].default                    # KeyError: declare the switch above
+    ``os.environ[...] = v`` included), decoded as os.fsdecode does; elsewhere os.environ
+    itself."""
+    key, default = _KEYS[name]                          # KeyError: declare the switch above
     data = getattr(os.environ, "_data", None)
-    if os.name != "posix" or not isinstance(data, dict):
+    if not _POSIX or type(data) is not dict:
         return os.environ.get(name, default)
-    key = _KEYS.get(name)
-    if key is None:
-        key = _KEYS[name] = os.fsencode(name)
     v = data.get(key)
-    return default if v is None else os.fsdecode(v)
+    return default if v is None else v.decode(_FS_ENCODING, _FS_ERRORS)
 
 
 def flag(name: str) -> bool:

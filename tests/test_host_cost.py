@@ -204,8 +204,12 @@ def test_fastpath_only_where_the_op_would_do_the_same():
     assert fastpath.eager(x)
     y = x.clone().requires_grad_()
     assert fastpath.needs_grad(x, y) and not fastpath.needs_grad(x, 3)
+    assert fastpath.route((x, [y], 3)) == fastpath.BODY      # (a list's tensors: not recorded)
+    assert fastpath.route((x, y)) == fastpath.AUTOGRAD
+    assert fastpath.route((y, x.to("meta"))) == fastpath.OP
     with torch.no_grad():
         assert not fastpath.needs_grad(y)
+        assert fastpath.route((x, y)) == fastpath.BODY
 
 
 _LAYER_OPS = ("dispatch", "dispatch_with_plan", "combine", "moe_experts", "moe_experts_backward")
@@ -272,6 +276,41 @@ def test_gemm_api_entry_keeps_errors_and_versions():
     with _NoopFunctionMode():                                   # through the op
         gm.grouped_mm_wgrad_into(dy, x, cu, ol, os_)
     assert torch.equal(gl, ol) and torch.equal(gs, os_)
+
+
+def test_cached_checks_reject_a_call_one_property_away():
+    """The ops' bodies skip their static checks for a call signature that passed once; a call
+    that differs from a cached good one in one property is checked in full and rejected, and
+    the value checks (cu_seqlens's values, memory overlap) run on every call."""
+    torch.manual_seed(0)
+    x, dy = torch.randn(12, 8), torch.randn(12, 6)
+    wl, ws = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    cu = torch.tensor([3, 6, 9, 12], dtype=torch.int32)
+    body = gm.grouped_mm_body
+    for config in (-1, 1):
+        body(x, wl, ws, cu, config, True)
+        assert gm._signature(("fwd", config, int), (x, wl, ws, cu)) in gm._CHECKED
+    with pytest.raises(TypeError, match="dtype"):
+        body(x.double(), wl, ws, cu)
+    with pytest.raises(ValueError, match="cu_seqlens_G is on meta"):
+        body(x, wl, ws, cu.to("meta"))
+    with pytest.raises(ValueError, match="columns"):
+        body(x[:, :6], wl, ws, cu)
+    with pytest.raises(TypeError, match="config must be an int"):
+        body(x, wl, ws, cu, True, True)                 # True == 1 and hashes alike
+    with pytest.raises(TypeError, match="must be a Tensor"):
+        body(x.numpy(), wl, ws, cu)
+    with pytest.raises(ValueError, match="non-decreasing"):   # CPU: values checked
+        body(x, wl, ws, torch.tensor([3, 2, 9, 12], dtype=torch.int32))
+    gl, gs = torch.zeros_like(wl), torch.zeros_like(ws)
+    gm.grouped_mm_wgrad_into(dy, x, cu, gl, gs)
+    strided = torch.zeros(2, 8, 6).transpose(1, 2)          # gl's shape, dtype and device
+    with pytest.raises(ValueError, match="grad_local must be contiguous"):
+        gm.grouped_mm_wgrad_into(dy, x, cu, strided, gs)
+    with pytest.raises(ValueError, match="overlap"):
+        gm.grouped_mm_wgrad_into(dy, x, cu, gl, gl)
+    with pytest.raises(TypeError, match="input dtype"):
+        gm.grouped_mm_wgrad_into(dy, x, cu, gl.double(), gs)
 
 
 def test_gemm_launch_through_the_c_prototype(monkeypatch):

@@ -28,43 +28,59 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _is_functional = torch._is_functional_tensor
 _is_wrapped = _functorch.is_functorch_wrapped_tensor
+_grad_enabled = torch.is_grad_enabled
 
 
 def _plain(t: Tensor) -> bool:
-    return (type(t) in _PLAIN and t.device.type != "meta" and not _is_functional(t)
+    # (is_meta: the type test first, so no subclass's own device property is bypassed)
+    return (type(t) in _PLAIN and not t.is_meta and not _is_functional(t)
             and not _is_wrapped(t))
+
+
+OP, BODY, AUTOGRAD = 0, 1, 2
+
+
+def route(args) -> int:
+    """How a call with these arguments runs: OP (the dispatcher), BODY (the op's body:
+    ``eager`` and not ``needs_grad``) or AUTOGRAD (eager, and autograd records it), in one
+    pass over the arguments."""
+    if _is_compiling() or _dispatch_modes() or _function_modes() or _profiler_enabled():
+        return OP
+    grad = _grad_enabled()
+    record = False
+    for a in args:
+        if isinstance(a, Tensor):
+            if not _plain(a):
+                return OP
+            if grad and a.requires_grad:
+                record = True
+        elif isinstance(a, (list, tuple)):
+            for t in a:
+                if isinstance(t, Tensor) and not _plain(t):
+                    return OP
+    return AUTOGRAD if record else BODY
 
 
 def eager(*args) -> bool:
     """Calling an op's body directly is the same as calling the op, for these arguments
     (tensors, lists of tensors, or anything else)."""
-    if _is_compiling() or _dispatch_modes() or _function_modes() or _profiler_enabled():
-        return False
-    for a in args:
-        if isinstance(a, Tensor):
-            if not _plain(a):
-                return False
-        elif isinstance(a, (list, tuple)):
-            if not all(_plain(t) for t in a if isinstance(t, Tensor)):
-                return False
-    return True
+    return route(args) != OP
 
 
 def needs_grad(*args) -> bool:
     """Autograd records the call: grad mode on and some tensor argument requires grad."""
-    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad
-                                           for a in args)
+    return _grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
 
 
 def call(op, body, fn, *args):
     """``op(*args)``: in eager mode ``body(*args)``, or ``fn.apply(*args)`` when autograd
     records the call.  ``fn`` None: an op without autograd, called as the op when autograd
     would record it (so that backward through it raises as it did)."""
-    if eager(*args):
-        if not needs_grad(*args):
-            return body(*args)
-        if fn is not None:
-            return fn.apply(*args)
+    how = route(args)
+    if how == BODY:
+        return body(*args)
+    if how == AUTOGRAD and fn is not None:
+        return fn.apply(*args)
     return op(*args)
 
 
@@ -84,4 +100,4 @@ def autograd(op, name: str, body, setup_context, backward) -> type:
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-__all__ = ["eager", "needs_grad", "call", "autograd"]
+__all__ = ["eager", "needs_grad", "route", "OP", "BODY", "AUTOGRAD", "call", "autograd"]

@@ -52,6 +52,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 from ..gemm import cost_model as gemm_cost_model
 from ..runtime import should_validate
@@ -131,8 +132,13 @@ def _check_cu(cu: torch.Tensor, G: int, M: int, device: torch.device, values: bo
                          f"got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"cu_seqlens_G is on {cu.device}, the data on {device}")
+    if values:
+        _check_cu_values(cu, M)
+
+
+def _check_cu_values(cu: torch.Tensor, M: int) -> None:
     # Value checks read the data: real kernels only (never in fakes), CPU by default.
-    if values and should_validate(cu) and G > 0:
+    if should_validate(cu) and cu.shape[0] > 0:
         c = cu.tolist()
         if c[0] < 0 or any(b < a for a, b in zip(c, c[1:])) or c[-1] > M:
             raise ValueError(f"cu_seqlens_G must be non-decreasing inclusive end offsets in "
@@ -196,6 +202,34 @@ def _check_grads(grad_local, grad_slot, epn, O, I, device, dtype=torch.float32,
             raise ValueError(f"{name} must be contiguous")
 
 
+# The static checks of the ops' bodies, once per call signature.  They read only what
+# ``_signature`` holds (each argument's type, shape, dtype and device; config and its type,
+# since True == 1 as a key) and, for the written grads, their contiguity: a call whose
+# signature passed once passes again, so a hit skips them.  The value checks (cu_seqlens's
+# values where validation runs, memory overlap of written tensors) run on every call.
+_CHECKED: set = set()
+_CHECKED_MAX = 4096
+
+
+def _signature(head: tuple, tensors) -> tuple | None:
+    """``head`` and (type, shape, dtype, device) of each tensor; None when one is no tensor
+    (the full checks then say which)."""
+    key = list(head)
+    try:
+        for t in tensors:
+            key += (type(t), t.shape, t.dtype, t.device)
+    except AttributeError:
+        return None
+    return tuple(key)
+
+
+def _passed(key) -> None:
+    if key is not None:
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED.add(key)
+
+
 def reference_grouped_mm(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G):
     """Plain per-group loop (fp32 accumulation, fp64 for fp64 inputs); the tests' oracle."""
     _check_mm("fwd", x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G, -1)
@@ -213,7 +247,11 @@ def _rows_op(name: str, a: str, kind: str, width: int):
     schema: `int` (not the inferred SymInt) so config is static in traces."""
     def body(a: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
              cu_seqlens: torch.Tensor, config: int = -1, zero_tail: bool = True) -> torch.Tensor:
-        _check_mm(kind, a, w_local, w_slot, cu_seqlens, config)
+        key = _signature((kind, config, type(config)), (a, w_local, w_slot, cu_seqlens))
+        if key not in _CHECKED:
+            _check_mm(kind, a, w_local, w_slot, cu_seqlens, config, values=False)
+            _passed(key)
+        _check_cu_values(cu_seqlens, a.shape[0])
         return run_mm(kind, a, w_local, w_slot, cu_seqlens, config, zero_tail)
 
     op = torch.library.custom_op(
@@ -258,8 +296,15 @@ def _grads_op(name: str, run, input_dtype: bool):
     tensors have no storage: no overlap check)."""
     def body(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
              grad_local: torch.Tensor, grad_slot: torch.Tensor, config: int = -1) -> None:
-        _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config,
-                           input_dtype=input_dtype)
+        key = _signature((name, config, type(config)), (dy, x, cu_seqlens, grad_local,
+                                                         grad_slot))
+        if key is not None:
+            key += (grad_local.is_contiguous(), grad_slot.is_contiguous())
+        if key not in _CHECKED:
+            _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, values=False,
+                               input_dtype=input_dtype)
+            _passed(key)
+        _check_cu_values(cu_seqlens, x.shape[0])
         check_no_overlap(name, [("grad_local", grad_local), ("grad_slot", grad_slot)],
                          [("dy", dy), ("x", x), ("cu_seqlens", cu_seqlens)])
         run(dy, x, cu_seqlens, grad_local, grad_slot, config)
@@ -365,7 +410,8 @@ _GroupedMMFn = fastpath.autograd(_grouped_mm_op, "GroupedMMFn", grouped_mm_body,
 # --------------------------------------------------------------------------------------------
 
 def _require_tensors(**named) -> None:
-    # torch.ops would reject a non-tensor with a RuntimeError; say TypeError and which argument.
+    # torch.ops would reject a non-tensor with a RuntimeError; say TypeError and which argument
+    # (the entries below call it once an isinstance test per argument has failed).
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -396,8 +442,10 @@ def grouped_mm(x_MI: torch.Tensor, w_local_BOI: torch.Tensor, w_slot_BOI: torch.
     undefined, as torch._grouped_mm leaves them (saves writing them: (M - cu_seqlens_G[-1]) * O
     * 2 bytes, in series with the GEMM).
     """
-    _require_tensors(x_MI=x_MI, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
-                     cu_seqlens_G=cu_seqlens_G)
+    if not (isinstance(x_MI, Tensor) and isinstance(w_local_BOI, Tensor)
+            and isinstance(w_slot_BOI, Tensor) and isinstance(cu_seqlens_G, Tensor)):
+        _require_tensors(x_MI=x_MI, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
+                         cu_seqlens_G=cu_seqlens_G)
     args = (x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G, _config_arg(config, "fwd"),
             _check_zero_tail(zero_tail))
     if type(args[4]) is int:             # else the op's schema reports a bad config's type
@@ -409,8 +457,10 @@ def grouped_mm_dgrad(dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G, *, config=Non
                      zero_tail: bool = True):
     """dx_MI[rows of g] = dy_MO[rows of g] @ W_g; rows at or past cu_seqlens_G[-1] zero
     (``zero_tail=False``: undefined, as in `grouped_mm`)."""
-    _require_tensors(dy_MO=dy_MO, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
-                     cu_seqlens_G=cu_seqlens_G)
+    if not (isinstance(dy_MO, Tensor) and isinstance(w_local_BOI, Tensor)
+            and isinstance(w_slot_BOI, Tensor) and isinstance(cu_seqlens_G, Tensor)):
+        _require_tensors(dy_MO=dy_MO, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
+                         cu_seqlens_G=cu_seqlens_G)
     args = (dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G, _config_arg(config, "dgrad"),
             _check_zero_tail(zero_tail))
     if type(args[4]) is int:
@@ -434,12 +484,15 @@ def grouped_mm_wgrad_into(dy_MO, x_MI, cu_seqlens_G, grad_local_BOI, grad_slot_B
     grad_local_BOI[g] = dW_g for every g < epn (zero when group g is empty);
     grad_slot_BOI[b] = dW_{epn+b} when that group has rows, else left untouched (the MoE pool's
     slots are zero outside a backward, so the unused ones are not rewritten every step)."""
-    _require_tensors(dy_MO=dy_MO, x_MI=x_MI, cu_seqlens_G=cu_seqlens_G,
-                     grad_local_BOI=grad_local_BOI, grad_slot_BOI=grad_slot_BOI)
+    if not (isinstance(dy_MO, Tensor) and isinstance(x_MI, Tensor)
+            and isinstance(cu_seqlens_G, Tensor) and isinstance(grad_local_BOI, Tensor)
+            and isinstance(grad_slot_BOI, Tensor)):
+        _require_tensors(dy_MO=dy_MO, x_MI=x_MI, cu_seqlens_G=cu_seqlens_G,
+                         grad_local_BOI=grad_local_BOI, grad_slot_BOI=grad_slot_BOI)
     args = (dy_MO, x_MI, cu_seqlens_G, grad_local_BOI, grad_slot_BOI,
             _config_arg(config, "wgrad_lp"))
-    if type(args[5]) is int and _increment_version is not None and fastpath.eager(*args) \
-            and not fastpath.needs_grad(*args):
+    if type(args[5]) is int and _increment_version is not None \
+            and fastpath.route(args) == fastpath.BODY:
         grouped_mm_wgrad_into_body(*args)
         # what the op's in-place registration does: autograd sees the grads as modified
         _increment_version((grad_local_BOI, grad_slot_BOI))

@@ -23,7 +23,7 @@ import torch
 from .. import native
 from ..gemm import cost_model as gemm_cost_model
 from .. import settings
-from ..runtime import current_raw_stream, on_device_of, sm_count
+from ..runtime import call_on, current_raw_stream, sm_count
 
 _KIND_ID = {"fwd": 0, "dgrad": 1, "wgrad": 2, "wgrad_lp": 3}
 
@@ -34,12 +34,23 @@ _KIND_ID = {"fwd": 0, "dgrad": 1, "wgrad": 2, "wgrad_lp": 3}
 
 def _aligned(*dims: int) -> bool:
     # 16-byte rows for TMA / torch._grouped_mm: bf16 dims must be multiples of 8.
-    return all(d % 8 == 0 and d > 0 for d in dims)
+    for d in dims:
+        if d % 8 or d <= 0:
+            return False
+    return True
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    # is_cuda costs a tenth of device.type; a subclass may report a device of its own
+    return t.is_cuda if type(t) in _PLAIN else t.device.type == "cuda"
 
 
 def backend_for(t: torch.Tensor, *dims: int) -> str:
     """'cutlass', 'torch' or 'reference' for data like ``t`` with these feature dims."""
-    if t.device.type != "cuda" or t.dtype != torch.bfloat16 or not _aligned(*dims):
+    if not _on_cuda(t) or t.dtype != torch.bfloat16 or not _aligned(*dims):
         return "reference"
     forced = settings.get("MOONEP_GEMM_BACKEND").lower()
     if forced in ("torch", "reference"):
@@ -268,13 +279,12 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,
     kid, table, mask, nbytes = _call_constants(kind, M, G, O, I, sm)
     if workspace is None or workspace.numel() < nbytes:
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    with on_device_of(dev):
-        rc = lib.grouped_gemm(
-            kid, config, raster,
-            a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
-            d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
-            cu.data_ptr(), G, epn, M, O, I, table, mask, flags | _pdl_flag(),
-            workspace.data_ptr(), nbytes, sm, current_raw_stream(dev))
+    rc = call_on(dev, lib.grouped_gemm,
+                 kid, config, raster,
+                 a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
+                 d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
+                 cu.data_ptr(), G, epn, M, O, I, table, mask, flags | _pdl_flag(),
+                 workspace.data_ptr(), nbytes, sm, current_raw_stream(dev))
     if rc:
         native.gemm_check(rc, f"moonep grouped GEMM ({kind})")
     return workspace
