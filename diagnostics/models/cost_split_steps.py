@@ -1,4 +1,4 @@
-"""Python model of policy cost's single-donor split with one-expert steps (csrc/plan_kernels.cu
+"""Python model of policy cost's single-donor split with one-expert steps (csrc/plan_cost.cuh
 cost_split_steps, called by cost_split_pair), checked against the round-by-round greedy of
 planner.split_quotas_batched ("max") for one (candidate, donor) pair, with the kernel's tie
 rules (largest quota, ties -> lowest rank; most tokens left, ties -> lowest local expert) and

@@ -1,4 +1,4 @@
-"""Python model of policy cost's equal-quota steps (csrc/plan_kernels.cu cost_equal_steps, called
+"""Python model of policy cost's equal-quota steps (csrc/plan_cost.cuh cost_equal_steps, called
 by cost_split_pair after its one-expert steps), checked against the round-by-round greedy of
 planner.split_quotas_batched ("max") for one (candidate, donor) pair, with the kernel's tie
 rules (largest quota, ties -> lowest rank; most tokens left, ties -> lowest local expert) and

@@ -1,4 +1,4 @@
-"""Python model of the device planner's level quotas with steps (csrc/plan_kernels.cu
+"""Python model of the device planner's level quotas with steps (csrc/plan_cost.cuh
 level_quotas_warp: while a single donor is left, 32 rounds that find no fit at once over the
 free receivers sorted by spare; with several donors, a round that finds no fit takes the first
 free receiver of that order, without the fit reductions), checked against the round-by-round greedy of

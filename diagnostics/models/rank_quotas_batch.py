@@ -1,4 +1,4 @@
-"""Python model of the device planner's batched rank quotas (csrc/plan_kernels.cu:
+"""Python model of the device planner's batched rank quotas (csrc/plan_quotas.cuh:
 rank_quotas_order and the step in plan_group_kernel), checked against the
 round-by-round greedy of moonep_ops.ops.plan rank_quotas with the kernel's packed-key tie rules
 (donor: largest balance, ties -> lowest rank; receiver: smallest balance, ties -> lowest rank).

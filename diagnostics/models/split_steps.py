@@ -1,5 +1,5 @@
 """Python model of the device planner's split steps for one expert serving many quotas
-(csrc/plan_kernels.cu split_one_expert_steps), checked against the per-donor split greedy with
+(csrc/plan_split.cuh split_one_expert_steps), checked against the per-donor split greedy with
 the kernel's packed-key tie rules (largest quota, ties -> lowest rank; most tokens left, ties ->
 lowest local expert).
 

@@ -27,11 +27,11 @@ from ..runtime import current_raw_stream, on_device_of
 from .checks import check_int_tensor
 from .op import plan_op  # noqa: F401  (registers moonep::plan, plan_from_rows's fallback)
 
-DEVICE_POLICIES = ("moonep", "cost")     # the policies csrc/plan_kernels.cu implements
+DEVICE_POLICIES = ("moonep", "cost")     # the policies the device planner (csrc/plan_*) implements
 
 # Policy "cost" with a slack on the device: one warp per candidate keeps every per-rank value in
 # two registers a lane (R <= 64), and each warp one row of B token counts in shared memory
-# (csrc/plan_kernels.cu kCostMaxR, kCostMaxB).  Beyond them plan_on_device raises, and
+# (csrc/plan_internal.cuh kCostMaxR, kCostMaxB).  Beyond them plan_on_device raises, and
 # plan_from_rows plans with the torch reference (cost_device_limit says why).
 COST_DEVICE_MAX_R = 64
 COST_DEVICE_MAX_B = 256
