@@ -9,6 +9,15 @@
 //         a  = bf16(silu(g) * u)   (recomputed for w2's weight grad instead of saved)
 // Same operation order as the torch reference (moonep_ops/ops/swiglu.py); results agree to fp32
 // rounding of exp (within one bf16 ulp), not bitwise.
+//
+// The gated variant (moonep_ep_glu_fwd / _bwd, the experts with biases or gpt-oss's clamped
+// SwiGLU, moonep::moe_experts_ext) does the same in one pass, adding each row's expert biases
+// (b1, b3 [G, F], the row's group found in cu_seqlens) before the activation:
+//   g' = g + b1[grp], u' = u + b3[grp], gc = min(g', limit), uc = clamp(u', -limit, limit)
+//   fwd:  a  = bf16(gc * sigmoid(alpha * gc) * (uc + offset))
+//   bwd:  dg = bf16(g' <= limit ? da * (uc + offset) * (sig * (1 + alpha * gc * (1 - sig))) : 0)
+//         du = bf16(|u'| <= limit ? da * gc * sig : 0),  a recomputed
+// swiglu is alpha = 1, limit = inf, offset = 0 (bitwise the plain kernel's values).
 #include <cuda_bf16.h>
 
 #include "ep_internal.h"
@@ -93,6 +102,87 @@ int blocks_for(int64_t n, int num_sms) {
   return static_cast<int>(want < 1 ? 1 : (want > cap ? cap : want));
 }
 
+// The gated variant: every pack of 8 lies in one row (F % 8 == 0), whose group g (the number of
+// inclusive ends cu[0..G-1] <= row, G for rows past the last group: bias 0, output unread) picks
+// the bias rows.
+struct GluParams {
+  const __nv_bfloat16* b1;  // [G, F] or null
+  const __nv_bfloat16* b3;  // [G, F] or null
+  const int* cu;            // [G] inclusive end rows
+  int G;
+  int64_t F;
+  float alpha, limit, offset;
+};
+
+__device__ __forceinline__ int group_of_row(const int* cu, int G, int64_t row) {
+  int lo = 0, hi = G;  // first g with cu[g] > row
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (static_cast<int64_t>(cu[mid]) <= row) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+template <bool kBwd>
+__global__ void glu_kernel(const __nv_bfloat16* __restrict__ g, const __nv_bfloat16* __restrict__ u,
+                           const __nv_bfloat16* __restrict__ da, __nv_bfloat16* __restrict__ a,
+                           __nv_bfloat16* __restrict__ dg, __nv_bfloat16* __restrict__ du,
+                           GluParams p, int64_t n8) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n8;
+       i += stride) {
+    const int64_t row = (i * 8) / p.F, col = (i * 8) % p.F;
+    const int grp = group_of_row(p.cu, p.G, row);
+    Pack8 pg = reinterpret_cast<const Pack8*>(g)[i], pu = reinterpret_cast<const Pack8*>(u)[i];
+    Pack8 pb1, pb3, pda, pa, pdg, pdu;
+    const bool has_b1 = p.b1 != nullptr && grp < p.G, has_b3 = p.b3 != nullptr && grp < p.G;
+    if (has_b1) pb1 = *reinterpret_cast<const Pack8*>(p.b1 + grp * p.F + col);
+    if (has_b3) pb3 = *reinterpret_cast<const Pack8*>(p.b3 + grp * p.F + col);
+    if (kBwd) pda = reinterpret_cast<const Pack8*>(da)[i];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float gv = __bfloat162float(pg.v[j]), uv = __bfloat162float(pu.v[j]);
+      if (has_b1) gv = gv + __bfloat162float(pb1.v[j]);
+      if (has_b3) uv = uv + __bfloat162float(pb3.v[j]);
+      const float gc = fminf(gv, p.limit), uc = fminf(fmaxf(uv, -p.limit), p.limit);
+      const float sig = sigmoidf_(p.alpha * gc);
+      const float s = gc * sig;
+      const float up = uc + p.offset;
+      pa.v[j] = __float2bfloat16_rn(s * up);
+      if (kBwd) {
+        const float d = __bfloat162float(pda.v[j]);
+        const float dgv = d * up * (sig * (1.f + p.alpha * gc * (1.f - sig)));
+        const float duv = d * s;
+        pdg.v[j] = __float2bfloat16_rn(gv <= p.limit ? dgv : 0.f);
+        pdu.v[j] = __float2bfloat16_rn(uv >= -p.limit && uv <= p.limit ? duv : 0.f);
+      }
+    }
+    reinterpret_cast<Pack8*>(a)[i] = pa;
+    if (kBwd) {
+      reinterpret_cast<Pack8*>(dg)[i] = pdg;
+      reinterpret_cast<Pack8*>(du)[i] = pdu;
+    }
+  }
+}
+
+int glu_launch(bool bwd, const void* g, const void* u, const void* da, void* a, void* dg,
+               void* du, const void* b1, const void* b3, const void* cu, int G, int64_t F,
+               int64_t n, float alpha, float limit, float offset, int num_sms, void* stream) {
+  const GluParams p{static_cast<const __nv_bfloat16*>(b1), static_cast<const __nv_bfloat16*>(b3),
+                    static_cast<const int*>(cu), G, F, alpha, limit, offset};
+  const auto* gp = static_cast<const __nv_bfloat16*>(g);
+  const auto* up = static_cast<const __nv_bfloat16*>(u);
+  const auto* dap = static_cast<const __nv_bfloat16*>(da);
+  auto* ap = static_cast<__nv_bfloat16*>(a);
+  auto* dgp = static_cast<__nv_bfloat16*>(dg);
+  auto* dup = static_cast<__nv_bfloat16*>(du);
+  const int blocks = blocks_for(n, num_sms);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (bwd) glu_kernel<true><<<blocks, 256, 0, s>>>(gp, up, dap, ap, dgp, dup, p, n / 8);
+  else glu_kernel<false><<<blocks, 256, 0, s>>>(gp, up, dap, ap, dgp, dup, p, n / 8);
+  return 0;
+}
+
 }  // namespace
 
 using moonep_ep::fail;
@@ -118,4 +208,27 @@ MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void*
   swiglu_kernel<BwdOp><<<blocks_for(n, num_sms), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       in, out, n);
   return fail(cudaGetLastError(), "moonep_ep_swiglu_bwd");
+}
+
+// The gated variant (header: moonep_ep.h).  F % 8 == 0, n = M*F; b1, b3 may be null.
+MOONEP_EXPORT int moonep_ep_glu_fwd(const void* g, const void* u, const void* b1, const void* b3,
+                                    const void* cu, int G, int64_t F, void* a, int64_t n,
+                                    float alpha, float limit, float offset, int num_sms,
+                                    void* stream) {
+  if (n <= 0) return 0;
+  if (F <= 0 || F % 8 || n % F || G < 1) return fail(cudaErrorInvalidValue, "moonep_ep_glu_fwd");
+  glu_launch(false, g, u, nullptr, a, nullptr, nullptr, b1, b3, cu, G, F, n, alpha, limit,
+             offset, num_sms, stream);
+  return fail(cudaGetLastError(), "moonep_ep_glu_fwd");
+}
+
+MOONEP_EXPORT int moonep_ep_glu_bwd(const void* g, const void* u, const void* da, const void* b1,
+                                    const void* b3, const void* cu, int G, int64_t F, void* dg,
+                                    void* du, void* a, int64_t n, float alpha, float limit,
+                                    float offset, int num_sms, void* stream) {
+  if (n <= 0) return 0;
+  if (F <= 0 || F % 8 || n % F || G < 1) return fail(cudaErrorInvalidValue, "moonep_ep_glu_bwd");
+  glu_launch(true, g, u, da, a, dg, du, b1, b3, cu, G, F, n, alpha, limit, offset, num_sms,
+             stream);
+  return fail(cudaGetLastError(), "moonep_ep_glu_bwd");
 }
