@@ -18,7 +18,6 @@ clamps bind, a router skewed so that the planner replicates the hot expert), fp3
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import warnings
 
