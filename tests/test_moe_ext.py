@@ -345,11 +345,25 @@ def test_bias_shape_mismatch_raises_before_the_pool_is_written():
         layer.buffer.destroy()
 
 
-def test_pool_holds_bias_slots():
+def test_biases_need_the_pools_bias_slots():
+    layer = make_layer(False, "swiglu_clamped")
+    layer.bind()
+    try:
+        args = list(_op_args(layer))
+        args[7] = [torch.zeros(E, F), torch.zeros(E, F), torch.zeros(E, D)]
+        with pytest.raises(ValueError, match="the pool has no bias slots"):
+            torch.ops.moonep.moe_experts_ext(*args)
+    finally:
+        layer.buffer.destroy()
+
+
+def test_pool_bias_slots_made_on_demand():
     buf = Buffer(S, D, K, E, token_padding=TP, dtype=torch.float32)
     try:
         pool = buf.expert_pool(D, F, torch.float32)
         B = buf.epn
+        assert pool.b1 is None and pool.nbytes() == 4 * 6 * B * D * F   # none until asked
+        pool.add_bias_slots()
         names = dict(zip(pool.tensor_names(), pool.tensors()))
         for n, shape in (("b1", (B, F)), ("b3", (B, F)), ("b2", (B, D)), ("gb1", (B, F)),
                          ("gb3", (B, F)), ("gb2", (B, D))):

@@ -424,6 +424,8 @@ class MoonEPMoE(nn.Module):
         # their pool (precision and pow2 scales included), else every rank raises here.
         pool = buffer.expert_pool(self.dim, self.hidden_dim, self.dtype, precision=a.precision,
                                   pow2_scales=a.fp8_pow2_scales)
+        if a.expert_bias:
+            pool.add_bias_slots()            # collective: every rank's layers bind alike
         B, r = buffer.epn, buffer.rank
         dev = buffer.device
         with torch.no_grad():

@@ -63,6 +63,9 @@ def _check_ext(h, w_M, cu, etc, w1, w3, w2, biases, pool: ExpertPool, activation
         raise ValueError(f"moe_experts_ext: row_weights is on {w_M.device}, h on {h.device}")
     if len(biases) not in (0, 3):
         raise ValueError(f"moe_experts_ext: biases must be [] or [b1, b3, b2], got {len(biases)}")
+    if biases and pool.b1 is None:
+        raise ValueError("moe_experts_ext: the pool has no bias slots (ExpertPool.add_bias_slots; "
+                         "MoonEPMoE.bind adds them for a layer with expert_bias)")
     for name, b, shape in zip(("b1", "b3", "b2"), biases, ((B, F), (B, F), (B, D))):
         if not isinstance(b, Tensor) or tuple(b.shape) != shape or b.dtype != w1.dtype:
             raise ValueError(f"moe_experts_ext: bias {name} must be {list(shape)} {w1.dtype} (the "
