@@ -269,8 +269,7 @@ class MoonEPRoutedExperts(RoutedExperts):
             check_backend_dims(buffer.device.type, COMPUTE_DTYPE, D, F)
             check_precision(self.precision, self.fp8_pow2_scales, COMPUTE_DTYPE, D, F)
             if gpt_oss:
-                check_variant(True, "swiglu_clamped", GPT_OSS_ALPHA, ie.swiglu_limit,
-                              self.precision)
+                check_variant(True, "swiglu_clamped", GPT_OSS_ALPHA, ie.swiglu_limit)
             if local.shape[0] != buffer.epn:
                 raise ValueError(f"this rank holds {local.shape[0]} experts but MoonEP's group of "
                                  f"R={buffer.R} expects E/R={buffer.epn}: the experts must be "
@@ -349,10 +348,16 @@ class MoonEPRoutedExperts(RoutedExperts):
             h_MD, hs_MC, w_M, cu_G, plan = buf.dispatch_fp8(x_TD, ids_TK, w_TK,
                                                             pow2_scales=self.fp8_pow2_scales)
             with maybe_set_sparse_mesh():
-                w1, w3, w2 = self._expert_weights()
+                if isinstance(self.inner_experts, GptOssGroupedExperts):
+                    (w1, w3, w2), biases = self._gpt_oss_weights()
+                    more = (biases, "swiglu_clamped", GPT_OSS_ALPHA,
+                            self.inner_experts.swiglu_limit)
+                else:
+                    (w1, w3, w2), more = self._expert_weights(), ()
                 z_MD, _, _, _ = torch.ops.moonep.moe_experts_fp8(
                     h_MD, hs_MC, w_M, cu_G, plan.experts_to_copy, w1, w3, w2, self.pool_name,
-                    x_TD, w_TK, plan.dst, plan.total_num_tokens, self.fp8_pow2_scales)
+                    x_TD, w_TK, plan.dst, plan.total_num_tokens, self.fp8_pow2_scales, "",
+                    False, *more)
         elif isinstance(self.inner_experts, GptOssGroupedExperts):
             h_MD, w_M, cu_G, plan = buf.dispatch(x_TD, ids_TK, w_TK)
             with maybe_set_sparse_mesh():
@@ -400,8 +405,7 @@ def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None,
             "GroupedExperts.Config (SwiGLU over w1_EFD, w3_EFD, w2_EDF) or GptOssGroupedExperts"
             ".Config (gpt-oss); MoonEP does not run them: leave this model without the override")
     if inner is GptOssGroupedExperts.Config:
-        check_variant(True, "swiglu_clamped", GPT_OSS_ALPHA, cfg.inner_experts.swiglu_limit,
-                      precision)
+        check_variant(True, "swiglu_clamped", GPT_OSS_ALPHA, cfg.inner_experts.swiglu_limit)
     disp = cfg.token_dispatcher
     if capacity is None:
         capacity = getattr(disp, "num_max_tokens_per_rank", None)

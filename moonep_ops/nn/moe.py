@@ -78,20 +78,23 @@ def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_
     expert ``biases`` (b1, b3, b2) or another ``activation`` (gpt-oss's "swiglu_clamped", its
     ``alpha`` and ``limit``), moonep::moe_experts_ext, which applies the weights itself.
     "fp8": Buffer.dispatch_fp8 (e4m3 rows + scales), moonep::moe_experts_fp8 (which applies
-    the weights and carries dispatch's transpose in its backward), combine."""
-    if biases or activation != "swiglu":
-        check_variant(bool(biases), activation, alpha, limit, precision)
-        h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
-        z, _, _, _ = moe_experts_ext(h, w_M, cu, plan.experts_to_copy, w1, w3, w2, list(biases),
-                                     pool_name, activation, alpha, limit)
-    elif precision == "fp8":
+    the weights and carries dispatch's transpose in its backward; biases and the activation
+    passed on), combine."""
+    variant = biases or activation != "swiglu"
+    if precision == "fp8":
         h, hs, w_M, cu, plan = buf.dispatch_fp8(x_sD, ids_sK, w_sK,
                                                 total_num_tokens=total_num_tokens,
                                                 pow2_scales=pow2_scales)
+        # positional: torch's custom-op autograd rejects its own grads for a list by keyword
+        more = (list(biases), activation, alpha, limit) if variant else ()
         z, _, _, _ = torch.ops.moonep.moe_experts_fp8(h, hs, w_M, cu, plan.experts_to_copy, w1,
                                                       w3, w2, pool_name, x_sD, w_sK, plan.dst,
                                                       plan.total_num_tokens, pow2_scales,
-                                                      weight_cache, fp8_wgrad)
+                                                      weight_cache, fp8_wgrad, *more)
+    elif variant:
+        h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
+        z, _, _, _ = moe_experts_ext(h, w_M, cu, plan.experts_to_copy, w1, w3, w2, list(biases),
+                                     pool_name, activation, alpha, limit)
     else:
         h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
         y, _, _ = _moe_experts.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2, pool_name)
@@ -155,7 +158,8 @@ class MoEArgs:
       them).  activation: "swiglu" (silu(gate) * up) or "swiglu_clamped", gpt-oss's:
       gate = min(gate, swiglu_limit), up = clamp(up, -swiglu_limit, swiglu_limit),
       (up + 1) * gate * sigmoid(swiglu_alpha * gate); swiglu_alpha and swiglu_limit are finite
-      and > 0 (gpt-oss: 1.702 and 7.0).  Either option needs precision "bf16" (any dtype).
+      and > 0 (gpt-oss: 1.702 and 7.0).  Either option runs in both precisions (not with
+      fp8_wgrad).
     Expert precision (docs/fp8.md):
       precision: "bf16" (default) or "fp8", the DeepSeek-V3 recipe: tokens dispatched in e4m3
       with 1 x 128-tile scales, expert weights quantised per 128 x 128 block, the three expert
@@ -261,7 +265,7 @@ class MoonEPMoE(nn.Module):
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         check_precision(args.precision, args.fp8_pow2_scales, dtype, dim, hidden_dim)
         check_variant(args.expert_bias, args.activation, args.swiglu_alpha, args.swiglu_limit,
-                      args.precision)
+                      args.precision == "fp8" and args.fp8_wgrad)
         self.args = args
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, E, K
         self.dtype = dtype

@@ -37,15 +37,34 @@ from . import expert_weights as _ew
 
 
 def check_variant(expert_bias: bool, activation: str, alpha: float, limit: float,
-                  precision: str) -> None:
-    """A layer's expert options (MoEArgs.expert_bias, activation, swiglu_alpha, swiglu_limit):
-    ValueError (TypeError for a non-bool expert_bias) before anything is built or runs."""
+                  fp8_wgrad: bool = False) -> None:
+    """A layer's expert options (MoEArgs.expert_bias, activation, swiglu_alpha, swiglu_limit;
+    ``fp8_wgrad``: the FP8 wgrads are on): ValueError (TypeError for a non-bool expert_bias)
+    before anything is built or runs."""
     if not isinstance(expert_bias, bool):
         raise TypeError(f"MoEArgs.expert_bias must be a bool, got {type(expert_bias).__name__}")
     check_activation(activation, alpha, limit)
-    if (expert_bias or activation != "swiglu") and precision != "bf16":
-        raise ValueError(f"expert_bias and activation {activation!r} run in precision 'bf16' "
-                         f"only (the FP8 experts have neither yet), got {precision!r}")
+    if fp8_wgrad and (expert_bias or activation != "swiglu"):
+        raise ValueError(f"fp8_wgrad has no expert biases or activation {activation!r} yet: "
+                         "leave it off for this layer")
+
+
+def check_biases(op: str, biases, pool: ExpertPool, B: int, F: int, D: int, dtype, device
+                 ) -> None:
+    """``biases``: [] or [b1, b3 [B, F], b2 [B, D]] contiguous, in the weights' dtype, on their
+    device, and the pool has bias slots for them."""
+    if len(biases) not in (0, 3):
+        raise ValueError(f"{op}: biases must be [] or [b1, b3, b2], got {len(biases)}")
+    if biases and pool.b1 is None:
+        raise ValueError(f"{op}: the pool has no bias slots (ExpertPool.add_bias_slots; "
+                         "MoonEPMoE.bind adds them for a layer with expert_bias)")
+    for name, b, shape in zip(("b1", "b3", "b2"), biases, ((B, F), (B, F), (B, D))):
+        if not isinstance(b, Tensor) or tuple(b.shape) != shape or b.dtype != dtype:
+            raise ValueError(f"{op}: bias {name} must be {list(shape)} {dtype} (the weights' B, "
+                             f"F, D and dtype), got {getattr(b, 'shape', None)} "
+                             f"{getattr(b, 'dtype', None)}")
+        if b.device != device or not b.is_contiguous():
+            raise ValueError(f"{op}: bias {name} must be contiguous on {device}")
 
 
 def _check_ext(h, w_M, cu, etc, w1, w3, w2, biases, pool: ExpertPool, activation, alpha, limit,
@@ -61,18 +80,7 @@ def _check_ext(h, w_M, cu, etc, w1, w3, w2, biases, pool: ExpertPool, activation
                          f"{getattr(w_M, 'shape', None)} {getattr(w_M, 'dtype', None)}")
     if w_M.device != h.device:
         raise ValueError(f"moe_experts_ext: row_weights is on {w_M.device}, h on {h.device}")
-    if len(biases) not in (0, 3):
-        raise ValueError(f"moe_experts_ext: biases must be [] or [b1, b3, b2], got {len(biases)}")
-    if biases and pool.b1 is None:
-        raise ValueError("moe_experts_ext: the pool has no bias slots (ExpertPool.add_bias_slots; "
-                         "MoonEPMoE.bind adds them for a layer with expert_bias)")
-    for name, b, shape in zip(("b1", "b3", "b2"), biases, ((B, F), (B, F), (B, D))):
-        if not isinstance(b, Tensor) or tuple(b.shape) != shape or b.dtype != w1.dtype:
-            raise ValueError(f"moe_experts_ext: bias {name} must be {list(shape)} {w1.dtype} (the "
-                             f"weights' B, F, D and dtype), got {getattr(b, 'shape', None)} "
-                             f"{getattr(b, 'dtype', None)}")
-        if b.device != h.device or not b.is_contiguous():
-            raise ValueError(f"moe_experts_ext: bias {name} must be contiguous on {h.device}")
+    check_biases("moe_experts_ext", biases, pool, B, F, D, w1.dtype, h.device)
     if y is not None and (tuple(y.shape) != (M, D) or y.dtype != w1.dtype):
         raise ValueError(f"moe_experts_ext_backward: y must be [{M}, {D}] {w1.dtype}")
 
@@ -84,14 +92,14 @@ def _prefetch(p: ExpertPool, etc: Tensor, w1, w3, w2, biases) -> None:
           [t.detach() for t in local], slots)
 
 
-def _group_biases(p: ExpertPool, biases):
+def group_biases(p: ExpertPool, biases):
     """[G, F] / [G, D] per-group biases: the home experts', then the slots' (None: no bias)."""
     if not biases:
         return None, None, None
     return tuple(torch.cat([b.detach(), s]) for b, s in zip(biases, (p.b1, p.b3, p.b2)))
 
 
-def _biased_y(y: Tensor, b2_G, cu: Tensor) -> Tensor:
+def biased_y(y: Tensor, b2_G, cu: Tensor) -> Tensor:
     """fp32(y) + b2[grp] (fp32; y itself when fp32 without bias)."""
     yf = y.float() if y.dtype.itemsize != 4 else y
     return yf if b2_G is None else yf + _row_bias(b2_G, rows_group(cu, y.shape[0]))
@@ -106,12 +114,12 @@ def moe_experts_ext_body(h: Tensor, row_weights: Tensor, cu_seqlens: Tensor,
             w3, w2, biases, p, activation, alpha, limit)
     _prefetch(p, experts_to_copy, w1, w3, w2, biases)
     cu, mm = cu_seqlens, "moonep::grouped_mm"
-    b1, b3, b2 = _group_biases(p, biases)
+    b1, b3, b2 = group_biases(p, biases)
     g = _call(mm, _gm.run_fwd, h, w1, p.w1, cu, -1, False)
     u = _call(mm, _gm.run_fwd, h, w3, p.w3, cu, -1, False)
     a = _call("moonep::swiglu", run_glu, g, u, b1, b3, cu, *glu_params(activation, alpha, limit))
     y = _call(mm, _gm.run_fwd, a, w2, p.w2, cu, -1, False)
-    z = (_biased_y(y, b2, cu) * row_weights[:, None]).to(h.dtype)
+    z = (biased_y(y, b2, cu) * row_weights[:, None]).to(h.dtype)
     return z, g, u, y
 
 
@@ -140,9 +148,9 @@ def moe_experts_ext_backward_body(dz: Tensor, h: Tensor, row_weights: Tensor, g:
             y=y)
     _prefetch(p, experts_to_copy, w1, w3, w2, biases)   # slots may hold another layer by now
     cu, B = cu_seqlens, w1.shape[0]
-    b1, b3, b2 = _group_biases(p, biases)
+    b1, b3, b2 = group_biases(p, biases)
     dzf = dz.float()
-    dw_M = (dzf * _biased_y(y, b2, cu)).sum(dim=1)
+    dw_M = (dzf * biased_y(y, b2, cu)).sum(dim=1)
     dy = (dzf * row_weights[:, None]).to(dz.dtype).contiguous()
     dgrad, wgrad = "moonep::grouped_mm_dgrad", "moonep::grouped_mm_wgrad_into"
     da = _call(dgrad, _gm.run_dgrad, dy, w2, p.w2, cu, -1, False)
@@ -155,14 +163,8 @@ def moe_experts_ext_backward_body(dz: Tensor, h: Tensor, row_weights: Tensor, g:
     _call(wgrad, _gm.run_wgrad_into, du, h, cu, d3, p.g3)
     _call(wgrad, _gm.run_wgrad_into, dy, a, cu, d2, p.g2)
     local, slots = [d1, d3, d2], [p.g1, p.g3, p.g2]
-    dbiases = []
+    dbiases = bias_grads(p, dg, du, dy, cu, B) if biases else []
     if biases:
-        # every slot row is written: an empty slot group sums to 0, so the slots stay zero
-        # outside a backward, as reduce_grad expects
-        for x, land in ((dg, p.gb1), (du, p.gb3), (dy, p.gb2)):
-            s = group_sums(x, cu).to(x.dtype)
-            land.copy_(s[B:])
-            dbiases.append(s[:B].contiguous())
         local, slots = local + dbiases, slots + [p.gb1, p.gb3, p.gb2]
     if d1.dtype in _ew.GRAD_DTYPES:
         _call("moonep::reduce_grad", _backend(p).reduce_grad, experts_to_copy, local, slots)
@@ -185,6 +187,20 @@ def _(dz, h, row_weights, g, u, y, cu_seqlens, experts_to_copy, w1, w3, w2, bias
     return (h.new_empty(h.shape), row_weights.new_empty(row_weights.shape),
             w1.new_empty(w1.shape), w3.new_empty(w3.shape), w2.new_empty(w2.shape),
             [b.new_empty(b.shape) for b in biases])
+
+
+def bias_grads(p: ExpertPool, dg: Tensor, du: Tensor, dy: Tensor, cu: Tensor, B: int
+               ) -> list[Tensor]:
+    """The home experts' bias grads [db1, db3, db2] (each group's row sums of dg, du, dy in
+    fp32, rounded once); the slot groups' sums land in the pool's gb1, gb3, gb2.  Every slot row
+    is written: an empty slot group sums to 0, so the slots stay zero outside a backward, as
+    reduce_grad expects."""
+    out = []
+    for x, land in ((dg, p.gb1), (du, p.gb3), (dy, p.gb2)):
+        s = group_sums(x, cu).to(x.dtype)
+        land.copy_(s[B:])
+        out.append(s[:B].contiguous())
+    return out
 
 
 def _setup(ctx, inputs, output):

@@ -231,10 +231,16 @@ def _glu_inputs(g, u, b1, b3, cu):
     return gf, uf
 
 
-def reference_glu(g, u, b1, b3, cu, alpha: float, limit: float, offset: float) -> Tensor:
+def glu_fp32(g, u, b1, b3, cu, alpha: float, limit: float, offset: float) -> Tensor:
+    """The gated variant's activation in fp32 (fp64 for fp64 inputs), not rounded: what the FP8
+    path quantises."""
     gf, uf = _glu_inputs(g, u, b1, b3, cu)
     gc, uc = gf.clamp(max=limit), uf.clamp(-limit, limit)
-    return (gc * torch.sigmoid(alpha * gc) * (uc + offset)).to(g.dtype)
+    return gc * torch.sigmoid(alpha * gc) * (uc + offset)
+
+
+def reference_glu(g, u, b1, b3, cu, alpha: float, limit: float, offset: float) -> Tensor:
+    return glu_fp32(g, u, b1, b3, cu, alpha, limit, offset).to(g.dtype)
 
 
 def reference_glu_backward(g, u, da, b1, b3, cu, alpha: float, limit: float, offset: float):
