@@ -423,6 +423,40 @@ MOONEP_EXPORT int moonep_ep_glu_bwd(const void* g, const void* u, const void* da
                                     void* du, void* a, int64_t n, float alpha, float limit,
                                     float offset, int num_sms, void* stream);
 
+/**
+ * The route-weight pass of moonep::moe_experts_ext with the down bias:
+ * z[m] = bf16((y[m] + b2[grp(m)]) * w[m]), fp32 math (bitwise the torch formula).
+ *
+ * @param y        device bf16 [M, D]: the down projection (no bias).
+ * @param b2       device bf16 [G, D] per-group down biases, or null.
+ * @param cu       device int32 [G]: inclusive end rows of the groups; later rows get no bias.
+ * @param G, D     groups and columns (D a multiple of 8, else cudaErrorInvalidValue).
+ * @param w        device fp32 [M]: the rows' route weights.
+ * @param z        device bf16 [M, D], output.
+ * @param M        rows.
+ */
+MOONEP_EXPORT int moonep_ep_bias_scale_rows(const void* y, const void* b2, const void* cu, int G,
+                                            int64_t D, const void* w, void* z, int64_t M,
+                                            int num_sms, void* stream);
+
+/**
+ * Its backward: dy[m] = bf16(dz[m] * w[m]) and d_rows[m] = sum_D dz * (y + b2[grp(m)]) in fp32
+ * (one warp per row: another summation order than torch's).  Arguments as above; dz device bf16
+ * [M, D]; dy device bf16 [M, D] and d_rows device fp32 [M] are written.
+ */
+MOONEP_EXPORT int moonep_ep_bias_scale_rows_bwd(const void* dz, const void* y, const void* b2,
+                                                const void* cu, int G, int64_t D, const void* w,
+                                                void* dy, void* d_rows, int64_t M, int num_sms,
+                                                void* stream);
+
+/**
+ * The bias grads: out[g, c] = sum over group g's rows of x[m, c], fp32, each group summed in
+ * ascending row order (deterministic).  x device bf16 [M, C] (C a multiple of 8); cu device
+ * int32 [G]; out device fp32 [G, C], every element written.
+ */
+MOONEP_EXPORT int moonep_ep_group_sums(const void* x, const void* cu, int G, int64_t C, void* out,
+                                       int num_sms, void* stream);
+
 // =============================================================================================
 // Device planner (plan_kernels.cu): the planner of policies "moonep" and "cost" on the device,
 // bit-exact with the torch op moonep::plan (moonep_ops/planner/) for every histogram that

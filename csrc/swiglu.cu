@@ -183,6 +183,99 @@ int glu_launch(bool bwd, const void* g, const void* u, const void* da, void* a, 
   return 0;
 }
 
+// The route-weight pass of moonep::moe_experts_ext with the down bias folded in (one read of y,
+// one write of z):  z[m] = bf16((y[m] + b2[grp(m)]) * w[m])  (fp32 math; b2 may be null).
+__global__ void bias_scale_rows_kernel(const __nv_bfloat16* __restrict__ y,
+                                       const __nv_bfloat16* __restrict__ b2,
+                                       const int* __restrict__ cu, int G, int64_t D,
+                                       const float* __restrict__ w, __nv_bfloat16* __restrict__ z,
+                                       int64_t n8) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n8;
+       i += stride) {
+    const int64_t row = (i * 8) / D, col = (i * 8) % D;
+    const int grp = group_of_row(cu, G, row);
+    const Pack8 py = reinterpret_cast<const Pack8*>(y)[i];
+    Pack8 pb, pz;
+    const bool has_b = b2 != nullptr && grp < G;
+    if (has_b) pb = *reinterpret_cast<const Pack8*>(b2 + grp * D + col);
+    const float wr = w[row];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float v = __bfloat162float(py.v[j]);
+      if (has_b) v = v + __bfloat162float(pb.v[j]);
+      pz.v[j] = __float2bfloat16_rn(v * wr);
+    }
+    reinterpret_cast<Pack8*>(z)[i] = pz;
+  }
+}
+
+// Its backward, one warp per row: dy[m] = bf16(dz[m] * w[m]) and
+// d_rows[m] = sum_D dz[m] * (y[m] + b2[grp(m)]) in fp32 (lanes strided over the row's packs,
+// then a shuffle reduction: fp32 sums in another order than torch's, not bitwise).
+__global__ void bias_scale_rows_bwd_kernel(const __nv_bfloat16* __restrict__ dz,
+                                           const __nv_bfloat16* __restrict__ y,
+                                           const __nv_bfloat16* __restrict__ b2,
+                                           const int* __restrict__ cu, int G, int64_t D,
+                                           const float* __restrict__ w,
+                                           __nv_bfloat16* __restrict__ dy,
+                                           float* __restrict__ d_rows, int64_t M) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t packs = D / 8;
+  for (int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+       row < M; row += warps) {
+    const int grp = group_of_row(cu, G, row);
+    const bool has_b = b2 != nullptr && grp < G;
+    const float wr = w[row];
+    float acc = 0.f;
+    for (int64_t p = lane; p < packs; p += 32) {
+      const int64_t i = row * packs + p;
+      const Pack8 pdz = reinterpret_cast<const Pack8*>(dz)[i];
+      const Pack8 py = reinterpret_cast<const Pack8*>(y)[i];
+      Pack8 pb, pdy;
+      if (has_b) pb = *reinterpret_cast<const Pack8*>(b2 + grp * D + p * 8);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float d = __bfloat162float(pdz.v[j]);
+        float v = __bfloat162float(py.v[j]);
+        if (has_b) v = v + __bfloat162float(pb.v[j]);
+        acc += d * v;
+        pdy.v[j] = __float2bfloat16_rn(d * wr);
+      }
+      reinterpret_cast<Pack8*>(dy)[i] = pdy;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) d_rows[row] = acc;
+  }
+}
+
+// The bias grads: out[g, c] = sum of x[m, c] over group g's rows, fp32, each (g, 8-column pack)
+// summed by one thread over its rows in ascending order (deterministic, no atomics); rows past
+// cu[G-1] are not read.
+__global__ void group_sums_kernel(const __nv_bfloat16* __restrict__ x,
+                                  const int* __restrict__ cu, int G, int64_t C,
+                                  float* __restrict__ out) {
+  const int64_t packs = C / 8;
+  const int64_t n = static_cast<int64_t>(G) * packs;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < n;
+       t += stride) {
+    const int g = static_cast<int>(t / packs);
+    const int64_t p = t % packs;
+    const int64_t lo = g == 0 ? 0 : cu[g - 1], hi = cu[g];
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t m = lo; m < hi; ++m) {
+      const Pack8 px = reinterpret_cast<const Pack8*>(x)[m * packs + p];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] += __bfloat162float(px.v[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[g * C + p * 8 + j] = acc[j];
+  }
+}
+
 }  // namespace
 
 using moonep_ep::fail;
@@ -231,4 +324,49 @@ MOONEP_EXPORT int moonep_ep_glu_bwd(const void* g, const void* u, const void* da
   glu_launch(true, g, u, da, a, dg, du, b1, b3, cu, G, F, n, alpha, limit, offset, num_sms,
              stream);
   return fail(cudaGetLastError(), "moonep_ep_glu_bwd");
+}
+
+MOONEP_EXPORT int moonep_ep_bias_scale_rows(const void* y, const void* b2, const void* cu, int G,
+                                            int64_t D, const void* w, void* z, int64_t M,
+                                            int num_sms, void* stream) {
+  if (M <= 0) return 0;
+  if (D <= 0 || D % 8 || G < 1) return fail(cudaErrorInvalidValue, "moonep_ep_bias_scale_rows");
+  const int64_t n = M * D;
+  bias_scale_rows_kernel<<<blocks_for(n, num_sms), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const __nv_bfloat16*>(y), static_cast<const __nv_bfloat16*>(b2),
+      static_cast<const int*>(cu), G, D, static_cast<const float*>(w),
+      static_cast<__nv_bfloat16*>(z), n / 8);
+  return fail(cudaGetLastError(), "moonep_ep_bias_scale_rows");
+}
+
+MOONEP_EXPORT int moonep_ep_bias_scale_rows_bwd(const void* dz, const void* y, const void* b2,
+                                                const void* cu, int G, int64_t D, const void* w,
+                                                void* dy, void* d_rows, int64_t M, int num_sms,
+                                                void* stream) {
+  if (M <= 0) return 0;
+  if (D <= 0 || D % 8 || G < 1) {
+    return fail(cudaErrorInvalidValue, "moonep_ep_bias_scale_rows_bwd");
+  }
+  const int64_t cap = static_cast<int64_t>(num_sms > 0 ? num_sms : 132) * 8;
+  const int64_t want = (M + 7) / 8;  // 8 warps (rows) per 256-thread block
+  const int blocks = static_cast<int>(want < cap ? want : cap);
+  bias_scale_rows_bwd_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const __nv_bfloat16*>(dz), static_cast<const __nv_bfloat16*>(y),
+      static_cast<const __nv_bfloat16*>(b2), static_cast<const int*>(cu), G, D,
+      static_cast<const float*>(w), static_cast<__nv_bfloat16*>(dy),
+      static_cast<float*>(d_rows), M);
+  return fail(cudaGetLastError(), "moonep_ep_bias_scale_rows_bwd");
+}
+
+MOONEP_EXPORT int moonep_ep_group_sums(const void* x, const void* cu, int G, int64_t C, void* out,
+                                       int num_sms, void* stream) {
+  if (G < 1 || C <= 0 || C % 8) return fail(cudaErrorInvalidValue, "moonep_ep_group_sums");
+  const int64_t n = static_cast<int64_t>(G) * (C / 8);
+  const int64_t cap = static_cast<int64_t>(num_sms > 0 ? num_sms : 132) * 8;
+  const int64_t want = (n + 255) / 256;
+  const int blocks = static_cast<int>(want < 1 ? 1 : (want < cap ? want : cap));
+  group_sums_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const __nv_bfloat16*>(x), static_cast<const int*>(cu), G, C,
+      static_cast<float*>(out));
+  return fail(cudaGetLastError(), "moonep_ep_group_sums");
 }

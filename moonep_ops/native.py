@@ -150,6 +150,13 @@ EP_PROTOTYPES: dict[str, tuple] = {
     "moonep_ep_glu_bwd": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int,
                                   c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_float, c_float,
                                   c_float, c_int, c_void_p]),
+    "moonep_ep_bias_scale_rows": (c_int, [c_void_p, c_void_p, c_void_p, c_int, c_int64, c_void_p,
+                                          c_void_p, c_int64, c_int, c_void_p]),
+    "moonep_ep_bias_scale_rows_bwd": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int,
+                                              c_int64, c_void_p, c_void_p, c_void_p, c_int64,
+                                              c_int, c_void_p]),
+    "moonep_ep_group_sums": (c_int, [c_void_p, c_void_p, c_int, c_int64, c_void_p, c_int,
+                                     c_void_p]),
     # device planner (csrc/plan_kernels.cu)
     "moonep_plan_prepare": (c_int, []),
     "moonep_plan_workspace_bytes": (c_size_t, [c_int, c_int, c_int, c_int]),

@@ -4,7 +4,9 @@ the biased, clamped MoE layer on CUDA against the same layer on the CPU.
 
 Kernel: every output element within one bf16 ulp of the reference (the kernel's fp32 exp and
 FMA contraction may round differently); swiglu without biases bitwise the plain kernel; rows
-past the last group and empty groups included.  Layer (one GPU, bf16, gpt-oss-like options,
+past the last group and empty groups included.  The route-weight pass with the down bias
+bitwise its torch formula (its backward's row sums and the bias-grad group sums to fp32
+reassociation, the latter run-to-run bitwise).  Layer (one GPU, bf16, gpt-oss-like options,
 token padding 128): forward and every grad close to the CPU reference run on the same weights.
 """
 from __future__ import annotations
@@ -71,6 +73,39 @@ def test_glu_kernel_clamp_edges():
     for x, y in zip(got, want):
         _close_bf16(x, y)
         assert torch.equal(x == 0, y == 0)               # the clamps' masks agree exactly
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("M,D,G", [(9, 8, 2), (4097, 2880, 16)])
+def test_route_weight_pass_with_down_bias(bias, M, D, G):
+    """moonep_ep_bias_scale_rows (bitwise the torch formula) and its backward (dy bitwise,
+    d_rows to fp32 reassociation), rows past the last group included."""
+    from moonep_ops.ops import moe_experts_ext as mx
+    gen = torch.Generator().manual_seed(M + D)
+    y, dz = ((torch.randn(M, D, generator=gen) * 3).bfloat16().cuda() for _ in range(2))
+    b2 = (torch.randn(G, D, generator=gen) * 0.5).bfloat16().cuda() if bias else None
+    w = torch.rand(M, generator=gen).cuda()
+    cu = _cu(M, G, gen)
+    z = mx.scale_rows_biased(y, b2, cu, w)
+    assert torch.equal(z, (mx.biased_y(y, b2, cu) * w[:, None]).to(torch.bfloat16))
+    dy, d_rows = mx.scale_rows_biased_backward(dz, y, b2, cu, w)
+    dzf = dz.float()
+    assert torch.equal(dy, (dzf * w[:, None]).to(torch.bfloat16))
+    prod = dzf * mx.biased_y(y, b2, cu)
+    assert ((d_rows - prod.sum(1)).abs() <= 1e-5 * prod.abs().sum(1) + 1e-6).all()
+
+
+@pytest.mark.parametrize("M,C,G", [(9, 8, 2), (4097, 2880, 16), (5000, 64, 32)])
+def test_group_sums_kernel(M, C, G):
+    gen = torch.Generator().manual_seed(C + G)
+    x = (torch.randn(M, C, generator=gen) * 2).bfloat16().cuda()
+    cu = _cu(M, G, gen)
+    x[int(cu[-1]):] = float("nan")                       # unwritten tail rows are not read
+    got = sw.group_sums(x, cu)
+    want = sw.reference_group_sums(x, cu)
+    scale = sw.reference_group_sums(x.abs(), cu)
+    assert torch.isfinite(got).all() and ((got - want).abs() <= 1e-5 * scale + 1e-6).all()
+    assert torch.equal(sw.group_sums(x, cu), got)        # a fixed order: run to run bitwise
 
 
 def test_layer_cuda_matches_cpu_reference():

@@ -31,8 +31,10 @@ from torch import Tensor
 
 from . import grouped_mm as _gm
 from .moe_experts import ExpertPool, _backend, _call, _check_expert_args, _pool, checked
-from .swiglu import (_row_bias, check_activation, glu_params, group_sums, rows_group, run_glu,
-                     run_glu_backward)
+from .. import native
+from ..runtime import on_device_of
+from .swiglu import (_launch_args, _native_ok, _row_bias, check_activation, glu_params, group_sums,
+                     rows_group, run_glu, run_glu_backward)
 from . import expert_weights as _ew
 
 
@@ -105,6 +107,48 @@ def biased_y(y: Tensor, b2_G, cu: Tensor) -> Tensor:
     return yf if b2_G is None else yf + _row_bias(b2_G, rows_group(cu, y.shape[0]))
 
 
+def _rows_native(y: Tensor, b2_G, cu: Tensor, *more: Tensor) -> bool:
+    bs = [b2_G] if b2_G is not None else []
+    return (y.dim() == 2 and y.shape[1] % 8 == 0 and _native_ok(y, *bs, *more)
+            and cu.is_contiguous() and cu.device == y.device)
+
+
+def scale_rows_biased(y: Tensor, b2_G, cu: Tensor, w_M: Tensor) -> Tensor:
+    """z = dtype((fp32(y) + b2[grp]) * w_M): the route-weight pass with the down bias; CUDA bf16:
+    one kernel (csrc/swiglu.cu moonep_ep_bias_scale_rows, bitwise this formula)."""
+    if not _rows_native(y, b2_G, cu) or not w_M.is_contiguous():
+        return (biased_y(y, b2_G, cu) * w_M[:, None]).to(y.dtype)
+    z = torch.empty_like(y)
+    sms, stream = _launch_args(y)
+    with on_device_of(y.device):
+        rc = native.ep().ep_bias_scale_rows(
+            y.data_ptr(), b2_G.data_ptr() if b2_G is not None else None, cu.data_ptr(),
+            cu.shape[0], y.shape[1], w_M.data_ptr(), z.data_ptr(), y.shape[0], sms, stream)
+    if rc:
+        native.ep_check(rc, "moonep bias scale rows")
+    return z
+
+
+def scale_rows_biased_backward(dz: Tensor, y: Tensor, b2_G, cu: Tensor, w_M: Tensor
+                               ) -> tuple[Tensor, Tensor]:
+    """(dy = dtype(fp32(dz) * w_M), d_rows = sum_D fp32(dz) * (fp32(y) + b2[grp]) fp32); CUDA
+    bf16: one kernel (moonep_ep_bias_scale_rows_bwd: d_rows summed in another order)."""
+    if not _rows_native(y, b2_G, cu, dz) or not w_M.is_contiguous():
+        dzf = dz.float()
+        return (dzf * w_M[:, None]).to(dz.dtype), (dzf * biased_y(y, b2_G, cu)).sum(dim=1)
+    dy = torch.empty_like(dz)
+    d_rows = torch.empty(dz.shape[0], dtype=torch.float32, device=dz.device)
+    sms, stream = _launch_args(y)
+    with on_device_of(y.device):
+        rc = native.ep().ep_bias_scale_rows_bwd(
+            dz.data_ptr(), y.data_ptr(), b2_G.data_ptr() if b2_G is not None else None,
+            cu.data_ptr(), cu.shape[0], y.shape[1], w_M.data_ptr(), dy.data_ptr(),
+            d_rows.data_ptr(), y.shape[0], sms, stream)
+    if rc:
+        native.ep_check(rc, "moonep bias scale rows backward")
+    return dy, d_rows
+
+
 def moe_experts_ext_body(h: Tensor, row_weights: Tensor, cu_seqlens: Tensor,
                          experts_to_copy: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
                          biases: list[Tensor], pool: str, activation: str, alpha: float,
@@ -119,8 +163,7 @@ def moe_experts_ext_body(h: Tensor, row_weights: Tensor, cu_seqlens: Tensor,
     u = _call(mm, _gm.run_fwd, h, w3, p.w3, cu, -1, False)
     a = _call("moonep::swiglu", run_glu, g, u, b1, b3, cu, *glu_params(activation, alpha, limit))
     y = _call(mm, _gm.run_fwd, a, w2, p.w2, cu, -1, False)
-    z = (biased_y(y, b2, cu) * row_weights[:, None]).to(h.dtype)
-    return z, g, u, y
+    return scale_rows_biased(y, b2, cu, row_weights), g, u, y
 
 
 _ext = torch.library.custom_op("moonep::moe_experts_ext", moe_experts_ext_body, mutates_args=())
@@ -149,9 +192,7 @@ def moe_experts_ext_backward_body(dz: Tensor, h: Tensor, row_weights: Tensor, g:
     _prefetch(p, experts_to_copy, w1, w3, w2, biases)   # slots may hold another layer by now
     cu, B = cu_seqlens, w1.shape[0]
     b1, b3, b2 = group_biases(p, biases)
-    dzf = dz.float()
-    dw_M = (dzf * biased_y(y, b2, cu)).sum(dim=1)
-    dy = (dzf * row_weights[:, None]).to(dz.dtype).contiguous()
+    dy, dw_M = scale_rows_biased_backward(dz.contiguous(), y, b2, cu, row_weights)
     dgrad, wgrad = "moonep::grouped_mm_dgrad", "moonep::grouped_mm_wgrad_into"
     da = _call(dgrad, _gm.run_dgrad, dy, w2, p.w2, cu, -1, False)
     dg, du, a = _call("moonep::swiglu_backward", run_glu_backward, g, u, da, b1, b3, cu,

@@ -80,7 +80,8 @@ from . import quantize_fp8_tokens as _qt  # noqa: F401  (registers the token qua
 from .fp8_weight_cache import FP8WeightCache
 from .checks import call_device, check_no_overlap, device_error, on_device
 from .moe_experts import ExpertPool, checked
-from .moe_experts_ext import bias_grads, biased_y, check_biases, group_biases
+from .moe_experts_ext import (bias_grads, check_biases, group_biases, scale_rows_biased,
+                              scale_rows_biased_backward)
 from .swiglu import check_activation, glu_fp32, glu_params, run_glu_backward, swiglu_backward
 
 DTYPE = torch.bfloat16        # the recipe's activations, outputs and weights
@@ -274,8 +275,7 @@ def _moe_experts_fp8(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w
         a32 = glu_fp32(g, u, b1, b3, cu, *glu_params(activation, alpha, limit))
         aq, as_ = qf.quantize_rows_from_fp32(a32, pow2_scales)
         y = mm(aq, as_, q2, s2, p.w2, p.s2, cu, False)
-        z = (biased_y(y, b2, cu) * row_weights[:, None]).to(DTYPE)   # b2 in the fp32 epilogue
-        return z, y, g, u
+        return scale_rows_biased(y, b2, cu, row_weights), y, g, u   # b2 in the fp32 epilogue
     aq, as_ = torch.ops.moonep.swiglu_quantize_fp8(g, u, pow2_scales)
     y = mm(aq, as_, q2, s2, p.w2, p.s2, cu, False)
     z = torch.ops.moonep.scale_rows(y, row_weights)     # bf16(fp32(y) * w_M), one pass
@@ -325,9 +325,7 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     mm = torch.ops.moonep.grouped_mm_fp8
     if variant:                 # the forward's formulas (b2 in d_rows), torch passes
         b1, b3, b2 = group_biases(p, biases)
-        dzf = dz.float()
-        d_rows = (dzf * biased_y(y, b2, cu)).sum(dim=1)
-        dy = (dzf * row_weights[:, None]).to(DTYPE)
+        dy, d_rows = scale_rows_biased_backward(dz, y, b2, cu, row_weights)
         dyq, dys = quant(dy, pow2_scales)
     else:
         # One pass over dz and y: dy = bf16(fp32(dz) * w_M), its 1 x 128 tiles, and the grad
