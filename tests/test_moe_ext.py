@@ -491,3 +491,13 @@ _results = cached_runner(__name__, MULTI_RANK, timeout_s=300)
 def test_multi_rank(R, case):
     res = _results(R)[case]
     assert res.ok, res.error
+
+
+def test_bench_expert_variants_smoke():
+    """benchmarks/bench_expert_variants.py (the GPU's 3 % target) runs: both precisions, tiny."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_expert_variants
+    assert bench_expert_variants.main(["--tiny", "--rounds", "1", "--steps", "1",
+                                       "--precisions", "bf16,fp8"]) == 0
