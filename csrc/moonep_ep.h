@@ -38,7 +38,7 @@
 #include <cuda_runtime_api.h>  // cudaStream_t
 
 // Bumped whenever an exported signature changes (moonep_ops/native.py checks it at load).
-#define MOONEP_EP_ABI_VERSION 5
+#define MOONEP_EP_ABI_VERSION 6
 
 #ifdef __cplusplus
 #define MOONEP_EXPORT extern "C" __attribute__((visibility("default")))
@@ -389,6 +389,73 @@ MOONEP_EXPORT int moonep_ep_swiglu_fwd(const void* g, const void* u, void* a, in
  */
 MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void* da, void* dg,
                                        void* du, void* a, int64_t n, int num_sms, void* stream);
+
+/**
+ * The gated variant of the routed experts with biases and gpt-oss's clamped SwiGLU
+ * (moonep::moe_experts_ext): with grp the row's group (the number of cu entries <= the row),
+ * g' = g + b1[grp], u' = u + b3[grp], gc = min(g', limit), uc = clamp(u', -limit, limit):
+ * a = bf16(gc * sigmoid(alpha * gc) * (uc + offset)).  swiglu: alpha 1, limit inf, offset 0.
+ *
+ * @param g, u     device bf16 [M, F]: gate and up projections (GEMM outputs, no bias).
+ * @param b1, b3   device bf16 [G, F] per-group gate / up biases, or null (no bias).
+ * @param cu       device int32 [G]: inclusive end rows of the groups (cu_seqlens).
+ * @param G        groups; rows past cu[G-1] get no bias (their output is unread).
+ * @param F        columns, a multiple of 8 (else cudaErrorInvalidValue).
+ * @param a        device bf16 [M, F], output.
+ * @param n        elements of each tensor: M*F (a multiple of F).
+ * @param alpha, limit, offset  the activation's parameters.
+ * @param num_sms  SMs of the device (sizes the grid; <= 0: 132).
+ * @param stream   cudaStream_t to launch on.
+ */
+MOONEP_EXPORT int moonep_ep_glu_fwd(const void* g, const void* u, const void* b1, const void* b3,
+                                    const void* cu, int G, int64_t F, void* a, int64_t n,
+                                    float alpha, float limit, float offset, int num_sms,
+                                    void* stream);
+
+/**
+ * Backward of moonep_ep_glu_fwd (arguments as there; da the grad of a):
+ * dg = bf16(g' <= limit ? da * (uc + offset) * sig * (1 + alpha * gc * (1 - sig)) : 0),
+ * du = bf16(-limit <= u' <= limit ? da * gc * sig : 0), sig = sigmoid(alpha * gc), and a
+ * recomputed.  dg, du are the grads of g and u (and of the biases' row copies).
+ */
+MOONEP_EXPORT int moonep_ep_glu_bwd(const void* g, const void* u, const void* da, const void* b1,
+                                    const void* b3, const void* cu, int G, int64_t F, void* dg,
+                                    void* du, void* a, int64_t n, float alpha, float limit,
+                                    float offset, int num_sms, void* stream);
+
+/**
+ * The route-weight pass of moonep::moe_experts_ext with the down bias:
+ * z[m] = bf16((y[m] + b2[grp(m)]) * w[m]), fp32 math (bitwise the torch formula).
+ *
+ * @param y        device bf16 [M, D]: the down projection (no bias).
+ * @param b2       device bf16 [G, D] per-group down biases, or null.
+ * @param cu       device int32 [G]: inclusive end rows of the groups; later rows get no bias.
+ * @param G, D     groups and columns (D a multiple of 8, else cudaErrorInvalidValue).
+ * @param w        device fp32 [M]: the rows' route weights.
+ * @param z        device bf16 [M, D], output.
+ * @param M        rows.
+ */
+MOONEP_EXPORT int moonep_ep_bias_scale_rows(const void* y, const void* b2, const void* cu, int G,
+                                            int64_t D, const void* w, void* z, int64_t M,
+                                            int num_sms, void* stream);
+
+/**
+ * Its backward: dy[m] = bf16(dz[m] * w[m]) and d_rows[m] = sum_D dz * (y + b2[grp(m)]) in fp32
+ * (one warp per row: another summation order than torch's).  Arguments as above; dz device bf16
+ * [M, D]; dy device bf16 [M, D] and d_rows device fp32 [M] are written.
+ */
+MOONEP_EXPORT int moonep_ep_bias_scale_rows_bwd(const void* dz, const void* y, const void* b2,
+                                                const void* cu, int G, int64_t D, const void* w,
+                                                void* dy, void* d_rows, int64_t M, int num_sms,
+                                                void* stream);
+
+/**
+ * The bias grads: out[g, c] = sum over group g's rows of x[m, c], fp32, each group summed in
+ * ascending row order (deterministic).  x device bf16 [M, C] (C a multiple of 8); cu device
+ * int32 [G]; out device fp32 [G, C], every element written.
+ */
+MOONEP_EXPORT int moonep_ep_group_sums(const void* x, const void* cu, int G, int64_t C, void* out,
+                                       int num_sms, void* stream);
 
 // =============================================================================================
 // Device planner (plan_kernels.cu): the planner of policies "moonep" and "cost" on the device,

@@ -376,7 +376,7 @@ def _fp8_layer_grads(device, backend, pow2):
             plan.total_num_tokens, pow2)
         from moonep_ops.ops import moe_experts_fp8 as m8
         slots = [t.clone().cpu() for t in m8._pool(layer.pool_name).slot_weights(True)]
-        return [t.cpu() for t in grads], slots
+        return [t.cpu() for t in grads[:5]], slots          # no biases: grads[5] == []
     finally:
         buf.destroy()
 

@@ -43,7 +43,8 @@ def _run(layer, buf, x, w, ids, seed, pow2, cache="", fp8_wgrad=False):
     grads = torch.ops.moonep.moe_experts_fp8_backward(
         dz, h, hs, wM, y, g, u, cu, plan.experts_to_copy, *ws, layer.pool_name, plan.dst,
         plan.total_num_tokens, pow2, cache, fp8_wgrad)
-    return [z, y, g, u], list(grads), (h, hs, wM, cu, plan, y, g, u)
+    # grads[5]: the bias grads, [] here
+    return [z, y, g, u], list(grads[:5]), (h, hs, wM, cu, plan, y, g, u)
 
 
 def _ids(r, step):

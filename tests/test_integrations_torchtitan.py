@@ -62,6 +62,7 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  
 from torchtitan.distributed import ParallelDims  # noqa: E402
 from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.models.common.moe import RoutedExperts  # noqa: E402
+from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts  # noqa: E402
 from torchtitan.models.common.token_dispatcher import (AllToAllTokenDispatcher,  # noqa: E402
                                                        DeepEPTokenDispatcher)
 
@@ -145,9 +146,10 @@ def test_cli_override_entry_replaces_every_moe_layer_of_a_registry_config():
 
 @pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in _TRAINER_DEPS),
                     reason="torchtitan's CLI config needs the Trainer's packages")
-def test_override_refuses_routed_experts_it_would_compute_wrongly():
+def test_override_takes_gpt_oss_and_refuses_other_experts():
     """gpt-oss wraps its own GroupedExperts subclass (biases, clamped SwiGLU) in the common
-    RoutedExperts: the override must say so instead of computing plain SwiGLU over it."""
+    RoutedExperts: the override runs it (moonep::moe_experts_ext); any other subclass it would
+    compute wrongly is refused by name."""
     from torchtitan.config import ConfigManager, apply_overrides
 
     cfg = ConfigManager().parse_args([
@@ -155,8 +157,14 @@ def test_override_refuses_routed_experts_it_would_compute_wrongly():
         "--parallelism.expert_parallel_degree", "2", "--training.disable_cuda_graphs",
         "--override.imports", mtt.OVERRIDE])
     cfg.model_spec.model.update_from_config(config=cfg)
-    with pytest.raises(ValueError, match="GptOssGroupedExperts.*does not run them"):
-        apply_overrides(cfg.override, cfg)
+    moes = [layer.moe for layer in cfg.model_spec.model.layers]
+    assert len(apply_overrides(cfg.override, cfg)) == len(moes) == 4
+    assert all(type(m.routed_experts) is mtt.MoonEPRoutedExperts.Config for m in moes)
+    other = type("OtherExpertsConfig", (GptOssGroupedExperts.Config,), {})
+    bad = RoutedExperts.Config(inner_experts=other(dim=64, hidden_dim=32, num_experts=8),
+                               token_dispatcher=moes[0].routed_experts.token_dispatcher)
+    with pytest.raises(ValueError, match="OtherExpertsConfig.*does not run them"):
+        mtt.moonep(bad)
 
 
 def test_capacity_defaults_to_the_dispatchers_num_max_tokens_per_rank():
@@ -299,6 +307,93 @@ def test_moonep_block_compiles_fullgraph():
     buf = Buffer(64, 64, 2, 8, token_padding=4, backend="single")
     me.routed_experts.bind(buffer=buf)
     x = torch.randn(2, 32, 64)
+    want = me(x)
+    got = torch.compile(me, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    buf.destroy()
+
+
+def _gpt_oss_moe_pair(limit=7.0):
+    """One gpt-oss MoE layer (torchtitan's router with its bias, GptOssGroupedExperts) and the same
+    layer under the override, on the same weights (scaled so that both clamps bind)."""
+    import torchtitan.models.gpt_oss as tt_gpt_oss
+    from torchtitan.models.common import Linear
+    from torchtitan.models.common.moe import TokenChoiceTopKRouter
+    from torchtitan.models.gpt_oss.moe import GptOssMoE
+
+    def cfg():
+        experts = tt_gpt_oss._make_gptoss_experts_config(
+            dim=64, hidden_dim=32, num_experts=8, layer_id=0, top_k=2, moe_comm_backend="standard")
+        experts.inner_experts.swiglu_limit = limit
+        return GptOssMoE.Config(num_experts=8, load_balance_coeff=1e-3, routed_experts=experts,
+                                router=TokenChoiceTopKRouter.Config(
+                                    num_experts=8, score_func="softmax", route_norm=True, top_k=2,
+                                    gate=Linear.Config(in_features=64, out_features=8, bias=True,
+                                                       param_init=tt_gpt_oss._depth_init(0))))
+    a, b = cfg(), cfg()
+    assert mtt.apply_moonep(b, capacity=64) == 1
+    tt, me = a.build(), b.build()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in tt.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        for buf in tt.buffers():
+            buf.zero_()
+    me.load_state_dict(tt.state_dict())
+    # bf16 parameters and activations, as under torchtitan's mixed-precision FSDP (its gpt-oss
+    # experts return bf16, which its combine cannot scatter into fp32 activations)
+    return tt.to(torch.bfloat16), me.to(torch.bfloat16)
+
+
+def _fp64_gpt_oss(experts, x_BLD, scores_BLK, ids_BLK):
+    """sum_k score_k * (clamped SwiGLU expert id_k)(x) in fp64 (torchtitan's formula)."""
+    from torchtitan.models.gpt_oss.moe import swiglu
+    x = x_BLD.double()
+    W1, b1 = experts.mlp1_weight_EGD.double()[ids_BLK], experts.mlp1_bias_EG.double()[ids_BLK]
+    W2, b2 = experts.mlp2_weight_EDF.double()[ids_BLK], experts.mlp2_bias_ED.double()[ids_BLK]
+    h = swiglu(torch.einsum("bld,blkgd->blkg", x, W1) + b1, limit=experts.swiglu_limit)
+    y = torch.einsum("blkf,blkdf->blkd", h, W2) + b2
+    return (y * scores_BLK.double()[..., None]).sum(-2)
+
+
+def test_gpt_oss_experts_match_torchtitans_to_bf16_rounding():
+    """gpt-oss's MoE layer on one MoonEP rank against torchtitan's.  The routed experts (output,
+    input grad, the weights' and biases' grads) against their fp64 values from the same weights
+    and routing: MoonEP at least as close as torchtitan (whose bf16 pre-activations flip the
+    clamps' masks near the limit: its input grad is ~8 % off, MoonEP's ~0.4 %).  The whole layer
+    (router, balancing counts: torchtitan's) within 1 % of torchtitan's output, and the block
+    compiles with fullgraph=True."""
+    tt, me = _gpt_oss_moe_pair()
+    buf = Buffer(64, 64, 2, 8, token_padding=4, backend="single")
+    me.routed_experts.bind(buffer=buf)
+    gen = torch.Generator().manual_seed(4)
+    x, g = (torch.randn(2, 32, 64, generator=gen).bfloat16() for _ in range(2))
+    ra, rb = _fwd_bwd(tt, x, g), _fwd_bwd(me, x, g)
+    rel = lambda b, a: float((b.double() - a.double()).norm() / a.double().norm())
+    assert rel(rb[0], ra[0]) < 1e-2 and torch.equal(ra[3], rb[3])
+    ie = tt.routed_experts.inner_experts
+    names = ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")
+    with torch.no_grad():
+        scores, ids, _ = tt.router(x, tt.expert_bias_E)
+        counts = torch.bincount(ids.reshape(-1), minlength=8)
+        h = torch.einsum("bld,blkgd->blkg", x.double(), ie.mlp1_weight_EGD.double()[ids])
+        assert (h[..., 0::2] > 7.0).any() and (h[..., 1::2].abs() > 7.0).any()  # clamps bind
+    x64 = x.double().requires_grad_()
+    exact64 = {n: getattr(ie, n).detach().double().requires_grad_() for n in names}
+    ref = types.SimpleNamespace(swiglu_limit=ie.swiglu_limit, **exact64)
+    out64 = _fp64_gpt_oss(ref, x64, scores, ids)
+    out64.backward(g.double())
+    errs = {}
+    for side, m in (("torchtitan", tt), ("moonep", me)):
+        m.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        out = m.routed_experts(xr, scores, ids, counts)
+        out.backward(g)
+        inner = m.routed_experts.inner_experts
+        errs[side] = {"out": rel(out, out64), "dx": rel(xr.grad, x64.grad),
+                      **{n: rel(getattr(inner, n).grad, exact64[n].grad) for n in names}}
+    for k, e in errs["moonep"].items():
+        assert e <= 1.25 * errs["torchtitan"][k] + 1e-3 and e < 1e-2, (k, errs)
     want = me(x)
     got = torch.compile(me, backend="aot_eager", fullgraph=True)(x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)

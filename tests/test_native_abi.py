@@ -23,7 +23,7 @@ _spec.loader.exec_module(check_abi)
 _COMPAT = {
     "int": {ctypes.c_int}, "int32_t": {ctypes.c_int}, "size_t": {ctypes.c_size_t},
     "int64_t": {ctypes.c_int64, ctypes.c_longlong}, "long long": {ctypes.c_longlong, ctypes.c_int64},
-    "void": {None},
+    "void": {None}, "float": {ctypes.c_float},
 }
 
 

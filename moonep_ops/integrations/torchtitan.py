@@ -128,11 +128,13 @@ from torchtitan.config import OverrideConfig, apply_overrides, derive, override
 from torchtitan.distributed.spmd_types import maybe_set_sparse_mesh
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
 from ..buffer import Buffer
 from ..geometry import slack_to_ppm
 from ..nn.moe import check_backend_dims, check_precision
 from ..ops import moe_experts as _moe_experts_ops  # noqa: F401  (registers moonep::moe_experts)
+from ..ops.moe_experts_ext import check_variant, moe_experts_ext
 from ..planner import POLICIES
 
 #: The ``override.imports`` target that turns MoonEP on.
@@ -140,6 +142,12 @@ OVERRIDE = f"{__name__}.moonep"
 
 #: Compute dtype of the routed experts (torchtitan's GroupedExperts always computes in bf16).
 COMPUTE_DTYPE = torch.bfloat16
+
+#: The inner experts the override runs: torchtitan's SwiGLU GroupedExperts, and gpt-oss's
+#: GptOssGroupedExperts (biases, the clamped SwiGLU with torchtitan's fixed alpha 1.702 and the
+#: config's swiglu_limit, gate and up interleaved in ``mlp1_weight_EGD [E, 2F, D]``).
+INNER_EXPERTS = (GroupedExperts.Config, GptOssGroupedExperts.Config)
+GPT_OSS_ALPHA = 1.702
 
 # One Buffer per (EP group, settings), shared by every MoE layer of the process (and so one
 # ExpertPool per expert shape).  Weak: the Buffer is freed with the last layer holding it.
@@ -236,9 +244,12 @@ class MoonEPRoutedExperts(RoutedExperts):
             raise RuntimeError("this MoonEPRoutedExperts is already bound to a Buffer")
         ie = self.inner_experts
         # Under partial_dtensor / full_dtensor the experts are DTensors of global shape [E, F, D];
-        # under spmd_types they are this rank's plain [E/R, F, D] slice.
-        local = ie.w1_EFD.to_local() if isinstance(ie.w1_EFD, DTensor) else ie.w1_EFD
+        # under spmd_types they are this rank's plain [E/R, F, D] slice (gpt-oss: [.., 2F, D]).
+        gpt_oss = isinstance(ie, GptOssGroupedExperts)
+        w = ie.mlp1_weight_EGD if gpt_oss else ie.w1_EFD
+        local = w.to_local() if isinstance(w, DTensor) else w
         E, (F, D) = ie.num_experts, tuple(local.shape[1:])
+        F = F // 2 if gpt_oss else F
         K = self.token_dispatcher.top_k
         if buffer is None:
             group = group if group is not None else self.ep_group
@@ -259,6 +270,8 @@ class MoonEPRoutedExperts(RoutedExperts):
                                  f"{(D, K, E, COMPUTE_DTYPE)}")
             check_backend_dims(buffer.device.type, COMPUTE_DTYPE, D, F)
             check_precision(self.precision, self.fp8_pow2_scales, COMPUTE_DTYPE, D, F)
+            if gpt_oss:
+                check_variant(True, "swiglu_clamped", GPT_OSS_ALPHA, ie.swiglu_limit)
             if local.shape[0] != buffer.epn:
                 raise ValueError(f"this rank holds {local.shape[0]} experts but MoonEP's group of "
                                  f"R={buffer.R} expects E/R={buffer.epn}: the experts must be "
@@ -270,8 +283,11 @@ class MoonEPRoutedExperts(RoutedExperts):
             buffer.reject_expert_pool(e)     # collective: the peers are in expert_pool below
             raise
         # collective: the ranks' layers agree on precision and pow2 scales, or all raise
-        self.pool_name = buffer.expert_pool(D, F, COMPUTE_DTYPE, precision=self.precision,
-                                            pow2_scales=self.fp8_pow2_scales).name
+        pool = buffer.expert_pool(D, F, COMPUTE_DTYPE, precision=self.precision,
+                                  pow2_scales=self.fp8_pow2_scales)
+        if gpt_oss:
+            pool.add_bias_slots()        # collective: every rank's layers bind alike
+        self.pool_name = pool.name
         self.capacity = buffer.S
         self.moonep_buffer = buffer
         return buffer
@@ -294,6 +310,18 @@ class MoonEPRoutedExperts(RoutedExperts):
                 w = w.to_local()
             out.append(w.to(COMPUTE_DTYPE).contiguous())
         return out[0], out[1], out[2]
+
+    def _gpt_oss_weights(self) -> tuple[list[Tensor], list[Tensor]]:
+        """gpt-oss's experts as MoonEP's: ([w1, w3 [B, F, D], w2 [B, D, F]], [b1, b3 [B, F],
+        b2 [B, D]]) in bf16, gate and up taken from the interleaved rows (differentiable)."""
+        ie = self.inner_experts
+        W1, b13, w2, b2 = (t.to_local() if isinstance(t, DTensor) else t
+                           for t in (ie.mlp1_weight_EGD, ie.mlp1_bias_EG, ie.mlp2_weight_EDF,
+                                     ie.mlp2_bias_ED))
+        ws = [W1[:, 0::2], W1[:, 1::2], w2]
+        bs = [b13[:, 0::2], b13[:, 1::2], b2]
+        return ([t.to(COMPUTE_DTYPE).contiguous() for t in ws],
+                [t.to(COMPUTE_DTYPE).contiguous() for t in bs])
 
     # torchtitan's parameter names (its letters: B batch, L sequence): the sharding config's
     # local_map finds the inputs by name.
@@ -324,10 +352,23 @@ class MoonEPRoutedExperts(RoutedExperts):
             h_MD, hs_MC, w_M, cu_G, plan = buf.dispatch_fp8(x_sD, ids_sK, w_sK,
                                                             pow2_scales=self.fp8_pow2_scales)
             with maybe_set_sparse_mesh():
-                w1, w3, w2 = self._expert_weights()
+                if isinstance(self.inner_experts, GptOssGroupedExperts):
+                    (w1, w3, w2), biases = self._gpt_oss_weights()
+                    more = (biases, "swiglu_clamped", GPT_OSS_ALPHA,
+                            self.inner_experts.swiglu_limit)
+                else:
+                    (w1, w3, w2), more = self._expert_weights(), ()
                 z_MD, _, _, _ = torch.ops.moonep.moe_experts_fp8(
                     h_MD, hs_MC, w_M, cu_G, plan.experts_to_copy, w1, w3, w2, self.pool_name,
-                    x_sD, w_sK, plan.dst, plan.total_num_tokens, self.fp8_pow2_scales)
+                    x_sD, w_sK, plan.dst, plan.total_num_tokens, self.fp8_pow2_scales, "",
+                    False, *more)
+        elif isinstance(self.inner_experts, GptOssGroupedExperts):
+            h_MD, w_M, cu_G, plan = buf.dispatch(x_sD, ids_sK, w_sK)
+            with maybe_set_sparse_mesh():
+                (w1, w3, w2), biases = self._gpt_oss_weights()
+                z_MD, _, _, _ = moe_experts_ext(h_MD, w_M, cu_G, plan.experts_to_copy, w1, w3,
+                                                w2, biases, self.pool_name, "swiglu_clamped",
+                                                GPT_OSS_ALPHA, self.inner_experts.swiglu_limit)
         else:
             h_MD, w_M, cu_G, plan = buf.dispatch(x_sD, ids_sK, w_sK)
             with maybe_set_sparse_mesh():      # as RoutedExperts does (spmd_types only)
@@ -357,16 +398,18 @@ def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None,
     ``RoutedExperts`` is left alone (its behaviour would be lost).  The token dispatcher becomes torchtitan's
     standard one (used only at EP = 1; DeepEP/HybridEP buffers are not allocated), and its
     ``num_max_tokens_per_rank``, when it has one, is the default capacity.  Routed experts
-    whose inner experts are not exactly ``GroupedExperts`` (gpt-oss's) raise ``ValueError``."""
+    whose inner experts are not exactly ``GroupedExperts`` or gpt-oss's ``GptOssGroupedExperts``
+    (``INNER_EXPERTS``) raise ``ValueError``."""
     inner = type(cfg.inner_experts)
-    if inner is not GroupedExperts.Config:
-        # MoonEP runs GroupedExperts' math (w1, w3, w2 SwiGLU, no biases) on its parameters; a
-        # subclass (gpt-oss's GptOssGroupedExperts: biases, clamped SwiGLU, other parameter
-        # names) would be computed wrongly or fail deep inside the forward
+    if inner not in INNER_EXPERTS:
+        # MoonEP runs those two's math on their parameters; another subclass would be computed
+        # wrongly or fail deep inside the forward
         raise ValueError(
             f"moonep override: these routed experts are {inner.__qualname__}, not torchtitan's "
-            "GroupedExperts.Config (SwiGLU over w1_EFD, w3_EFD, w2_EDF, no biases); MoonEP "
-            "does not run them: leave this model without the override")
+            "GroupedExperts.Config (SwiGLU over w1_EFD, w3_EFD, w2_EDF) or GptOssGroupedExperts"
+            ".Config (gpt-oss); MoonEP does not run them: leave this model without the override")
+    if inner is GptOssGroupedExperts.Config:
+        check_variant(True, "swiglu_clamped", GPT_OSS_ALPHA, cfg.inner_experts.swiglu_limit)
     disp = cfg.token_dispatcher
     if capacity is None:
         capacity = getattr(disp, "num_max_tokens_per_rank", None)
@@ -395,4 +438,4 @@ def moonep_layers(model: torch.nn.Module) -> list[MoonEPRoutedExperts]:
 
 
 __all__ = ["MoonEPRoutedExperts", "moonep", "moonep_override", "apply_moonep", "moonep_layers",
-           "OVERRIDE", "COMPUTE_DTYPE"]
+           "OVERRIDE", "COMPUTE_DTYPE", "INNER_EXPERTS", "GPT_OSS_ALPHA"]

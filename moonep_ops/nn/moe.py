@@ -43,6 +43,7 @@ from ..ops.fp8_weight_cache import FP8WeightCache
 from ..ops.grouped_mm_fp8 import ALIGN as FP8_ALIGN
 from ..ops import quantize_fp8 as _qf  # moonep::scale_rows, the route weights of the bf16 layer
 from ..ops.moe_experts import PRECISIONS
+from ..ops.moe_experts_ext import check_variant, moe_experts_ext
 from ..planner import POLICIES
 from .router import Router
 
@@ -68,21 +69,33 @@ def check_precision(precision: str, pow2_scales: bool, dtype: torch.dtype, D: in
 def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_sK: Tensor,
                    w1: Tensor, w3: Tensor, w2: Tensor, *, precision: str = "bf16",
                    pow2_scales: bool = False, total_num_tokens: Optional[int] = None,
-                   weight_cache: str = "", fp8_wgrad: bool = False) -> Tensor:
+                   weight_cache: str = "", fp8_wgrad: bool = False, biases: tuple = (),
+                   activation: str = "swiglu", alpha: float = 1.0,
+                   limit: float = 1.0) -> Tensor:
     """dispatch -> routed SwiGLU experts -> route weights -> combine, in one precision:
     ``[s, D]``, differentiable in x, the route weights and the experts.
 
-    "bf16": Buffer.dispatch, moonep::moe_experts, the weights applied in fp32, combine.
+    "bf16": Buffer.dispatch, moonep::moe_experts, the weights applied in fp32, combine; with
+    expert ``biases`` (b1, b3, b2) or another ``activation`` (gpt-oss's "swiglu_clamped", its
+    ``alpha`` and ``limit``), moonep::moe_experts_ext, which applies the weights itself.
     "fp8": Buffer.dispatch_fp8 (e4m3 rows + scales), moonep::moe_experts_fp8 (which applies
-    the weights and carries dispatch's transpose in its backward), combine."""
+    the weights and carries dispatch's transpose in its backward; biases and the activation
+    passed on), combine."""
+    variant = biases or activation != "swiglu"
     if precision == "fp8":
         h, hs, w_M, cu, plan = buf.dispatch_fp8(x_sD, ids_sK, w_sK,
                                                 total_num_tokens=total_num_tokens,
                                                 pow2_scales=pow2_scales)
+        # positional: torch's custom-op autograd rejects its own grads for a list by keyword
+        more = (list(biases), activation, alpha, limit) if variant else ()
         z, _, _, _ = torch.ops.moonep.moe_experts_fp8(h, hs, w_M, cu, plan.experts_to_copy, w1,
                                                       w3, w2, pool_name, x_sD, w_sK, plan.dst,
                                                       plan.total_num_tokens, pow2_scales,
-                                                      weight_cache, fp8_wgrad)
+                                                      weight_cache, fp8_wgrad, *more)
+    elif variant:
+        h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
+        z, _, _, _ = moe_experts_ext(h, w_M, cu, plan.experts_to_copy, w1, w3, w2, list(biases),
+                                     pool_name, activation, alpha, limit)
     else:
         h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
         y, _, _ = _moe_experts.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2, pool_name)
@@ -144,6 +157,14 @@ class MoEArgs:
       slack eps and link bandwidth (the Buffer's arguments; the layer's hidden_dim is the cost
       model's F).  backend: data-plane backend.
       side_stream: run the shared experts on a side stream on CUDA (eager mode).
+    Routed experts (gpt-oss; moonep_ops/ops/moe_experts_ext.py):
+      expert_bias: biases on the gate, up and down projections (parameters b1, b3 [E, F] and
+      b2 [E, D] beside w1, w3, w2, sharded, prefetched into the slots and reduced home with
+      them).  activation: "swiglu" (silu(gate) * up) or "swiglu_clamped", gpt-oss's:
+      gate = min(gate, swiglu_limit), up = clamp(up, -swiglu_limit, swiglu_limit),
+      (up + 1) * gate * sigmoid(swiglu_alpha * gate); swiglu_alpha and swiglu_limit are finite
+      and > 0 (gpt-oss: 1.702 and 7.0).  Either option runs in both precisions (not with
+      fp8_wgrad).
     Expert precision (docs/fp8.md):
       precision: "bf16" (default) or "fp8", the DeepSeek-V3 recipe: tokens dispatched in e4m3
       with 1 x 128-tile scales, expert weights quantised per 128 x 128 block, the three expert
@@ -190,6 +211,10 @@ class MoEArgs:
     fp8_pow2_scales: bool = False
     fp8_weight_cache: bool = False   # off until the CUDA layer matches its CPU reference
     fp8_wgrad: bool = False
+    expert_bias: bool = False
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def router_kwargs(self) -> dict:
         names = ("score_func", "topk_before_score", "route_norm", "route_norm_eps", "route_scale",
@@ -202,6 +227,7 @@ class MoEArgs:
 
 
 _EXPERT_PARAMS = ("w1", "w3", "w2")
+_BIAS_PARAMS = ("b1", "b3", "b2")
 
 
 class MoonEPMoE(nn.Module):
@@ -243,6 +269,8 @@ class MoonEPMoE(nn.Module):
                              f"{args.policy!r}")
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         check_precision(args.precision, args.fp8_pow2_scales, dtype, dim, hidden_dim)
+        check_variant(args.expert_bias, args.activation, args.swiglu_alpha, args.swiglu_limit,
+                      args.precision == "fp8" and args.fp8_wgrad)
         self.args = args
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, E, K
         self.dtype = dtype
@@ -251,6 +279,12 @@ class MoonEPMoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, hidden_dim, dim, dtype=dtype, device=device))
         self.w3 = nn.Parameter(torch.empty(E, hidden_dim, dim, dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.empty(E, dim, hidden_dim, dtype=dtype, device=device))
+        self.expert_params = _EXPERT_PARAMS
+        if args.expert_bias:
+            self.b1 = nn.Parameter(torch.empty(E, hidden_dim, dtype=dtype, device=device))
+            self.b3 = nn.Parameter(torch.empty(E, hidden_dim, dtype=dtype, device=device))
+            self.b2 = nn.Parameter(torch.empty(E, dim, dtype=dtype, device=device))
+            self.expert_params = _EXPERT_PARAMS + _BIAS_PARAMS
         self.shared = self.shared_gate = None
         if args.num_shared_experts:
             width = args.shared_hidden_dim or args.num_shared_experts * hidden_dim
@@ -294,6 +328,8 @@ class MoonEPMoE(nn.Module):
         """Normal(0, init_std) experts, gate and shared experts (the bias buffer is zeroed)."""
         for w in (self.w1, self.w3, self.w2):
             w.normal_(0.0, init_std)
+        for b in self.biases():
+            b.zero_()
         if isinstance(self.router, Router):
             self.router.gate.weight.normal_(0.0, init_std)
             if self.router.gate.bias is not None:
@@ -303,6 +339,10 @@ class MoonEPMoE(nn.Module):
             mod.weight.normal_(0.0, init_std)
         if self.shared_gate is not None:
             self.shared_gate.weight.normal_(0.0, init_std)
+
+    def biases(self) -> tuple:
+        """(b1, b3, b2) with MoEArgs.expert_bias, else ()."""
+        return tuple(getattr(self, n) for n in self.expert_params[len(_EXPERT_PARAMS):])
 
     @property
     def num_local_experts(self) -> int:
@@ -318,9 +358,9 @@ class MoonEPMoE(nn.Module):
         B, E = self.num_local_experts, self.num_experts
         if B == E:
             return
-        for name in _EXPERT_PARAMS:
+        for name in self.expert_params:
             t = state_dict.get(prefix + name)
-            if t is not None and t.dim() == 3 and t.shape[0] == E:
+            if t is not None and t.dim() == getattr(self, name).dim() and t.shape[0] == E:
                 state_dict[prefix + name] = t[self.expert_offset:self.expert_offset + B]
 
     @torch.no_grad()
@@ -328,7 +368,7 @@ class MoonEPMoE(nn.Module):
         """Collective over the layer's EP group: ``state_dict()`` with the experts gathered to
         their full ``[E, ...]`` shape (same keys, same order), on every rank."""
         sd = self.state_dict(prefix=prefix)
-        for name in _EXPERT_PARAMS:
+        for name in self.expert_params:
             sd[prefix + name] = self.gather_experts(getattr(self, name)).detach()
         return sd
 
@@ -393,10 +433,12 @@ class MoonEPMoE(nn.Module):
         # their pool (precision and pow2 scales included), else every rank raises here.
         pool = buffer.expert_pool(self.dim, self.hidden_dim, self.dtype, precision=a.precision,
                                   pow2_scales=a.fp8_pow2_scales)
+        if a.expert_bias:
+            pool.add_bias_slots()            # collective: every rank's layers bind alike
         B, r = buffer.epn, buffer.rank
         dev = buffer.device
         with torch.no_grad():
-            for name in _EXPERT_PARAMS:
+            for name in self.expert_params:
                 w = getattr(self, name)
                 if w.shape[0] != self.num_experts:
                     raise RuntimeError(f"{name} holds {w.shape[0]} experts, not all {self.num_experts}")
@@ -466,7 +508,9 @@ class MoonEPMoE(nn.Module):
                              pow2_scales=self.args.fp8_pow2_scales,
                              total_num_tokens=total_num_tokens,
                              weight_cache=self.fp8_cache.name if self.fp8_cache is not None else "",
-                             fp8_wgrad=self.args.precision == "fp8" and self.args.fp8_wgrad)
+                             fp8_wgrad=self.args.precision == "fp8" and self.args.fp8_wgrad,
+                             biases=self.biases(), activation=self.args.activation,
+                             alpha=self.args.swiglu_alpha, limit=self.args.swiglu_limit)
         if self.shared is not None:
             if side is not None:
                 main.wait_stream(side)

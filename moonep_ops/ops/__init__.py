@@ -14,9 +14,11 @@ with its schema, fake kernel, CPU reference, kernel binding and autograd:
   swiglu.py          moonep::swiglu, swiglu_backward
   moe_experts.py     moonep::moe_experts, moe_experts_backward; ExpertPool
   moe_experts_fp8.py moonep::moe_experts_fp8, moe_experts_fp8_backward
+  moe_experts_ext.py moonep::moe_experts_ext, moe_experts_ext_backward (biases, gpt-oss's SwiGLU)
 The planner op moonep::plan lives in moonep_ops/planner/op.py, below the backends that call it.
 Importing ``moonep_ops`` registers them all.
 """
 from . import (dispatch, expert_weights, grouped_mm, grouped_mm_fp8, moe_experts,  # noqa: F401
                moe_experts_fp8, quantize_fp8, swiglu)
 from . import fp8_weight_cache, grouped_mm_fp8_wgrad, quantize_fp8_tokens  # noqa: F401
+from . import moe_experts_ext  # noqa: F401

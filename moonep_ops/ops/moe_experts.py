@@ -20,6 +20,8 @@ ExpertPool.  One per (Buffer, D, F, dtype), owned by the Buffer (``Buffer.expert
 with it, shared by every layer of that shape:
     slot weights  3 * B * D * F * sizeof(dtype)
     slot grads    3 * B * D * F * sizeof(dtype)      (the reduce_grad landing area)
+    bias slots    2 * B * (2F + D) * sizeof(dtype)   (weights and grads; only once a layer with
+                                                      expert biases binds: add_bias_slots)
 e.g. B = 48, D = 7168, F = 2048, bf16: 4.2 GB + 4.2 GB per process whatever the number of layers.
 The slot grads are zero outside a backward (reduce_grad re-zeroes what it consumes), so empty slot
 groups are never rewritten.
@@ -69,6 +71,7 @@ class ExpertPool:
         self.w3 = z((B, F, D), wdt)
         self.w2 = z((B, D, F), wdt)
         self.s1 = self.s3 = self.s2 = None
+        self.b1 = self.b3 = self.b2 = self.gb1 = self.gb3 = self.gb2 = None
         if precision == "fp8":
             cF, cD = scale_cols(F), scale_cols(D)
             self.s1 = z((B, cF, cD), torch.float32)
@@ -77,7 +80,20 @@ class ExpertPool:
         self.g1 = z((B, F, D), dtype)
         self.g3 = z((B, F, D), dtype)
         self.g2 = z((B, D, F), dtype)
+        self.b1 = self.b3 = self.b2 = self.gb1 = self.gb3 = self.gb2 = None
         self.name = registry.register(self, "pool")
+
+    def add_bias_slots(self) -> None:
+        """Slots for expert biases (moonep::moe_experts_ext), which travel with their weights:
+        b1, b3 [B, F], b2 [B, D] and their grad landing gb1, gb3, gb2, in ``dtype``.  Made once,
+        by the first biased layer's bind: collective on a symmetric backend, so every rank calls
+        it at the same point (their layers bind in the same order)."""
+        if self.b1 is not None:
+            return
+        z, (B, F, D) = _backend(self).symmetric_zeros, (self.w1.shape[0], self.F, self.D)
+        self.b1, self.b3, self.b2 = z((B, F), self.dtype), z((B, F), self.dtype), z((B, D), self.dtype)
+        self.gb1, self.gb3, self.gb2 = (z((B, F), self.dtype), z((B, F), self.dtype),
+                                        z((B, D), self.dtype))
 
     def slot_weights(self, transposed: bool = False) -> list[Tensor]:
         """What prefetch_weight fills: [w1, w3, w2], or fp8 [w1, s1, w3, s3, w2, s2].
@@ -96,11 +112,12 @@ class ExpertPool:
         return [self.w1, self.w3, self.w2]
 
     def tensors(self) -> tuple[Tensor, ...]:
-        return tuple(self.slot_weights()) + (self.g1, self.g3, self.g2)
+        return tuple(getattr(self, n) for n in self.tensor_names())
 
     def tensor_names(self) -> tuple[str, ...]:
         w = ("w1", "s1", "w3", "s3", "w2", "s2") if self.precision == "fp8" else ("w1", "w3", "w2")
-        return w + ("g1", "g3", "g2")
+        bias = ("b1", "b3", "b2", "gb1", "gb3", "gb2") if self.b1 is not None else ()
+        return w + ("g1", "g3", "g2") + bias
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -109,6 +126,7 @@ class ExpertPool:
         registry.unregister(self.name)
         self.w1 = self.w3 = self.w2 = self.g1 = self.g3 = self.g2 = None
         self.s1 = self.s3 = self.s2 = None
+        self.b1 = self.b3 = self.b2 = self.gb1 = self.gb3 = self.gb2 = None
 
 
 def _pool(name: str) -> ExpertPool:

@@ -81,7 +81,9 @@ from . import quantize_fp8_tokens as _qt  # noqa: F401  (registers the token qua
 from .fp8_weight_cache import FP8WeightCache
 from .checks import call_device, check_no_overlap, device_error, on_device
 from .moe_experts import ExpertPool, check_expert_weights, checked
-from .swiglu import swiglu_backward
+from .moe_experts_ext import (bias_grads, check_biases, group_biases, scale_rows_biased,
+                              scale_rows_biased_backward)
+from .swiglu import check_activation, glu_fp32, glu_params, run_glu_backward, swiglu_backward
 
 DTYPE = torch.bfloat16        # the recipe's activations, outputs and weights
 
@@ -130,8 +132,8 @@ def _check_cache(op: str, cache, B: int, F: int, D: int, pow2: bool, device) -> 
 
 @qf.fp8_checks
 def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, values=True,
-           x=None, rw=None, dst=None, total=None, cache="", fp8_wgrad=False,
-           **more) -> tuple[int, int, int, int]:
+           x=None, rw=None, dst=None, total=None, cache="", fp8_wgrad=False, biases=None,
+           activation="swiglu", alpha=1.0, limit=1.0, **more) -> tuple[int, int, int, int]:
     """Every check of the two ops, before the first write (the pool's slots) and the first
     collective (prefetch_weight).  Returns (B, F, D, M)."""
     if pool.precision != "fp8":
@@ -200,51 +202,72 @@ def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, valu
                 and not t.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous (got strides {t.stride()})")
     _gm._check_cu(cu, 2 * B, M, h.device, values)
+    check_activation(activation, alpha, limit)
+    check_biases(op, biases or [], pool, B, F, D, DTYPE, h.device)
+    if fp8_wgrad and (biases or activation != "swiglu"):
+        raise ValueError(f"{op}: fp8_wgrad has no expert biases or activation {activation!r} yet")
     if values:
         written = [(f"the pool's {n}", t) for n, t in zip(pool.tensor_names(), pool.tensors())]
         check_no_overlap(op, written, list(named_t.items()) + [("h", h)])
     return B, F, D, M
 
 
-def _prefetch(pool: ExpertPool, etc: Tensor, local: list[Tensor], transposed: bool = False
-              ) -> list[Tensor]:
-    """Push the quantised home experts into the pool's slots and return the slots as filled;
-    transposed: ``local`` holds the transposed layout and lands in the slots viewed the same
-    way (pool.slot_weights)."""
+def _prefetch(pool: ExpertPool, etc: Tensor, local: list[Tensor], transposed: bool = False,
+              biases=None) -> list[Tensor]:
+    """Push the quantised home experts (and their biases, in their own dtype, into the pool's
+    bias slots) into the pool's slots and return the weight slots as filled; transposed:
+    ``local`` holds the transposed layout and lands in the slots viewed the same way
+    (pool.slot_weights)."""
     slots = pool.slot_weights(transposed)
-    torch.ops.moonep.prefetch_weight(etc, local, slots, pool.backend_name)
+    extra = [pool.b1, pool.b3, pool.b2] if biases else []
+    torch.ops.moonep.prefetch_weight(etc, local + [b.detach() for b in biases or []],
+                                     slots + extra, pool.backend_name)
     return slots
 
 
 _TAGS = ()   # capturable when the Buffer's backend is (as moe_experts)
 
+# expert biases [b1, b3, b2] (bf16, added in fp32) and the gated activation (ops/swiglu.py),
+# as moonep::moe_experts_ext; off by default (the fused SwiGLU-quantise and scale-rows passes)
+_VARIANT = (", Tensor[]? biases=None, str activation=\"swiglu\", float alpha=1.0, "
+            "float limit=1.0")
 _FWD_SCHEMA = ("(Tensor h, Tensor h_scale, Tensor row_weights, Tensor cu_seqlens, "
                "Tensor experts_to_copy, Tensor w1, Tensor w3, Tensor w2, str pool, Tensor x, "
                "Tensor route_weights, Tensor dst, int total_num_tokens, bool pow2_scales=False, "
-               "str weight_cache=\"\", bool fp8_wgrad=False) -> (Tensor, Tensor, Tensor, Tensor)")
+               "str weight_cache=\"\", bool fp8_wgrad=False" + _VARIANT + ") -> (Tensor, Tensor, "
+               "Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor dz, Tensor h, Tensor h_scale, Tensor row_weights, Tensor y, Tensor g, "
                "Tensor u, Tensor cu_seqlens, Tensor experts_to_copy, Tensor w1, Tensor w3, "
                "Tensor w2, str pool, Tensor dst, int total_num_tokens, bool pow2_scales=False, "
-               "str weight_cache=\"\", bool fp8_wgrad=False)"
-               " -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+               "str weight_cache=\"\", bool fp8_wgrad=False" + _VARIANT + ")"
+               " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])")
 
 
 @torch.library.custom_op("moonep::moe_experts_fp8", mutates_args=(), schema=_FWD_SCHEMA,
                          tags=_TAGS)
 def _moe_experts_fp8(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x,
                      route_weights, dst, total_num_tokens, pow2_scales=False, weight_cache="",
-                     fp8_wgrad=False):
+                     fp8_wgrad=False, biases=None, activation="swiglu", alpha=1.0, limit=1.0):
     p = _pool(pool)
     checked("moe_experts_fp8", p, _check, "moe_experts_fp8", p, h, h_scale, row_weights,
             cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales, x=x, rw=route_weights, dst=dst,
-            total=total_num_tokens, cache=weight_cache, fp8_wgrad=fp8_wgrad)
+            total=total_num_tokens, cache=weight_cache, fp8_wgrad=fp8_wgrad, biases=biases,
+            activation=activation, alpha=alpha, limit=limit)
     q1, s1, q3, s3, q2, s2 = _home_weights(weight_cache, w1, w3, w2, pow2_scales)
-    _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2])
+    _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2], biases=biases)
     cu = cu_seqlens
     mm = torch.ops.moonep.grouped_mm_fp8
     # zero_tail=False: nothing reads the rows past cu[-1] (combine gathers the plan's rows)
     g = mm(h, h_scale, q1, s1, p.w1, p.s1, cu, False)
     u = mm(h, h_scale, q3, s3, p.w3, p.s3, cu, False)
+    if biases or activation != "swiglu":
+        # the gated variant: biases added and the activation taken in fp32, quantised from
+        # fp32 like swiglu_quantize_fp8 (torch passes, not fused yet)
+        b1, b3, b2 = group_biases(p, biases)
+        a32 = glu_fp32(g, u, b1, b3, cu, *glu_params(activation, alpha, limit))
+        aq, as_ = qf.quantize_rows_from_fp32(a32, pow2_scales)
+        y = mm(aq, as_, q2, s2, p.w2, p.s2, cu, False)
+        return scale_rows_biased(y, b2, cu, row_weights), y, g, u   # b2 in the fp32 epilogue
     aq, as_ = torch.ops.moonep.swiglu_quantize_fp8(g, u, pow2_scales)
     y = mm(aq, as_, q2, s2, p.w2, p.s2, cu, False)
     z = torch.ops.moonep.scale_rows(y, row_weights)     # bf16(fp32(y) * w_M), one pass
@@ -253,12 +276,14 @@ def _moe_experts_fp8(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w
 
 @_moe_experts_fp8.register_fake
 def _(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x, route_weights,
-      dst, total_num_tokens, pow2_scales=False, weight_cache="", fp8_wgrad=False):
+      dst, total_num_tokens, pow2_scales=False, weight_cache="", fp8_wgrad=False, biases=None,
+      activation="swiglu", alpha=1.0, limit=1.0):
     p = _pool(pool)
     B, F, D, M = checked("moe_experts_fp8", p, _check, "moe_experts_fp8", p, h, h_scale,
                          row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales,
                          values=False, x=x, rw=route_weights, dst=dst, total=total_num_tokens,
-                         cache=weight_cache, fp8_wgrad=fp8_wgrad)
+                         cache=weight_cache, fp8_wgrad=fp8_wgrad, biases=biases,
+                         activation=activation, alpha=alpha, limit=limit)
     return (w1.new_empty((M, D)), w1.new_empty((M, D)), w1.new_empty((M, F)),
             w1.new_empty((M, F)))
 
@@ -267,12 +292,13 @@ def _(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x,
                          tags=_TAGS)
 def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, experts_to_copy,
                               w1, w3, w2, pool, dst, total_num_tokens, pow2_scales=False,
-                              weight_cache="", fp8_wgrad=False):
+                              weight_cache="", fp8_wgrad=False, biases=None, activation="swiglu",
+                              alpha=1.0, limit=1.0):
     p = _pool(pool)
     checked("moe_experts_fp8_backward", p, _check, "moe_experts_fp8_backward", p, h, h_scale,
             row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales, dst=dst,
-            total=total_num_tokens, cache=weight_cache, fp8_wgrad=fp8_wgrad, dz=dz, y=y, g=g,
-            u=u)
+            total=total_num_tokens, cache=weight_cache, fp8_wgrad=fp8_wgrad, biases=biases,
+            activation=activation, alpha=alpha, limit=limit, dz=dz, y=y, g=g, u=u)
     # The dgrads dy @ W_g are forward GEMMs on W^T (K-major, as the sm90 FP8 MMA wants): the
     # home weights are quantised straight into the transposed layout (bitwise quantise(W)^T)
     # and pushed into the slots viewed transposed, so no e4m3 tensor is ever transposed.
@@ -280,21 +306,30 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     q1, s1, q3, s3, q2, s2 = _home_weights(weight_cache, w1, w3, w2, pow2_scales,
                                            transpose=True)
     t1, ts1, t3, ts3, t2, ts2 = _prefetch(p, experts_to_copy, [q1, s1, q3, s3, q2, s2],
-                                          transposed=True)
+                                          transposed=True, biases=biases)
     cu = cu_seqlens
     if fp8_wgrad:
         return _backward_fp8_wgrad(p, dz, h, h_scale, row_weights, y, g, u, cu, experts_to_copy,
                                    w1, w3, w2, dst, total_num_tokens, pow2_scales,
                                    (q1, s1, q3, s3, q2, s2), (t1, ts1, t3, ts3, t2, ts2))
-    # One pass over dz and y: dy = bf16(fp32(dz) * w_M), its 1 x 128 tiles, and the grad of
-    # row_weights d_rows = sum_D fp32(dz) * fp32(y) (fp32, summed in the kernel).
-    dy, dyq, dys, d_rows = torch.ops.moonep.scale_rows_backward_fp8(dz, row_weights, y,
-                                                                    pow2_scales)
+    variant = bool(biases) or activation != "swiglu"
     quant = torch.ops.moonep.quantize_fp8_rows
     mm = torch.ops.moonep.grouped_mm_fp8
+    if variant:                 # the forward's formulas (b2 in d_rows), torch passes
+        b1, b3, b2 = group_biases(p, biases)
+        dy, d_rows = scale_rows_biased_backward(dz, y, b2, cu, row_weights)
+        dyq, dys = quant(dy, pow2_scales)
+    else:
+        # One pass over dz and y: dy = bf16(fp32(dz) * w_M), its 1 x 128 tiles, and the grad
+        # of row_weights d_rows = sum_D fp32(dz) * fp32(y) (fp32, summed in the kernel).
+        dy, dyq, dys, d_rows = torch.ops.moonep.scale_rows_backward_fp8(dz, row_weights, y,
+                                                                        pow2_scales)
     # zero_tail=False: da and dh are read at the plan's rows only (dh by the combine below)
     da = mm(dyq, dys, q2, s2, t2, ts2, cu, False)               # dy @ w2_g  [M, F]
-    dg, du, a = swiglu_backward(g, u, da)
+    if variant:
+        dg, du, a = run_glu_backward(g, u, da, b1, b3, cu, *glu_params(activation, alpha, limit))
+    else:
+        dg, du, a = swiglu_backward(g, u, da)
     dh = mm(*quant(dg, pow2_scales), q1, s1, t1, ts1, cu, False) \
         + mm(*quant(du, pow2_scales), q3, s3, t3, ts3, cu, False)   # [M, D]
     h_bf = torch.ops.moonep.dequantize_fp8_rows(h, h_scale)     # bf16(h * h_scale), one pass:
@@ -303,10 +338,12 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     torch.ops.moonep.grouped_mm_wgrad_into(dg, h_bf, cu, d1, p.g1)
     torch.ops.moonep.grouped_mm_wgrad_into(du, h_bf, cu, d3, p.g3)
     torch.ops.moonep.grouped_mm_wgrad_into(dy, a, cu, d2, p.g2)
-    torch.ops.moonep.reduce_grad(experts_to_copy, [d1, d3, d2], [p.g1, p.g3, p.g2],
+    dbiases = bias_grads(p, dg, du, dy, cu, w1.shape[0]) if biases else []
+    torch.ops.moonep.reduce_grad(experts_to_copy, [d1, d3, d2] + dbiases,
+                                 [p.g1, p.g3, p.g2] + ([p.gb1, p.gb3, p.gb2] if biases else []),
                                  p.backend_name)
     dx, drw = torch.ops.moonep.combine(dh, d_rows, dst, p.backend_name, total_num_tokens)
-    return dx, drw, d1, d3, d2
+    return dx, drw, d1, d3, d2, dbiases
 
 
 def _backward_fp8_wgrad(p, dz, h, h_scale, row_weights, y, g, u, cu, etc, w1, w3, w2, dst,
@@ -335,39 +372,47 @@ def _backward_fp8_wgrad(p, dz, h, h_scale, row_weights, y, g, u, cu, etc, w1, w3
     wg(dyT, dyTs, aT, aTs, cu, d2, p.g2)
     torch.ops.moonep.reduce_grad(etc, [d1, d3, d2], [p.g1, p.g3, p.g2], p.backend_name)
     dx, drw = torch.ops.moonep.combine(dh, d_rows, dst, p.backend_name, total_num_tokens)
-    return dx, drw, d1, d3, d2
+    return dx, drw, d1, d3, d2, []
 
 
 @_moe_experts_fp8_backward.register_fake
 def _(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool, dst,
-      total_num_tokens, pow2_scales=False, weight_cache="", fp8_wgrad=False):
+      total_num_tokens, pow2_scales=False, weight_cache="", fp8_wgrad=False, biases=None,
+      activation="swiglu", alpha=1.0, limit=1.0):
     p = _pool(pool)
     checked("moe_experts_fp8_backward", p, _check, "moe_experts_fp8_backward", p, h, h_scale,
             row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales, values=False,
-            dst=dst, total=total_num_tokens, cache=weight_cache, fp8_wgrad=fp8_wgrad, dz=dz,
-            y=y, g=g, u=u)
+            dst=dst, total=total_num_tokens, cache=weight_cache, fp8_wgrad=fp8_wgrad,
+            biases=biases, activation=activation, alpha=alpha, limit=limit, dz=dz, y=y, g=g,
+            u=u)
     be = registry.lookup(p.backend_name, Backend)
     K, D = be.spec.K, w1.shape[2]
     s = dst.shape[0] // K
     return (w1.new_empty((s, D)), w1.new_empty((s, K), dtype=torch.float32),
-            w1.new_empty(w1.shape), w3.new_empty(w3.shape), w2.new_empty(w2.shape))
+            w1.new_empty(w1.shape), w3.new_empty(w3.shape), w2.new_empty(w2.shape),
+            [b.new_empty(b.shape) for b in biases or []])
 
 
 def _setup(ctx, inputs, output):
-    (h, hs, wM, cu, etc, w1, w3, w2, pool, x, rw, dst, total, pow2, cache, fp8_wgrad) = inputs
+    (h, hs, wM, cu, etc, w1, w3, w2, pool, x, rw, dst, total, pow2, cache, fp8_wgrad, biases,
+     activation, alpha, limit) = inputs
     _, y, g, u = output
     ctx.pool, ctx.total, ctx.pow2 = pool, total, pow2
     ctx.cache, ctx.fp8_wgrad = cache, fp8_wgrad
-    ctx.save_for_backward(h, hs, wM, y, g, u, cu, etc, w1, w3, w2, dst)
+    ctx.variant, ctx.has_biases = (activation, alpha, limit), biases is not None
+    ctx.save_for_backward(h, hs, wM, y, g, u, cu, etc, w1, w3, w2, dst, *(biases or []))
 
 
 def _backward(ctx, dz, _dy, _dg, _du):
-    h, hs, wM, y, g, u, cu, etc, w1, w3, w2, dst = ctx.saved_tensors
-    dx, drw, d1, d3, d2 = torch.ops.moonep.moe_experts_fp8_backward(
+    h, hs, wM, y, g, u, cu, etc, w1, w3, w2, dst, *biases = ctx.saved_tensors
+    dx, drw, d1, d3, d2, db = torch.ops.moonep.moe_experts_fp8_backward(
         dz.contiguous(), h, hs, wM, y, g, u, cu, etc, w1, w3, w2, ctx.pool, dst, ctx.total,
-        ctx.pow2, ctx.cache, ctx.fp8_wgrad)
-    return (None, None, None, None, None, d1, d3, d2, None, dx, drw, None, None, None, None,
-            None)
+        ctx.pow2, ctx.cache, ctx.fp8_wgrad, biases if ctx.has_biases else None, *ctx.variant)
+    grads = (None, None, None, None, None, d1, d3, d2, None, dx, drw, None, None, None, None,
+             None, list(db) if ctx.has_biases else None, None, None, None)
+    # one per input the call passed: the dispatcher drops trailing arguments equal to their
+    # defaults, and with a Tensor[] in the schema torch checks the count
+    return grads[:len(ctx.needs_input_grad)]
 
 
 _moe_experts_fp8.register_autograd(_backward, setup_context=_setup)

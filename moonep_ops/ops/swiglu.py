@@ -21,6 +21,8 @@ tests/test_swiglu_cuda.py checks it.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -161,3 +163,152 @@ def _backward(ctx, da):
 
 
 _swiglu_op.register_autograd(_backward, setup_context=_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# The gated variant: per-expert biases and gpt-oss's clamped SwiGLU (moonep::moe_experts_ext)
+# --------------------------------------------------------------------------------------------
+#
+#   g' = g + b1[grp(m)], u' = u + b3[grp(m)]           grp(m): row m's group in cu_seqlens_G
+#   gc = min(g', limit), uc = clamp(u', -limit, limit)
+#   a  = gc * sigmoid(alpha * gc) * (uc + offset)
+#
+# "swiglu" is alpha = 1, limit = inf, offset = 0 (then, without biases, bitwise ``swiglu``);
+# "swiglu_clamped" is gpt-oss's (transformers GptOssExperts._apply_gate): offset 1 and its
+# swiglu_alpha / swiglu_limit.  b1, b3 are [G, F] (one row per group: the home experts, then the
+# slots), rows past the last group get no bias (nothing reads them).  One pass each way on CUDA
+# (csrc/swiglu.cu moonep_ep_glu_*); the reference below has the kernel's operation order.
+
+ACTIVATIONS = ("swiglu", "swiglu_clamped")
+
+
+def check_activation(activation: str, alpha: float, limit: float) -> None:
+    """ValueError for an activation the experts do not implement or invalid parameters."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation != "swiglu_clamped":
+        return
+    for name, v in (("alpha", alpha), ("limit", limit)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"activation 'swiglu_clamped' needs a finite {name} > 0, got {v!r}")
+
+
+def glu_params(activation: str, alpha: float, limit: float) -> tuple[float, float, float]:
+    """(alpha, limit, offset) of the kernel for an activation."""
+    if activation == "swiglu":
+        return 1.0, math.inf, 0.0
+    return float(alpha), float(limit), 1.0
+
+
+def rows_group(cu_G: Tensor, M: int) -> Tensor:
+    """grp(m) for every row: the number of inclusive ends cu_G[g] <= m (G past the last group)."""
+    rows = torch.arange(M, device=cu_G.device, dtype=cu_G.dtype)
+    return torch.searchsorted(cu_G, rows, right=True)
+
+
+def group_sums(x_MF: Tensor, cu_G: Tensor) -> Tensor:
+    """fp32 [G, F] (fp64 for fp64 x): the sum of each group's rows (the bias grads), in a fixed
+    order (no atomics); rows past the last group, whose values are unwritten, are not read.
+    CUDA bf16: one kernel (csrc/swiglu.cu moonep_ep_group_sums, each group summed in row order);
+    else the reference below (an fp32 GEMM of the groups' 0/1 row masks): equal to fp32
+    reassociation, not bitwise."""
+    G, C = cu_G.shape[0], x_MF.shape[1]
+    if not (C % 8 == 0 and _native_ok(x_MF) and cu_G.is_contiguous()):
+        return reference_group_sums(x_MF, cu_G)
+    out = torch.empty(G, C, dtype=torch.float32, device=x_MF.device)
+    sms, stream = _launch_args(x_MF)
+    with on_device_of(x_MF.device):
+        rc = native.ep().ep_group_sums(x_MF.data_ptr(), cu_G.data_ptr(), G, C, out.data_ptr(),
+                                       sms, stream)
+    if rc:
+        native.ep_check(rc, "moonep group sums")
+    return out
+
+
+def reference_group_sums(x_MF: Tensor, cu_G: Tensor) -> Tensor:
+    G, M = cu_G.shape[0], x_MF.shape[0]
+    grp = rows_group(cu_G, M)
+    x = torch.where((grp < G)[:, None], _acc(x_MF), 0.0)
+    onehot_GM = (grp[None, :] == torch.arange(G, device=grp.device)[:, None]).to(x.dtype)
+    return onehot_GM @ x
+
+
+def _row_bias(b_GF: Tensor, grp: Tensor) -> Tensor:
+    b = _acc(b_GF)
+    return torch.cat([b, b.new_zeros(1, b.shape[1])])[grp]
+
+
+def _glu_inputs(g, u, b1, b3, cu):
+    gf, uf = _acc(g), _acc(u)
+    if b1 is not None or b3 is not None:
+        grp = rows_group(cu, g.shape[0])
+        gf = gf + _row_bias(b1, grp) if b1 is not None else gf
+        uf = uf + _row_bias(b3, grp) if b3 is not None else uf
+    return gf, uf
+
+
+def glu_fp32(g, u, b1, b3, cu, alpha: float, limit: float, offset: float) -> Tensor:
+    """The gated variant's activation in fp32 (fp64 for fp64 inputs), not rounded: what the FP8
+    path quantises."""
+    gf, uf = _glu_inputs(g, u, b1, b3, cu)
+    gc, uc = gf.clamp(max=limit), uf.clamp(-limit, limit)
+    return gc * torch.sigmoid(alpha * gc) * (uc + offset)
+
+
+def reference_glu(g, u, b1, b3, cu, alpha: float, limit: float, offset: float) -> Tensor:
+    return glu_fp32(g, u, b1, b3, cu, alpha, limit, offset).to(g.dtype)
+
+
+def reference_glu_backward(g, u, da, b1, b3, cu, alpha: float, limit: float, offset: float):
+    gf, uf = _glu_inputs(g, u, b1, b3, cu)
+    gc, uc = gf.clamp(max=limit), uf.clamp(-limit, limit)
+    sig = torch.sigmoid(alpha * gc)
+    s = gc * sig
+    up = uc + offset
+    daf = _acc(da)
+    dg = torch.where(gf <= limit, daf * up * (sig * (1 + alpha * gc * (1 - sig))), 0.0)
+    du = torch.where((uf >= -limit) & (uf <= limit), daf * s, 0.0)
+    return dg.to(g.dtype), du.to(g.dtype), (s * up).to(g.dtype)
+
+
+def _glu_native_ok(g, u, b1, b3, cu, *more) -> bool:
+    bs = [b for b in (b1, b3) if b is not None]
+    return (g.dim() == 2 and g.shape[1] % 8 == 0 and _native_ok(g, u, *bs, *more)
+            and cu.is_contiguous() and cu.device == g.device)
+
+
+def _ptr(t):
+    return t.data_ptr() if t is not None else None
+
+
+def run_glu(g_MF: Tensor, u_MF: Tensor, b1_GF, b3_GF, cu_G: Tensor, alpha: float, limit: float,
+            offset: float) -> Tensor:
+    """The gated variant's forward (arguments checked by the caller, moonep::moe_experts_ext)."""
+    if not _glu_native_ok(g_MF, u_MF, b1_GF, b3_GF, cu_G):
+        return reference_glu(g_MF, u_MF, b1_GF, b3_GF, cu_G, alpha, limit, offset)
+    a = torch.empty_like(g_MF)
+    sms, stream = _launch_args(g_MF)
+    with on_device_of(g_MF.device):
+        rc = native.ep().ep_glu_fwd(g_MF.data_ptr(), u_MF.data_ptr(), _ptr(b1_GF), _ptr(b3_GF),
+                                    cu_G.data_ptr(), cu_G.shape[0], g_MF.shape[1], a.data_ptr(),
+                                    g_MF.numel(), alpha, limit, offset, sms, stream)
+    if rc:
+        native.ep_check(rc, "moonep glu")
+    return a
+
+
+def run_glu_backward(g_MF: Tensor, u_MF: Tensor, da_MF: Tensor, b1_GF, b3_GF, cu_G: Tensor,
+                     alpha: float, limit: float, offset: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dg, du, a) of the gated variant (see ``run_glu``)."""
+    if not _glu_native_ok(g_MF, u_MF, b1_GF, b3_GF, cu_G, da_MF):
+        return reference_glu_backward(g_MF, u_MF, da_MF, b1_GF, b3_GF, cu_G, alpha, limit, offset)
+    dg, du, a = (torch.empty_like(g_MF) for _ in range(3))
+    sms, stream = _launch_args(g_MF)
+    with on_device_of(g_MF.device):
+        rc = native.ep().ep_glu_bwd(g_MF.data_ptr(), u_MF.data_ptr(), da_MF.data_ptr(),
+                                    _ptr(b1_GF), _ptr(b3_GF), cu_G.data_ptr(), cu_G.shape[0],
+                                    g_MF.shape[1], dg.data_ptr(), du.data_ptr(), a.data_ptr(),
+                                    g_MF.numel(), alpha, limit, offset, sms, stream)
+    if rc:
+        native.ep_check(rc, "moonep glu backward")
+    return dg, du, a

@@ -13,8 +13,9 @@ Supported (transformers 5.24): the sparse-MoE blocks of Qwen2-MoE (with its gate
 Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V3 (Kimi-K2's architecture), and of Qwen3-Next, MiniMax,
 FlexOlmo, GLM-4.5 (glm4_moe), dots.llm1, DeepSeek-V3.2 and GLM-4.7-Flash (glm4_moe_lite), whose
 blocks are those families' code, GLM-4.5V's text model, Qwen3.5-MoE (Qwen3-Next's block, its router
-always renormalising), MiniMax-M2 (Mixtral's experts, a biased sigmoid router) and K-EXAONE
-(DeepSeek-V3's router in its own code) (``FAMILIES``). Each becomes a ``MoonEPBlock``: the HF
+always renormalising), MiniMax-M2 (Mixtral's experts, a biased sigmoid router), K-EXAONE
+(DeepSeek-V3's router in its own code) and gpt-oss (biased experts, the clamped SwiGLU, the
+interleaved gate/up layout, a biased top-k-first router) (``FAMILIES``). Each becomes a ``MoonEPBlock``: the HF
 block's forward signature and return value (``[batch, seqlen, D] -> [batch, seqlen, D]``) around a
 ``moonep_ops.MoonEPMoE`` that holds this rank's home experts ``r*E/R .. (r+1)*E/R - 1`` (r, R: rank
 and size of ``group``; one rank when torch.distributed is not initialised), the shared expert(s),

@@ -48,37 +48,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .convert import MoonEPBlock, converted_blocks
+from .convert import converted_blocks
+from .hub_layout import Entry, HubKey, hub_keys, hub_shape, layout_entries
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-_EXPERT_KEYS = {"experts.gate_up_proj": 2, "experts.down_proj": 1}     # fused key -> parts
-_PROBE = 1 << 20                # probe value = entry index * _PROBE + expert * 2 + part
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the model (missing key, wrong shape, absent file); raised
     on every rank with the rank that found it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    """One tensor of the unconverted model's state dict and where this rank keeps it."""
-    hf_key: str                    # the unconverted model's key (transformers' module layout)
-    shape: tuple                   # its full shape in that layout
-    dtype: torch.dtype
-    targets: tuple                 # ((converted model key, part of dim 1 or None), ...)
-    block: Optional[str] = None    # the converted block it belongs to (experts: the offset)
-    parts: int = 0                 # an expert entry [E, ...]: 1, or 2 for gate/up; else 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _HubKey:
-    """One tensor of the hub layout: which entry it is, and of an expert entry which expert and
-    which part (0: gate or the whole down_proj, 1: up)."""
-    entry: int
-    expert: Optional[int]
-    part: int
 
 
 @dataclasses.dataclass
@@ -93,82 +72,6 @@ class LoadReport:
     bytes_kept: int = 0
     files: int = 0
     unexpected: tuple = ()
-
-
-# ---------------------------------------------------------------------------------------------
-# The unconverted layout, and the hub layout through transformers' own reverse conversion
-# ---------------------------------------------------------------------------------------------
-
-
-def _owner_block(key: str, blocks: dict) -> Optional[str]:
-    parts = key.split(".")
-    return next((p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
-                 if p in blocks), None)
-
-
-def _entries(model: nn.Module) -> list[_Entry]:
-    """The unconverted model's state dict, entry by entry, with the converted model's keys that
-    hold each (an expert entry: this rank's slice of it)."""
-    blocks = converted_blocks(model)
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    out, done = [], set()
-    for key, t in model.state_dict(keep_vars=True).items():
-        if key in tied:
-            continue
-        owner = _owner_block(key, blocks)
-        if owner is None:
-            out.append(_Entry(key, tuple(t.shape), t.dtype, ((key, None),)))
-            continue
-        if owner in done:
-            continue
-        done.add(owner)
-        layer: MoonEPBlock = blocks[owner]
-        for hf_key, shape, dtype in layer.hf_layout:
-            targets = layer._key_map[hf_key]
-            parts = (None,) if len(targets) == 1 else range(len(targets))
-            out.append(_Entry(f"{owner}.{hf_key}", tuple(shape), dtype,
-                              tuple((f"{owner}.moe.{t}", p) for t, p in zip(targets, parts)),
-                              owner, _EXPERT_KEYS.get(hf_key, 0)))
-    return out
-
-
-def _hub_layout(model: nn.Module, entries: list[_Entry]) -> dict[str, _HubKey]:
-    """{hub key: _HubKey}: transformers' reverse conversion run on probe tensors (an expert entry
-    [E, parts, 1] of values entry * _PROBE + e * 2 + part, any other entry one value)."""
-    from transformers.core_model_loading import revert_weight_conversion
-    probes = {}
-    for i, en in enumerate(entries):
-        if en.parts:
-            E, parts = en.shape[0], en.parts
-            v = (i * _PROBE + torch.arange(E)[:, None] * 2 + torch.arange(parts)[None, :])
-            probes[en.hf_key] = v[:, :, None].to(torch.int64)
-        else:
-            probes[en.hf_key] = torch.tensor([i * _PROBE], dtype=torch.int64)
-    try:
-        hub = revert_weight_conversion(model, probes)
-    except Exception as e:                               # noqa: BLE001 - say which machinery
-        raise NotImplementedError(
-            f"transformers' reverse weight conversion failed on {type(model).__name__}'s layout "
-            f"({type(e).__name__}: {e}); hf.save_pretrained / load_pretrained follow it") from e
-    out = {}
-    for key, v in hub.items():
-        if v.numel() != 1:
-            raise NotImplementedError(f"transformers maps {key!r} to a tensor of {v.numel()} "
-                                      "entries; MoonEP reads and writes whole entries or single "
-                                      "experts only")
-        code = int(v.reshape(-1)[0])
-        i, rest = divmod(code, _PROBE)
-        en = entries[i]
-        out[key] = _HubKey(i, rest // 2, rest % 2) if en.parts else _HubKey(i, None, 0)
-    return out
-
-
-def _hub_shape(en: _Entry, hk: _HubKey) -> tuple:
-    if hk.expert is None:
-        return en.shape
-    shape = list(en.shape[1:])
-    shape[0] //= en.parts
-    return tuple(shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,7 +171,7 @@ def _checkpoint_files(path: str) -> dict[str, str]:
 @dataclasses.dataclass
 class _Read:
     """One read of a checkpoint tensor (or its slice ``index``) into ``dsts``: (a view of a
-    local tensor, (part, parts) of dim 1 of the read to keep, or None for all of it)."""
+    local tensor, (its Entry, target part): what of the read it keeps, or None for all of it)."""
     key: str
     index: tuple
     dsts: list
@@ -277,11 +180,11 @@ class _Read:
 def _plan_reads(model: nn.Module, files: dict[str, str], shapes: dict[str, tuple]
                 ) -> tuple[list[_Read], list[str]]:
     """What this rank reads, and the checkpoint keys the model has no place for."""
-    entries = _entries(model)
-    hub = _hub_layout(model, entries)
+    entries = layout_entries(model)
+    hub = hub_keys(model, entries)
     state = _state(model)
     blocks = converted_blocks(model)
-    by_entry = defaultdict(list)                 # entry index -> [(hub key, _HubKey)]
+    by_entry = defaultdict(list)                 # entry index -> [(hub key, HubKey)]
     for key, hk in hub.items():
         by_entry[hk.entry].append((key, hk))
     reads, missing = [], []
@@ -292,8 +195,7 @@ def _plan_reads(model: nn.Module, files: dict[str, str], shapes: dict[str, tuple
             if en.hf_key in files:               # transformers' fused layout: rows [lo, hi)
                 _check_shape(en.hf_key, shapes[en.hf_key], en.shape)
                 reads.append(_Read(en.hf_key, (slice(lo, hi),),
-                                   [(locals_[t][0], None if p is None else (p, en.parts))
-                                    for t, p in en.targets]))
+                                   [(locals_[t][0], (en, p)) for t, p in en.targets]))
                 continue
             for key, hk in by_entry[i]:
                 if not lo <= hk.expert < hi:
@@ -301,7 +203,7 @@ def _plan_reads(model: nn.Module, files: dict[str, str], shapes: dict[str, tuple
                 if key not in files:
                     missing.append(key)
                     continue
-                _check_shape(key, shapes[key], _hub_shape(en, hk))
+                _check_shape(key, shapes[key], hub_shape(en, hk))
                 target = en.targets[hk.part][0]
                 reads.append(_Read(key, (), [(locals_[target][0][hk.expert - lo], None)]))
             continue
@@ -318,7 +220,7 @@ def _plan_reads(model: nn.Module, files: dict[str, str], shapes: dict[str, tuple
                 index = tuple(slice(o, o + n) for o, n in zip(offset, lshape))
                 reads.append(_Read(key, index, [(local, None)]))
             else:
-                reads.append(_Read(key, (), [(t, None)]))
+                reads.append(_Read(key, (), [(t, (en, part))]))
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"the checkpoint lacks {missing[:5]}{more} (another model, or "
@@ -401,8 +303,8 @@ def load_pretrained(model: nn.Module, path: str, *, device=None) -> LoadReport:
             for rd in by_file[name]:
                 t = f.get_slice(rd.key)[rd.index] if rd.index else f.get_tensor(rd.key)
                 report.bytes_read += t.numel() * t.element_size()
-                for dst, split in rd.dsts:
-                    dst.copy_(t if split is None else t.chunk(split[1], dim=1)[split[0]])
+                for dst, how in rd.dsts:
+                    dst.copy_(t if how is None else how[0].to_target(t, how[1]))
                     filled[id(dst)] = dst
     report.bytes_kept = sum(t.numel() * t.element_size() for t in filled.values())
     _finish(model)
@@ -456,18 +358,34 @@ def _holdings(model, entries, hub, state, blocks) -> tuple[list, list]:
             if lo <= hk.expert < hi:
                 whole.append(j)
             continue
+        if en.parts:                    # a fused expert entry: gathered over the EP group
+            sharded.append(j)
+            continue
         t = state[en.targets[0][0]]
         (sharded if _is_dtensor(t) else whole).append(j)
     return whole, sharded
 
 
-def _hub_tensor(en: _Entry, hk: _HubKey, state, blocks) -> Tensor:
+def _hub_tensor(en: Entry, hk: HubKey, state, blocks) -> Tensor:
     """The hub tensor from this rank's own tensors (an expert: a view of its slot)."""
     if hk.expert is not None:
         local, lo, _ = _local_experts(state[en.targets[hk.part][0]], blocks[en.block].moe)
         return local[hk.expert - lo].detach()
-    parts = [state[t].detach() for t, _ in en.targets]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return en.from_targets([state[t].detach() for t, _ in en.targets])
+
+
+def _gathered_experts(en: Entry, state, blocks) -> Tensor:
+    """A fused expert entry [E, ...] from every rank's home experts (collective over the block's
+    EP group; every rank of it calls this, for every such entry, in the same order)."""
+    moe = blocks[en.block].moe
+    parts = []
+    for target, _ in en.targets:
+        t = state[target]
+        if _is_dtensor(t):
+            raise NotImplementedError(f"{en.hf_key}: writing a fused expert tensor from experts "
+                                      "sharded by FSDP2 is not supported")
+        parts.append(moe.gather_experts(t.detach()))
+    return en.from_targets(parts)
 
 
 @torch.no_grad()
@@ -487,8 +405,8 @@ def save_pretrained(model: nn.Module, save_directory: str, *, max_shard_size=Non
         if not converted_blocks(model):
             raise ValueError(f"{type(model).__name__} has no converted sparse-MoE block; "
                              "use model.save_pretrained")
-        entries = _entries(model)
-        hub = sorted(_hub_layout(model, entries).items())
+        entries = layout_entries(model)
+        hub = sorted(hub_keys(model, entries).items())
         state = _state(model)
         if any(t.is_meta for t in state.values()):
             raise ValueError("the model still has meta tensors: load or initialise it first")
@@ -497,7 +415,7 @@ def save_pretrained(model: nn.Module, save_directory: str, *, max_shard_size=Non
         err = e
     _agree(err, "save_pretrained")
     blocks = converted_blocks(model)
-    nbytes = [torch.Size(_hub_shape(entries[hk.entry], hk)).numel()
+    nbytes = [torch.Size(hub_shape(entries[hk.entry], hk)).numel()
               * entries[hk.entry].dtype.itemsize for _, hk in hub]
     limit = _parse_size(max_shard_size) if max_shard_size is not None else max(nbytes)
     whole, sharded = _holdings(model, entries, hub, state, blocks)
@@ -538,25 +456,25 @@ def save_pretrained(model: nn.Module, save_directory: str, *, max_shard_size=Non
     mine, shards = set(whole), set(sharded)
     for j, (key, hk) in enumerate(hub):
         en = entries[hk.entry]
-        if j in mine:
-            if writer[j] != rank:
+        gathered = en.parts and hk.expert is None       # every rank of the EP group gathers
+        if not gathered:
+            if j in shards:
+                src = state[en.targets[0][0]]
+                if holders.get(j) or writer[j] not in src.device_mesh.mesh.flatten().tolist():
+                    continue                             # written by a rank outside this mesh
+            elif j not in mine or writer[j] != rank:
                 continue
-            src = None
-        elif j in shards:
-            src = state[en.targets[0][0]]
-            if holders.get(j) or writer[j] not in src.device_mesh.mesh.flatten().tolist():
-                continue                                 # written by a rank outside this mesh
-        else:
-            continue
-        if batch_bytes and batch_bytes + nbytes[j] > limit:
+        if writer[j] == rank and batch_bytes and batch_bytes + nbytes[j] > limit:
             flush()                                      # before the next tensor is made
-        if src is None:
+        if gathered:
+            t = _gathered_experts(en, state, blocks)
+        elif j in mine:
             t = _hub_tensor(en, hk, state, blocks)
         else:
             t = src.full_tensor()                        # collective over the shard's mesh
-            if writer[j] != rank:
-                del t
-                continue
+        if writer[j] != rank:
+            del t
+            continue
         t = t.to(device="cpu", dtype=en.dtype)
         # safetensors refuses tensors that share storage (one expert of w1 and the next): a view
         # is copied, within the file's bound

@@ -14,6 +14,7 @@ from transformers.utils import output_capturing as _capture
 
 from ...geometry import slack_to_ppm
 from ...nn.moe import MoEArgs, MoonEPMoE, bind_moe
+from ...ops.swiglu import check_activation
 from ...planner import POLICIES
 from .families import FAMILIES, Family, family_of, router_args
 
@@ -78,27 +79,12 @@ def _check_block(name: str, block: nn.Module, fam: Family, R: int) -> _Conversio
         raise ValueError(f"{where}: some of the block's tensors are on the meta device and some "
                          "are not; build the model wholly on the meta device (then "
                          "hf.load_pretrained fills it) or wholly materialised")
-    # The MoonEP experts are SwiGLU: act(gate) * up with act = SiLU, no biases, [gate; up] rows.
-    acts = [ex.act_fn] + ([getattr(block, fam.shared).act_fn] if fam.shared else [])
-    if not all(_is_silu(a) for a in acts):
-        raise NotImplementedError(
-            f"{where}: hidden_act={getattr(config, 'hidden_act', None)!r} is not SiLU; MoonEP's "
-            "experts are SwiGLU (silu(gate) * up)")
-    layout = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True,
-                  has_post_expert_norm=False)
-    for flag, want in layout.items():
-        if getattr(ex, flag, want) != want:
-            raise NotImplementedError(f"{where}: experts.{flag}={getattr(ex, flag)!r}; MoonEP "
-                                      f"converts {layout}")
-    gate_fn = getattr(type(ex), "_apply_gate", None)
-    if gate_fn is not None and getattr(gate_fn, "__name__", "") != "_default_apply_gate":
-        raise NotImplementedError(f"{where}: {type(ex).__name__} overrides _apply_gate (not "
-                                  "act(gate) * up)")
+    _check_experts_code(where, block, ex, fam, config)
     if fam.jitter and float(getattr(block, "jitter_noise", 0.0)) > 0:
         raise NotImplementedError(
             f"{where}: router_jitter_noise={block.jitter_noise} > 0 -- the block then multiplies "
             "the hidden states by random noise in training, which no conversion reproduces")
-    router = block.gate
+    router = getattr(block, fam.router_name)
     for attr, field in fam.router_attrs:
         if getattr(router, attr) != getattr(config, field):
             raise ValueError(f"{where}: the HF router runs with {attr}={getattr(router, attr)!r} "
@@ -112,13 +98,16 @@ def _check_block(name: str, block: nn.Module, fam: Family, R: int) -> _Conversio
                                   f"expected {sorted(keys)} (another transformers version?)")
     gu = ex.gate_up_proj
     E, K = int(getattr(config, fam.experts_field)), int(config.num_experts_per_tok)
-    if gu.dim() != 3 or gu.shape[1] % 2:
+    fused = fam.layout == "fused"
+    if gu.dim() != 3 or gu.shape[1 if fused else 2] % 2:
         raise NotImplementedError(f"{where}: experts.gate_up_proj has shape {tuple(gu.shape)}, "
-                                  "expected [E, 2F, D]")
-    _, F2, D = gu.shape
-    F = F2 // 2
-    want = {"experts.gate_up_proj": (E, 2 * F, D), "experts.down_proj": (E, D, F),
-            "gate.weight": (E, D)}
+                                  f"expected {'[E, 2F, D]' if fused else '[E, D, 2F]'}")
+    F, D = (gu.shape[1] // 2, gu.shape[2]) if fused else (gu.shape[2] // 2, gu.shape[1])
+    want = ({"experts.gate_up_proj": (E, 2 * F, D), "experts.down_proj": (E, D, F),
+             "gate.weight": (E, D)} if fused else
+            {"experts.gate_up_proj": (E, D, 2 * F), "experts.gate_up_proj_bias": (E, 2 * F),
+             "experts.down_proj": (E, F, D), "experts.down_proj_bias": (E, D),
+             "router.weight": (E, D), "router.bias": (E,)})
     for key, shape in want.items():
         got = tuple(block.get_parameter(key).shape)
         if got != shape:
@@ -147,6 +136,38 @@ def _check_block(name: str, block: nn.Module, fam: Family, R: int) -> _Conversio
     return _Conversion(name, block, fam, config, E, K, D, F, Fs, dtype, devices.pop())
 
 
+def _check_experts_code(where: str, block: nn.Module, ex: nn.Module, fam: Family, config) -> None:
+    """The experts compute what MoonEP's do: layout "fused", SwiGLU (act(gate) * up, act = SiLU,
+    no biases, [gate; up] rows); layout "gpt_oss", transformers' own GptOssExperts (biases, the
+    clamped SwiGLU with the alpha and limit it holds, which must be valid)."""
+    if fam.layout == "gpt_oss":
+        cls = type(ex)
+        if (cls.__module__, cls.__name__) != (fam.module, "GptOssExperts"):
+            raise NotImplementedError(f"{where}: experts are {cls.__module__}.{cls.__name__}, not "
+                                      "transformers' GptOssExperts (another forward)")
+        for attr, field in (("alpha", "swiglu_alpha"), ("limit", "swiglu_limit")):
+            if getattr(ex, attr) != getattr(config, field):
+                raise ValueError(f"{where}: the HF experts run with {attr}={getattr(ex, attr)!r} "
+                                 f"but the config says {field}={getattr(config, field)!r}")
+        check_activation("swiglu_clamped", ex.alpha, ex.limit)
+        return
+    acts = [ex.act_fn] + ([getattr(block, fam.shared).act_fn] if fam.shared else [])
+    if not all(_is_silu(a) for a in acts):
+        raise NotImplementedError(
+            f"{where}: hidden_act={getattr(config, 'hidden_act', None)!r} is not SiLU; MoonEP's "
+            "experts are SwiGLU (silu(gate) * up)")
+    layout = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True,
+                  has_post_expert_norm=False)
+    for flag, want in layout.items():
+        if getattr(ex, flag, want) != want:
+            raise NotImplementedError(f"{where}: experts.{flag}={getattr(ex, flag)!r}; MoonEP "
+                                      f"converts {layout}")
+    gate_fn = getattr(type(ex), "_apply_gate", None)
+    if gate_fn is not None and getattr(gate_fn, "__name__", "") != "_default_apply_gate":
+        raise NotImplementedError(f"{where}: {type(ex).__name__} overrides _apply_gate (not "
+                                  "act(gate) * up)")
+
+
 def _check_deepseek_groups(where: str, config, experts_field: str) -> None:
     E, K = getattr(config, experts_field), config.num_experts_per_tok
     G, Gk = config.n_group, config.topk_group
@@ -167,9 +188,12 @@ _UNSUPPORTED_WHY = {
                                     "transformers' save_pretrained reverts that by reading the "
                                     "live experts' parameter shapes, which a converted block no "
                                     "longer has (so its checkpoints would not round-trip)",
-    "GptOssMLP": "gpt-oss (model_type='gpt_oss') has per-expert biases, a clamped (up + 1) SwiGLU "
-                 "with alpha 1.702 (swiglu_limit), transposed interleaved gate/up weights and "
-                 "MXFP4 checkpoints, which the MoonEP experts do not implement",
+    "Ernie4_5_MoeSparseMoeBlock": "ERNIE-4.5-MoE renormalises the top-k weights with a clamp "
+                                  "(min=norm_min) and rounds them to the model dtype before the "
+                                  "experts, which the built-in Router does not reproduce",
+    "HunYuanMoEV1Moe": "HunYuan-A13B's MoE uses its own module names and may give each layer "
+                       "its own expert count and top-k (per-layer lists), which the conversion "
+                       "does not map",
 }
 
 
@@ -276,17 +300,18 @@ class MoonEPBlock(nn.Module):
                              f"{tuple(hidden_states.shape)}")
         ids_sK, w_sK, logits_sE = moe.router(hidden_states.reshape(-1, moe.dim))
         w_sK = _emit_router_logits(logits_sE, w_sK)
-        return moe(hidden_states, topk_ids=ids_sK, topk_weights=w_sK)
+        out = moe(hidden_states, topk_ids=ids_sK, topk_weights=w_sK)
+        if self.family.layout == "gpt_oss":          # GptOssMLP returns the router scores too
+            return out, w_sK.to(logits_sE.dtype)
+        return out
 
     # -- weights in the HF layout ---------------------------------------------------------------
     def to_moe_keys(self, hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
         """HF block keys (no prefix) -> ``self.moe`` keys; gate_up_proj splits into w1, w3."""
         out = {}
         for key, t in hf_state.items():
-            targets = self._key_map[key]
-            parts = (t,) if len(targets) == 1 else t.split(t.shape[1] // 2, dim=1)
-            out.update(zip(targets, parts))
-        if "gate.weight" in hf_state and "router.expert_bias" not in out:
+            out.update(zip(self._key_map[key], self.family.to_moe(key, t)))
+        if f"{self.family.router_name}.weight" in hf_state and "router.expert_bias" not in out:
             # families without a selection bias: the Router's stays zero (no Quantile Balancing)
             out["router.expert_bias"] = torch.zeros_like(self.moe.router.expert_bias)
         return out
@@ -298,8 +323,7 @@ class MoonEPBlock(nn.Module):
         full = self.moe.full_state_dict()
         out = {}
         for key, shape, dtype in self.hf_layout:
-            parts = [full[t] for t in self._key_map[key]]
-            t = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(dtype)
+            t = self.family.to_hf(key, [full[t] for t in self._key_map[key]]).to(dtype)
             if tuple(t.shape) != shape:
                 raise RuntimeError(f"{prefix}{key}: rebuilt {tuple(t.shape)}, expected {shape}")
             out[prefix + key] = t
@@ -321,7 +345,8 @@ def _build(c: _Conversion, capacity: int, token_padding: int, policy: str, slack
     args = MoEArgs(**router_args(c.config), num_shared_experts=1 if fam.shared else 0,
                    shared_hidden_dim=c.Fs, shared_gate=fam.shared_gate is not None,
                    capacity=capacity, token_padding=token_padding, policy=policy, slack=slack,
-                   link_gbps=link_gbps, precision=precision, fp8_pow2_scales=fp8_pow2_scales)
+                   link_gbps=link_gbps, precision=precision, fp8_pow2_scales=fp8_pow2_scales,
+                   **fam.expert_args(c.config, c.block.experts))
     moe = MoonEPMoE(args, c.D, c.F, dtype=c.dtype, device="meta")
     layout = tuple((k, tuple(t.shape), t.dtype) for k, t in c.block.state_dict().items())
     return MoonEPBlock(moe, fam, layout)
@@ -331,7 +356,7 @@ def _build(c: _Conversion, capacity: int, token_padding: int, policy: str, slack
 def _load_block(layer: MoonEPBlock, block: nn.Module) -> None:
     """Copy the HF block's weights into the bound layer (this rank's experts only); a block on
     the meta device has none to copy (``hf.load_pretrained`` fills the layer later)."""
-    if not block.gate.weight.is_meta:
+    if not getattr(block, layer.family.router_name).weight.is_meta:
         layer.moe.load_state_dict(layer.to_moe_keys(block.state_dict()), strict=True)
     params = dict(layer.moe.named_parameters())
     for key, p in block.named_parameters():
@@ -469,10 +494,12 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the converted model's expert weights (``<block>.moe.w1/w3/w2``): their grads already
+    """Names of the converted model's expert weights (``<block>.moe.w1/w3/w2``, and ``b1/b3/b2``
+    with expert biases): their grads already
     sum every rank's contribution, so data parallelism must not reduce them again, e.g.
     ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)``."""
-    return [f"{name}.moe.{w}" for name in converted_blocks(model) for w in ("w1", "w3", "w2")]
+    return [f"{name}.moe.{w}" for name, b in converted_blocks(model).items()
+            for w in b.moe.expert_params]
 
 
 __all__ = ["MoonEPBlock", "convert_model", "converted_blocks", "expert_parameter_names",

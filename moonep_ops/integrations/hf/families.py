@@ -6,7 +6,7 @@ import dataclasses
 from typing import Callable, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 
 def _router_fields(**kw) -> dict:
@@ -42,6 +42,12 @@ def _minimax_m2(config) -> dict:
     return _router_fields(score_func="sigmoid", route_norm=True, sorted_topk=False)
 
 
+def _gpt_oss(config) -> dict:
+    # logits = x @ W^T + b in the model dtype, top-k on the logits (sorted), softmax over the K
+    # in the logits' dtype (computed in fp32, rounded once), no renorm, no scale.
+    return _router_fields(topk_before_score=True, gate_bias=True, round_weights=True)
+
+
 def _deepseek_v3(config) -> dict:
     # fp32 logits (x and W cast to fp32), sigmoid scores, e_score_correction_bias for the choice
     # only, group-limited top-k (group score = sum of the top-2 biased scores; sorted=False for
@@ -68,7 +74,11 @@ class Family:
     Router's ``expert_bias``; None: none).
     ``jitter``: Mixtral's block (``router_jitter_noise``, refused when > 0).  ``package``: the
     transformers model package when it is not ``model_type`` (a multimodal model's text config
-    has its own type, e.g. ``glm4v_moe_text`` in ``glm4v_moe``).  A family is added
+    has its own type, e.g. ``glm4v_moe_text`` in ``glm4v_moe``).  ``layout``: the experts'
+    "fused" (``gate_up_proj [E, 2F, D]`` = [gate; up], ``down_proj [E, D, F]``, no biases, SiLU)
+    or "gpt_oss" (``gate_up_proj [E, D, 2F]`` gate and up interleaved along the last dim,
+    ``down_proj [E, F, D]``, their biases, the clamped SwiGLU; the block returns (out,
+    router_scores)).  ``router_name``: the block's router attribute.  A family is added
     only where its transformers block, router, experts and MLP classes are the same code as an
     existing family's up to the class-name prefix (tests/test_integrations_hf.py checks it)."""
     model_type: str
@@ -83,6 +93,8 @@ class Family:
     score_bias: Optional[str] = None
     jitter: bool = False
     package: Optional[str] = None
+    layout: str = "fused"
+    router_name: str = "gate"
 
     @property
     def module(self) -> str:
@@ -90,8 +102,12 @@ class Family:
         return f"transformers.models.{pkg}.modeling_{pkg}"
 
     def key_map(self) -> dict[str, tuple[str, ...]]:
-        """HF block state-dict key -> the MoonEPMoE key(s) it maps to (two: gate_up_proj is the
-        concatenation [w1; w3] along dim 1)."""
+        """HF block state-dict key -> the MoonEPMoE key(s) it maps to (two: gate_up_proj holds
+        w1 and w3, ``to_moe`` / ``to_hf`` say how)."""
+        if self.layout == "gpt_oss":
+            return {"router.weight": ("router.gate.weight",), "router.bias": ("router.gate.bias",),
+                    "experts.gate_up_proj": ("w1", "w3"), "experts.gate_up_proj_bias": ("b1", "b3"),
+                    "experts.down_proj": ("w2",), "experts.down_proj_bias": ("b2",)}
         m = {"gate.weight": ("router.gate.weight",),
              "experts.gate_up_proj": ("w1", "w3"),
              "experts.down_proj": ("w2",)}
@@ -103,6 +119,40 @@ class Family:
         if self.shared_gate:
             m[f"{self.shared_gate}.weight"] = ("shared_gate.weight",)
         return m
+
+    def expert_keys(self) -> dict[str, int]:
+        """The block keys that hold one entry per expert ([E, ...]) -> how many MoonEPMoE tensors
+        each holds."""
+        return {k: len(t) for k, t in self.key_map().items() if k.startswith("experts.")}
+
+    def to_moe(self, key: str, t: Tensor) -> tuple[Tensor, ...]:
+        """An HF block tensor (any number of leading experts) -> its ``key_map`` targets' values
+        (views)."""
+        if self.layout == "gpt_oss" and key in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
+            tr = key == "experts.gate_up_proj"           # [.., D, 2F] -> [.., F, D] twice
+            return tuple(t[..., i::2].transpose(-1, -2) if tr else t[..., i::2] for i in (0, 1))
+        if self.layout == "gpt_oss" and key == "experts.down_proj":
+            return (t.transpose(-1, -2),)
+        if len(self.key_map()[key]) == 2:
+            return tuple(t.chunk(2, dim=1))
+        return (t,)
+
+    def to_hf(self, key: str, parts) -> Tensor:
+        """The inverse of ``to_moe``: the HF block tensor from its targets' values."""
+        if self.layout == "gpt_oss" and key in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
+            tr = key == "experts.gate_up_proj"
+            return torch.stack([p.transpose(-1, -2) if tr else p for p in parts], -1).flatten(-2)
+        if self.layout == "gpt_oss" and key == "experts.down_proj":
+            return parts[0].transpose(-1, -2).contiguous()
+        return parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=1)
+
+    def expert_args(self, config, experts: nn.Module) -> dict:
+        """The ``MoEArgs`` expert fields of the family (gpt-oss: biases, the clamped SwiGLU with
+        the experts' own alpha and limit, what HF computes with)."""
+        if self.layout != "gpt_oss":
+            return {}
+        return dict(expert_bias=True, activation="swiglu_clamped",
+                    swiglu_alpha=float(experts.alpha), swiglu_limit=float(experts.limit))
 
 
 _QWEN_ATTRS = (("top_k", "num_experts_per_tok"), ("num_experts", "num_experts"),
@@ -172,6 +222,9 @@ FAMILIES = (
            _softmax_rounded_renorm, shared="shared_expert", shared_gate="shared_expert_gate",
            router_attrs=_QWEN3_5_ATTRS,
            package="qwen3_5_moe"),                                  # Qwen3.5-MoE
+    # biased experts, clamped SwiGLU, interleaved transposed gate/up, biased top-k-first router
+    Family("gpt_oss", "GptOssMLP", "num_local_experts", "intermediate_size", _gpt_oss,
+           router_attrs=_MIXTRAL_ATTRS, layout="gpt_oss", router_name="router"),   # gpt-oss
 )
 _BY_CLASS = {(f.module, f.block_class): f for f in FAMILIES}
 FAMILIES_BY_TYPE = {f.model_type: f for f in FAMILIES}
