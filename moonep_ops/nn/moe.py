@@ -99,10 +99,8 @@ def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_
     else:
         h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
         y, _, _ = _moe_experts.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2, pool_name)
-        # The weights in fp32: z = x_dtype(fp32(y) * w).  bf16: moonep::scale_rows, one pass
-        # forward and one backward (dy and the route weights' grad), never the [M, D] fp32
-        # products the torch formulation writes and reads back.  Other dtypes: y promotes in
-        # the multiplication (bitwise y.float() * w); a wider y is rounded to fp32 first.
+        # z = x_dtype(fp32(y) * w): bf16 in one pass each way (moonep::scale_rows, no [M, D]
+        # fp32 products); else y promotes (bitwise y.float() * w), a wider y rounded to fp32.
         if y.dtype == torch.bfloat16 and x_sD.dtype == torch.bfloat16:
             z = _qf.scale_rows_differentiable(y, w_M)
         else:
@@ -171,16 +169,14 @@ class MoEArgs:
       GEMMs and their dgrads in FP8 with fp32 accumulation and bf16 outputs, weight grads in
       bf16, combine in bf16 with fp32 accumulation.  Needs a bf16 layer with D and F multiples
       of 16.  fp8_pow2_scales: round every scale up to a power of two.
-      fp8_weight_cache (fp8 only, default False: on an H100 the CUDA layer with it disagrees
-      with the CPU reference, tests/test_fp8_wgrad_cuda.py; opt in only to debug it): keep the
-      home experts' e4m3 weights of both layouts in an FP8WeightCache (``layer.fp8_cache``; the
-      size of the bf16 experts), re-quantised only when the parameters change (their version counters), so micro-batches
-      between optimizer steps quantise no weight (moonep_ops/ops/fp8_weight_cache.py: under
-      CUDA-graph capture, ``attach_fp8_weight_caches(model, optimizer)`` or
-      ``layer.refresh_fp8_weights()`` after the update keep the captured graph reading it).
-      fp8_wgrad (fp8 only, default False, for the same reason): the three weight grads in FP8
-      too, both operands quantised per 1 x 128 tile along each expert's tokens (DeepSeek-V3's
-      Wgrad), bf16 out.
+      fp8_weight_cache (fp8 only): keep the home experts' e4m3 weights of both layouts in an
+      FP8WeightCache (``layer.fp8_cache``; the size of the bf16 experts), re-quantised only when
+      the parameters change (their version counters): micro-batches between optimizer steps
+      quantise no weight (ops/fp8_weight_cache.py; under CUDA-graph capture
+      ``attach_fp8_weight_caches(model, optimizer)`` or ``layer.refresh_fp8_weights()``).
+      fp8_wgrad (fp8 only): the three weight grads in FP8 too, both operands per 1 x 128 tile
+      along each expert's tokens (DeepSeek-V3's Wgrad), bf16 out.  Their defaults: what pays,
+      measured (docs/fp8.md).
     """
 
     num_experts: int = 8
@@ -209,7 +205,7 @@ class MoEArgs:
     side_stream: bool = True
     precision: str = "bf16"
     fp8_pow2_scales: bool = False
-    fp8_weight_cache: bool = False   # off until the CUDA layer matches its CPU reference
+    fp8_weight_cache: bool = False
     fp8_wgrad: bool = False
     expert_bias: bool = False
     activation: str = "swiglu"
