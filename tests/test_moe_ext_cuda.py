@@ -126,7 +126,7 @@ def test_layer_cuda_matches_cpu_reference():
         x = torch.randn(S, D).to(torch.bfloat16)
         outs = []
         for layer, dev in ((cpu, "cpu"), (gpu, "cuda")):
-            xr = x.to(dev).requires_grad_()
+            xr = x.detach().to(dev).requires_grad_()   # a fresh leaf on each device
             out = layer(xr)
             out.float().square().sum().backward()
             outs.append((out.float().cpu(), xr.grad.float().cpu(),
