@@ -1,5 +1,5 @@
 """The MoE layer step with gpt-oss's experts (expert biases, the clamped SwiGLU) against the same
-step with plain SwiGLU experts and no biases, interleaved in one run (issue 54's target: within
+step with plain SwiGLU experts and no biases, interleaved in one run (the target: within
 3 %).
 
     python benchmarks/bench_expert_variants.py [--shapes gpt-oss-120b-ep8,gpt-oss-20b-ep4]
