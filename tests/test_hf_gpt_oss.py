@@ -261,3 +261,22 @@ def test_bad_gpt_oss_options_are_refused():
     with pytest.raises(ValueError, match="swiglu_limit"):
         hf.convert_model(model, capacity=CAP)
     assert all(type(layer.mlp).__name__ == "GptOssMLP" for layer in model.model.layers)
+
+
+def test_memory_plan_of_gpt_oss_120b():
+    """The memory plan builds and converts the published gpt-oss-120b config: the model card's
+    116.8B parameters, every rank E/R of each block's experts and their biases."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-m", "moonep_ops.integrations.hf.memory", "--model",
+                          "gpt-oss-120b", "--ep", "8", "--json"], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    p = json.loads(out.stdout)
+    L, E, D, F = 36, 128, 2880, 2880
+    assert p["total_params"] == 116_829_156_672
+    assert p["expert_params_total"] == L * E * (3 * D * F + 2 * F + D)
+    assert p["parts"]["experts"]["numel"] * 8 == p["expert_params_total"]
+

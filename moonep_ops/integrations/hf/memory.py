@@ -91,6 +91,12 @@ _DEEPSEEK_V3 = dict(model_type="deepseek_v3", hidden_act="silu", attention_bias=
                     tie_word_embeddings=False)
 
 
+_GPT_OSS = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+                num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                sliding_window=128, swiglu_limit=7.0, vocab_size=201088,
+                tie_word_embeddings=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """One model's published config and parameter count."""
@@ -121,6 +127,12 @@ CONFIGS = {c.name: c for c in (
                      n_routed_experts=384, n_group=1, topk_group=1, first_k_dense_replace=1,
                      routed_scaling_factor=2.827, vocab_size=163840, num_nextn_predict_layers=0),
                 1.04e12, "technical report: 1.04T total (model card: 1T)"),
+    ModelConfig("gpt-oss-120b", "openai/gpt-oss-120b",
+                dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
+                116.8e9, "model card: 117B in total"),
+    ModelConfig("gpt-oss-20b", "openai/gpt-oss-20b",
+                dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
+                20.9e9, "model card: 21B in total"),
 )}
 
 TABLE_MODELS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
@@ -129,7 +141,7 @@ TABLE_EPS = (8, 16, 64)
 
 def experts_of(name: str) -> int:
     f = CONFIGS[name].fields
-    return f.get("num_experts") or f["n_routed_experts"]
+    return f.get("num_experts") or f.get("num_local_experts") or f["n_routed_experts"]
 
 
 def hf_config(name: str):
@@ -403,7 +415,9 @@ def plan(name: str, *, ep: int, rank: int = 0, fsdp: int = 1, shard_experts: boo
                    token_padding=token_padding) as m:
         t1 = time.perf_counter()
         acc = account(m, fsdp=fsdp, rank=rank, shard_experts=shard_experts, precision=precision)
-        e_total = sum(3 * b.moe.num_experts * b.moe.dim * b.moe.hidden_dim
+        e_total = sum(b.moe.num_experts * (3 * b.moe.dim * b.moe.hidden_dim
+                                           + (2 * b.moe.hidden_dim + b.moe.dim
+                                              if b.moe.args.expert_bias else 0))
                       for b in converted_blocks(m).values())
     return Plan(model=name, R=ep, rank=rank, fsdp=fsdp, shard_experts=shard_experts,
                 capacity=capacity, token_padding=token_padding,
