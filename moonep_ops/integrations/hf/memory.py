@@ -17,7 +17,7 @@ What is counted, per rank (``plan``), in ``hf.fully_shard_dense``'s layout (``--
 dense part sharded over N data-parallel ranks that contain the EP group, N a multiple of R; N = 1:
 replicated):
 
-  experts     the routed experts' w1, w3, w2 of every sparse block: E/R experts each (with
+  experts     the routed experts (w1, w3, w2; biases) of every sparse block: E/R each (with
               ``--shard-experts``: FSDP-sharded over the N / R ranks that hold the same ones)
   dense       every other parameter (attention, embeddings, norms, dense MLPs, routers, shared
               experts), each as FSDP2 shards dim 0 over the N ranks: ceil(dim0 / N) rows stored
@@ -91,12 +91,6 @@ _DEEPSEEK_V3 = dict(model_type="deepseek_v3", hidden_act="silu", attention_bias=
                     tie_word_embeddings=False)
 
 
-_GPT_OSS = dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
-                num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                sliding_window=128, swiglu_limit=7.0, vocab_size=201088,
-                tie_word_embeddings=False)
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """One model's published config and parameter count."""
@@ -127,12 +121,11 @@ CONFIGS = {c.name: c for c in (
                      n_routed_experts=384, n_group=1, topk_group=1, first_k_dense_replace=1,
                      routed_scaling_factor=2.827, vocab_size=163840, num_nextn_predict_layers=0),
                 1.04e12, "technical report: 1.04T total (model card: 1T)"),
-    ModelConfig("gpt-oss-120b", "openai/gpt-oss-120b",
-                dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
-                116.8e9, "model card: 117B in total"),
-    ModelConfig("gpt-oss-20b", "openai/gpt-oss-20b",
-                dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
-                20.9e9, "model card: 21B in total"),
+    ModelConfig("gpt-oss-120b", "openai/gpt-oss-120b", dict(
+        model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_local_experts=128, num_experts_per_tok=4, num_attention_heads=64, head_dim=64,
+        num_key_value_heads=8, sliding_window=128, swiglu_limit=7.0, vocab_size=201088,
+        tie_word_embeddings=False), 116.8e9, "model card: 117B in total"),
 )}
 
 TABLE_MODELS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
@@ -415,10 +408,7 @@ def plan(name: str, *, ep: int, rank: int = 0, fsdp: int = 1, shard_experts: boo
                    token_padding=token_padding) as m:
         t1 = time.perf_counter()
         acc = account(m, fsdp=fsdp, rank=rank, shard_experts=shard_experts, precision=precision)
-        e_total = sum(b.moe.num_experts * (3 * b.moe.dim * b.moe.hidden_dim
-                                           + (2 * b.moe.hidden_dim + b.moe.dim
-                                              if b.moe.args.expert_bias else 0))
-                      for b in converted_blocks(m).values())
+        e_total = ep * sum(m.get_parameter(n).numel() for n in expert_parameter_names(m))
     return Plan(model=name, R=ep, rank=rank, fsdp=fsdp, shard_experts=shard_experts,
                 capacity=capacity, token_padding=token_padding,
                 dtype=str(dtype).replace("torch.", ""), precision=precision.describe(),
