@@ -224,8 +224,41 @@ def case_checkpoints(ctx):
         shutil.rmtree(out)
 
 
+def case_fsdp_dense(ctx):
+    """hf.fully_shard_dense over the EP group (FSDP2 on everything but the experts and their
+    biases): the unconverted model's loss and logits, the expert grads (weights and biases) the
+    sum over the ranks, and save_pretrained of the FSDP model reloads bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    model = tiny()
+    ref = copy.deepcopy(model)
+    hf.convert_model(model, group=ctx.group, capacity=CAP, token_padding=TP)
+    hf.fully_shard_dense(model, init_device_mesh("cpu", (ctx.R,)))
+    ids = batch(ctx.rank)
+    a, b = ref(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    a.loss.backward()
+    b.loss.backward()
+    assert maxdiff(a.loss, b.loss) <= TOL and maxdiff(a.logits, b.logits) <= TOL
+    for name, blk in hf.converted_blocks(model).items():
+        lo, hi = blk.moe.owned_experts().start, blk.moe.owned_experts().stop
+        for key in blk.family.expert_keys():
+            g = ref.get_parameter(f"{name}.{key}").grad.clone()
+            dist.all_reduce(g, group=ctx.group)
+            for target, part in zip(blk.family.key_map()[key], blk.family.to_moe(key, g)):
+                assert maxdiff(blk.moe.get_parameter(target).grad, part[lo:hi]) <= TOL, target
+    out = _shared_dir(ctx)
+    hf.save_pretrained(model, out)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    want = ref.state_dict()
+    assert list(reloaded) == list(want) and all(torch.equal(reloaded[k], want[k]) for k in want)
+    _destroy(model)
+    _barrier(ctx)
+    if ctx.rank == 0:
+        shutil.rmtree(out)
+
+
 MULTI_RANK = multi_rank_cases(globals(), ranks=(1, 2, 4),
-                              only_at={"case_compiled": (2,), "case_checkpoints": (2, 4)})
+                              only_at={"case_compiled": (2,), "case_checkpoints": (2, 4),
+                                       "case_fsdp_dense": (2,)})
 _results = cached_runner(__name__, MULTI_RANK, timeout_s=420, pg_timeout_s=120)
 
 
