@@ -13,7 +13,9 @@ clamps bind, a router skewed so that the planner replicates the hot expert), fp3
 * R = 2, 4: the at-scale recipe: a meta build + convert_model + hf.load_pretrained of a
   transformers checkpoint gives from_pretrained's results bitwise, reading about its share; after
   a training step hf.save_pretrained writes a checkpoint that plain from_pretrained loads
-  bitwise (the fused expert tensors gathered over the EP group).
+  bitwise (the fused expert tensors gathered over the EP group); R = 2 under fully_shard_dense;
+* the router options reproduce GptOssTopKRouter bitwise; bad swiglu options are refused; the
+  memory plan of the published gpt-oss-120b config; on a GPU (skipped here) bf16 logits.
 """
 from __future__ import annotations
 
