@@ -13,7 +13,9 @@ clamps bind, a router skewed so that the planner replicates the hot expert), fp3
 * R = 2, 4: the at-scale recipe: a meta build + convert_model + hf.load_pretrained of a
   transformers checkpoint gives from_pretrained's results bitwise, reading about its share; after
   a training step hf.save_pretrained writes a checkpoint that plain from_pretrained loads
-  bitwise (the fused expert tensors gathered over the EP group).
+  bitwise (the fused expert tensors gathered over the EP group); R = 2 under fully_shard_dense;
+* the router options reproduce GptOssTopKRouter bitwise; bad swiglu options are refused; the
+  memory plan of the published gpt-oss-120b config; on a GPU (skipped here) bf16 logits.
 """
 from __future__ import annotations
 
@@ -224,8 +226,41 @@ def case_checkpoints(ctx):
         shutil.rmtree(out)
 
 
+def case_fsdp_dense(ctx):
+    """hf.fully_shard_dense over the EP group (FSDP2 on everything but the experts and their
+    biases): the unconverted model's loss and logits, the expert grads (weights and biases) the
+    sum over the ranks, and save_pretrained of the FSDP model reloads bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    model = tiny()
+    ref = copy.deepcopy(model)
+    hf.convert_model(model, group=ctx.group, capacity=CAP, token_padding=TP)
+    hf.fully_shard_dense(model, init_device_mesh("cpu", (ctx.R,)))
+    ids = batch(ctx.rank)
+    a, b = ref(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    a.loss.backward()
+    b.loss.backward()
+    assert maxdiff(a.loss, b.loss) <= TOL and maxdiff(a.logits, b.logits) <= TOL
+    for name, blk in hf.converted_blocks(model).items():
+        lo, hi = blk.moe.owned_experts().start, blk.moe.owned_experts().stop
+        for key in blk.family.expert_keys():
+            g = ref.get_parameter(f"{name}.{key}").grad.clone()
+            dist.all_reduce(g, group=ctx.group)
+            for target, part in zip(blk.family.key_map()[key], blk.family.to_moe(key, g)):
+                assert maxdiff(blk.moe.get_parameter(target).grad, part[lo:hi]) <= TOL, target
+    out = _shared_dir(ctx)
+    hf.save_pretrained(model, out)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    want = ref.state_dict()
+    assert list(reloaded) == list(want) and all(torch.equal(reloaded[k], want[k]) for k in want)
+    _destroy(model)
+    _barrier(ctx)
+    if ctx.rank == 0:
+        shutil.rmtree(out)
+
+
 MULTI_RANK = multi_rank_cases(globals(), ranks=(1, 2, 4),
-                              only_at={"case_compiled": (2,), "case_checkpoints": (2, 4)})
+                              only_at={"case_compiled": (2,), "case_checkpoints": (2, 4),
+                                       "case_fsdp_dense": (2,)})
 _results = cached_runner(__name__, MULTI_RANK, timeout_s=420, pg_timeout_s=120)
 
 
@@ -261,3 +296,44 @@ def test_bad_gpt_oss_options_are_refused():
     with pytest.raises(ValueError, match="swiglu_limit"):
         hf.convert_model(model, capacity=CAP)
     assert all(type(layer.mlp).__name__ == "GptOssMLP" for layer in model.model.layers)
+
+
+def test_memory_plan_of_gpt_oss_120b():
+    """The memory plan builds and converts the published gpt-oss-120b config: the model card's
+    116.8B parameters, every rank E/R of each block's experts and their biases."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-m", "moonep_ops.integrations.hf.memory", "--model",
+                          "gpt-oss-120b", "--ep", "8", "--json"], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    p = json.loads(out.stdout)
+    L, E, D, F = 36, 128, 2880, 2880
+    assert p["total_params"] == 116_829_156_672
+    assert p["expert_params_total"] == L * E * (3 * D * F + 2 * F + D)
+    assert p["parts"]["experts"]["numel"] * 8 == p["expert_params_total"]
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and the moonep libraries")
+def test_cuda_bf16_close_to_hf():
+    """One GPU (the CUDA backend, the fused gated SwiGLU and route-weight kernels), bf16: logits
+    within a few bf16 ulps of the unconverted model's, and the backward runs with finite grads."""
+    from moonep_ops import native
+    if native.ep() is None or native.gemm() is None:
+        pytest.skip("the moonep libraries are not built")
+    ref = tiny().to(device="cuda", dtype=torch.bfloat16)
+    model = copy.deepcopy(ref)
+    hf.convert_model(model, capacity=BATCH * SEQ, token_padding=128)
+    ids = batch(0).cuda()
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits.float()
+        got = model(input_ids=ids).logits.float()
+    tol = 4 * 2 ** -8 * float(want.abs().max())
+    assert float((got - want).abs().max()) <= tol, (float((got - want).abs().max()), tol)
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    next(iter(hf.converted_blocks(model).values())).moe.buffer.check_errors()

@@ -1,7 +1,8 @@
 """MoonEP inside torchtitan 0.3.0 (moonep_ops.integrations.torchtitan): the override, the kept
-names/init/state dict, one MoE layer against torchtitan's RoutedExperts, fullgraph compile, and 3
-training steps of torchtitan's tiny Qwen3-MoE and DeepSeek-V3 with MoonEP against torchtitan's own
-all-to-all EP at EP = 2 and 4 (one spawn of 4 gloo ranks).
+names/init/state dict, one MoE layer against torchtitan's RoutedExperts (gpt-oss's too),
+fullgraph compile, and 3 training steps of torchtitan's tiny Qwen3-MoE, DeepSeek-V3 and (with the
+Trainer, bf16 parameters) gpt-oss with MoonEP against torchtitan's own all-to-all EP at EP = 2 and
+4 (one spawn of 4 gloo ranks).
 
 Skipped when torchtitan is not installed.  What CI installs decides how the training steps are
 driven (both paths run torchtitan's parallelize_fn with EP + FSDP2, its AdamW with the MoE
@@ -479,23 +480,28 @@ def _train_by_hand(model: str, ep: int, *, moonep: bool, steps: int = 3, lr: flo
     return {"steps": records, "layout": layout}
 
 
-def _train(model, ep, *, moonep, capacity="job", token_padding=None):
+def _train(model, ep, *, moonep, capacity="job", token_padding=None, param_dtype="float32"):
     kw = {"capacity": capacity, "token_padding": token_padding} if moonep else {}
     if HARNESS == "trainer":
         import torchtitan_moonep as example                  # torchtitan's Trainer
-        return example.train(model, ep, moonep=moonep, steps=3, **kw)
+        return example.train(model, ep, moonep=moonep, steps=3, param_dtype=param_dtype, **kw)
+    assert param_dtype == "float32", "the manual harness trains in fp32"
     return _train_by_hand(model, ep, moonep=moonep, steps=3, **kw)
 
 
-def _compare(model, ep, capacity="job", token_padding=None):
+def _compare(model, ep, capacity="job", token_padding=None, param_dtype="float32",
+             tols=(STEP1_LOSS_TOL, STEP1_GRAD_NORM_RTOL, LOSS_TOL)):
     """capacity "job": local_batch_size * seq_len given to the override; None: MoonEP takes it
     from the first forward (the Buffer is then built inside the first MoE forward).
-    token_padding None: MoonEP's default (1 on gloo)."""
+    token_padding None: MoonEP's default (1 on gloo).  tols: step 1's loss and relative grad
+    norm, every step's loss."""
     os.environ.setdefault("LOCAL_RANK", "0")
     _count_slots()
-    base = _train(model, ep, moonep=False)
+    step1_loss_tol, step1_grad_norm_rtol, loss_tol = tols
+    base = _train(model, ep, moonep=False, param_dtype=param_dtype)
     _DISPATCHED.clear()
-    moon = _train(model, ep, moonep=True, capacity=capacity, token_padding=token_padding)
+    moon = _train(model, ep, moonep=True, capacity=capacity, token_padding=token_padding,
+                  param_dtype=param_dtype)
     world = torch.distributed.get_world_size()
     if torch.distributed.get_rank() == 0 and os.environ.get("MOONEP_TT_TABLE"):
         with open(f"{os.environ['MOONEP_TT_TABLE']}.{model}.w{world}.ep{ep}.json", "w") as f:
@@ -505,10 +511,10 @@ def _compare(model, ep, capacity="job", token_padding=None):
     assert _DISPATCHED and max(_DISPATCHED) > 0, "no dispatch used a redundant slot"
     a, b = base["steps"], moon["steps"]
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
-    assert abs(a[0]["loss"] - b[0]["loss"]) <= STEP1_LOSS_TOL, (model, ep, a[0], b[0])
-    assert abs(a[0]["grad_norm"] - b[0]["grad_norm"]) <= STEP1_GRAD_NORM_RTOL * a[0]["grad_norm"]
+    assert abs(a[0]["loss"] - b[0]["loss"]) <= step1_loss_tol, (model, ep, a[0], b[0])
+    assert abs(a[0]["grad_norm"] - b[0]["grad_norm"]) <= step1_grad_norm_rtol * a[0]["grad_norm"]
     for ra, rb in zip(a, b):
-        assert abs(ra["loss"] - rb["loss"]) <= LOSS_TOL, (model, ep, ra, rb)
+        assert abs(ra["loss"] - rb["loss"]) <= loss_tol, (model, ep, ra, rb)
     # torchtitan's balancing ran on MoonEP's model: after step 1 (same weights, same routing) the
     # biases are bitwise torchtitan's; later a token near a tie may route differently and flip
     # the sign of one expert's update
@@ -532,7 +538,26 @@ def case_dsv3_ep4(ctx):
     _compare("dsv3", 4, capacity=None)
 
 
+# gpt-oss: bf16 parameters (torchtitan's gpt-oss experts return bf16, which its combine cannot
+# add into fp32 activations), so bf16 tolerances: torchtitan rounds every expert op to bf16
+# (measured at EP = 2 and 4: loss 4.0e-3 / 1.5e-2 / 2.4e-2 off over steps 1-3, step-1 grad norm
+# 1.9e-3 relative); dropping the biases in MoonEP moves the step-1 loss by 7e-2.  The clamped
+# SwiGLU's exactness is the layer test's (test_gpt_oss_experts_match_torchtitans_to_bf16_rounding):
+# at bf16 a loss cannot see it.
+GPT_OSS_TOLS = (1e-2, 1e-2, 5e-2)
+
+
+def case_gpt_oss_ep2(ctx):
+    _compare("gpt_oss", 2, param_dtype="bfloat16", tols=GPT_OSS_TOLS)
+
+
+def case_gpt_oss_ep4(ctx):
+    _compare("gpt_oss", 4, param_dtype="bfloat16", tols=GPT_OSS_TOLS)
+
+
 _CASES = ["case_qwen3_ep2", "case_qwen3_ep4", "case_dsv3_ep2", "case_dsv3_ep4"]
+if HARNESS == "trainer":                       # bf16 parameters: the Trainer's mixed precision
+    _CASES += ["case_gpt_oss_ep2", "case_gpt_oss_ep4"]
 
 
 @functools.lru_cache(maxsize=None)

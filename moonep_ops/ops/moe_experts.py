@@ -278,12 +278,27 @@ def moe_experts_backward_body(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_se
             w3, w2, p, dy=dy, g=g, u=u)
     _prefetch(p, experts_to_copy, w1, w3, w2)         # slots may hold another layer by now
     cu = cu_seqlens
-    dy = dy.contiguous()
-    # The GEMMs, the SwiGLU backward and reduce_grad run without their ops' checks (made above
-    # for the inputs; the intermediates and grads are made here, in the shapes the calls need).
+    dh, dg, du, d1, d3, d2 = expert_grads(p, dy.contiguous(), h, cu, w1, w3, w2,
+                                          lambda da: run_swiglu_backward(g, u, da))
+    if d1.dtype in _ew.GRAD_DTYPES:
+        _call("moonep::reduce_grad", _backend(p).reduce_grad, experts_to_copy, [d1, d3, d2],
+              [p.g1, p.g3, p.g2])
+    else:       # the op raises its dtype error, reaching the peers (checks.reject_call)
+        torch.ops.moonep.reduce_grad(experts_to_copy, [d1, d3, d2], [p.g1, p.g3, p.g2],
+                                     p.backend_name)
+    return dh, d1, d3, d2
+
+
+def expert_grads(p: ExpertPool, dy: Tensor, h: Tensor, cu: Tensor, w1: Tensor, w3: Tensor,
+                 w2: Tensor, act_backward) -> tuple[Tensor, ...]:
+    """The experts' backward after the prefetch, before reduce_grad: (dh, dg, du, dw1, dw3, dw2)
+    with the slot groups' weight grads in the pool.  ``act_backward(da) -> (dg, du, a)``: the
+    activation's backward (moonep::swiglu_backward's body, or the gated variant's).  The GEMMs
+    run without their ops' checks (the caller made them for the inputs; the intermediates and
+    grads are made here, in the shapes the calls need)."""
     dgrad, wgrad = "moonep::grouped_mm_dgrad", "moonep::grouped_mm_wgrad_into"
     da = _call(dgrad, _gm.run_dgrad, dy, w2, p.w2, cu, -1, False)   # tail unread
-    dg, du, a = _call("moonep::swiglu_backward", run_swiglu_backward, g, u, da)
+    dg, du, a = _call("moonep::swiglu_backward", act_backward, da)
     # One bf16 add (fp32 math, one rounding) of the two dgrads.  dh is h's gradient, zero past
     # the last group (its true value), so these two keep the zero tail.
     dh = _call(dgrad, _gm.run_dgrad, dg, w1, p.w1, cu) + _call(dgrad, _gm.run_dgrad, du, w3,
@@ -297,13 +312,7 @@ def moe_experts_backward_body(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_se
     _call(wgrad, _gm.run_wgrad_into, dg, h, cu, d1, p.g1)
     _call(wgrad, _gm.run_wgrad_into, du, h, cu, d3, p.g3)
     _call(wgrad, _gm.run_wgrad_into, dy, a, cu, d2, p.g2)
-    if d1.dtype in _ew.GRAD_DTYPES:
-        _call("moonep::reduce_grad", _backend(p).reduce_grad, experts_to_copy, [d1, d3, d2],
-              [p.g1, p.g3, p.g2])
-    else:       # the op raises its dtype error, reaching the peers (checks.reject_call)
-        torch.ops.moonep.reduce_grad(experts_to_copy, [d1, d3, d2], [p.g1, p.g3, p.g2],
-                                     p.backend_name)
-    return dh, d1, d3, d2
+    return dh, dg, du, d1, d3, d2
 
 
 _moe_experts_backward = torch.library.custom_op("moonep::moe_experts_backward",

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 from . import grouped_mm as _gm
-from .moe_experts import ExpertPool, _backend, _call, _check_expert_args, _pool, checked
+from .moe_experts import (ExpertPool, _backend, _call, _check_expert_args, _pool, checked,
+                          expert_grads)
 from .. import native
 from ..runtime import on_device_of
 from .swiglu import (_launch_args, _native_ok, _row_bias, check_activation, glu_params, group_sums,
@@ -193,16 +194,9 @@ def moe_experts_ext_backward_body(dz: Tensor, h: Tensor, row_weights: Tensor, g:
     cu, B = cu_seqlens, w1.shape[0]
     b1, b3, b2 = group_biases(p, biases)
     dy, dw_M = scale_rows_biased_backward(dz.contiguous(), y, b2, cu, row_weights)
-    dgrad, wgrad = "moonep::grouped_mm_dgrad", "moonep::grouped_mm_wgrad_into"
-    da = _call(dgrad, _gm.run_dgrad, dy, w2, p.w2, cu, -1, False)
-    dg, du, a = _call("moonep::swiglu_backward", run_glu_backward, g, u, da, b1, b3, cu,
-                      *glu_params(activation, alpha, limit))
-    dh = _call(dgrad, _gm.run_dgrad, dg, w1, p.w1, cu) + _call(dgrad, _gm.run_dgrad, du, w3,
-                                                               p.w3, cu)
-    d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
-    _call(wgrad, _gm.run_wgrad_into, dg, h, cu, d1, p.g1)
-    _call(wgrad, _gm.run_wgrad_into, du, h, cu, d3, p.g3)
-    _call(wgrad, _gm.run_wgrad_into, dy, a, cu, d2, p.g2)
+    params = glu_params(activation, alpha, limit)
+    dh, dg, du, d1, d3, d2 = expert_grads(
+        p, dy, h, cu, w1, w3, w2, lambda da: run_glu_backward(g, u, da, b1, b3, cu, *params))
     local, slots = [d1, d3, d2], [p.g1, p.g3, p.g2]
     dbiases = bias_grads(p, dg, du, dy, cu, B) if biases else []
     if biases:

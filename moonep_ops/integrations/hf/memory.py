@@ -17,7 +17,7 @@ What is counted, per rank (``plan``), in ``hf.fully_shard_dense``'s layout (``--
 dense part sharded over N data-parallel ranks that contain the EP group, N a multiple of R; N = 1:
 replicated):
 
-  experts     the routed experts' w1, w3, w2 of every sparse block: E/R experts each (with
+  experts     the routed experts (w1, w3, w2; biases) of every sparse block: E/R each (with
               ``--shard-experts``: FSDP-sharded over the N / R ranks that hold the same ones)
   dense       every other parameter (attention, embeddings, norms, dense MLPs, routers, shared
               experts), each as FSDP2 shards dim 0 over the N ranks: ceil(dim0 / N) rows stored
@@ -121,6 +121,11 @@ CONFIGS = {c.name: c for c in (
                      n_routed_experts=384, n_group=1, topk_group=1, first_k_dense_replace=1,
                      routed_scaling_factor=2.827, vocab_size=163840, num_nextn_predict_layers=0),
                 1.04e12, "technical report: 1.04T total (model card: 1T)"),
+    ModelConfig("gpt-oss-120b", "openai/gpt-oss-120b", dict(
+        model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_local_experts=128, num_experts_per_tok=4, num_attention_heads=64, head_dim=64,
+        num_key_value_heads=8, sliding_window=128, swiglu_limit=7.0, vocab_size=201088,
+        tie_word_embeddings=False), 116.8e9, "model card: 117B in total"),
 )}
 
 TABLE_MODELS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
@@ -129,7 +134,7 @@ TABLE_EPS = (8, 16, 64)
 
 def experts_of(name: str) -> int:
     f = CONFIGS[name].fields
-    return f.get("num_experts") or f["n_routed_experts"]
+    return f.get("num_experts") or f.get("num_local_experts") or f["n_routed_experts"]
 
 
 def hf_config(name: str):
@@ -403,8 +408,7 @@ def plan(name: str, *, ep: int, rank: int = 0, fsdp: int = 1, shard_experts: boo
                    token_padding=token_padding) as m:
         t1 = time.perf_counter()
         acc = account(m, fsdp=fsdp, rank=rank, shard_experts=shard_experts, precision=precision)
-        e_total = sum(3 * b.moe.num_experts * b.moe.dim * b.moe.hidden_dim
-                      for b in converted_blocks(m).values())
+        e_total = ep * sum(m.get_parameter(n).numel() for n in expert_parameter_names(m))
     return Plan(model=name, R=ep, rank=rank, fsdp=fsdp, shard_experts=shard_experts,
                 capacity=capacity, token_padding=token_padding,
                 dtype=str(dtype).replace("torch.", ""), precision=precision.describe(),
