@@ -37,7 +37,7 @@ from . import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm*)
 from . import expert_weights as _ew  # noqa: F401  (registers moonep::prefetch_weight, reduce_grad)
 from . import fastpath
 from .checks import (ARG_ERRORS, call_device, check_no_overlap, device_error, has_real_tensor,
-                     on_device, reject_call)
+                     mark_passed, on_device, passed, reject_call, signature)
 from .quantize_fp8 import FP8_DTYPE, scale_cols
 from .swiglu import run_swiglu, run_swiglu_backward
 
@@ -158,7 +158,28 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
                        **more: Tensor) -> None:
     """Every check of moe_experts(_backward), before the first write (the pool's slots) and the
     first collective (prefetch_weight).  ``more``: the backward's dy [M, D], g and u [M, F].
-    ``values``: real kernels only (cu_seqlens values, memory overlap)."""
+    ``values``: real kernels only (cu_seqlens values, memory overlap, experts_to_copy values).
+    The static checks run once per call signature (checks.signature): the pool (its name is
+    never reused; its D, F, dtype, precision, slots and Buffer are fixed) and each tensor's
+    type, shape, dtype, device and, for those that must be contiguous, contiguity."""
+    key = None
+    if values:
+        key = signature((precision, pool.name, *more), (h, cu, etc, w1, w3, w2, *more.values()),
+                        (cu, etc, w1, w3, w2))
+    if not passed(key):
+        _check_static(h, cu, etc, w1, w3, w2, pool, precision, more)
+        mark_passed(key)
+    if values:
+        _gm._check_cu_values(cu, h.shape[0])
+        written = [(f"the pool's {n}", t) for n, t in zip(pool.tensor_names(), pool.tensors())]
+        check_no_overlap("moe_experts", written,
+                         [("h", h), ("cu_seqlens", cu), ("experts_to_copy", etc), ("w1", w1),
+                          ("w3", w3), ("w2", w2), *more.items()])
+        _ew.check_etc_values(etc, _backend(pool))   # (prefetch_weight's: CPU by default)
+
+
+def _check_static(h, cu, etc, w1, w3, w2, pool, precision, more) -> None:
+    """_check_expert_args's checks that read no data."""
     named_t = dict(h=h, cu_seqlens=cu, experts_to_copy=etc, w1=w1, w3=w3, w2=w2, **more)
     for name, t in named_t.items():
         if not isinstance(t, Tensor):
@@ -194,13 +215,9 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
     if etc.dtype != torch.int32 or tuple(etc.shape) != (R, B):
         raise ValueError(f"experts_to_copy must be int32 [R={R}, epn={B}], got "
                          f"{list(etc.shape)} {etc.dtype}")
-    # cu_seqlens: dtype, [2*epn], device and (real kernels, MOONEP_VALIDATE) its values, now:
-    # the grouped GEMMs would check them only after prefetch_weight wrote the pool's slots.
-    _gm._check_cu(cu, 2 * B, M, h.device, values)
-    if values:
-        written = [(f"the pool's {n}", t) for n, t in zip(pool.tensor_names(), pool.tensors())]
-        check_no_overlap("moe_experts", written, list(named_t.items()))
-        _ew.check_etc_values(etc, be)         # (prefetch_weight's value check: CPU by default)
+    # cu_seqlens: dtype, [2*epn], device, and (_check_expert_args) its values, now: the grouped
+    # GEMMs would check them only after prefetch_weight wrote the pool's slots.
+    _gm._check_cu(cu, 2 * B, M, h.device, False)
 
 
 def checked(op: str, pool: ExpertPool, check, *args, values: bool = True, **kw):
