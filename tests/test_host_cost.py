@@ -119,15 +119,18 @@ def test_moe_experts_checks_etc_values_before_staging():
 
 def test_gemm_call_constants_follow_env_and_clear(monkeypatch):
     monkeypatch.setattr(gk, "_workspace_bytes", lambda kid, G, sm: 4096 + G)   # no library here
-    for v in ("MOONEP_GEMM_FAMILY", "MOONEP_GEMM_CANDIDATES"):
+    for v in ("MOONEP_GEMM_FAMILY", "MOONEP_GEMM_CANDIDATES", "MOONEP_GEMM_PDL"):
         monkeypatch.delenv(v, raising=False)
     gm.clear_plan_cache()
-    kid, table, mask, nbytes = gm._call_constants("fwd", 8192, 32, 768, 2048, 132)
-    assert (kid, nbytes) == (0, 4096 + 32)
+    kid, table, mask, nbytes, pdl = gm._call_constants("fwd", 8192, 32, 768, 2048, 132)
+    assert (kid, nbytes, pdl) == (0, 4096 + 32, gm._PDL)
     assert mask == gm.candidate_mask("fwd", 8192, 32, 768, 2048, 132)
     assert list(table) == pytest.approx(gm.gemm_cost_model.tuning_table(
         "fwd", gm.gemm_cost_model.tie_tolerance("fwd", 8192, 32)))
     assert gm._call_constants("fwd", 8192, 32, 768, 2048, 132)[1] is table     # built once
+    monkeypatch.setenv("MOONEP_GEMM_PDL", "0")
+    assert gm._call_constants("fwd", 8192, 32, 768, 2048, 132)[4] == 0
+    monkeypatch.delenv("MOONEP_GEMM_PDL")
     monkeypatch.setenv("MOONEP_GEMM_FAMILY", "moonep")
     m2 = gm._call_constants("fwd", 8192, 32, 768, 2048, 132)[2]
     assert m2 == gm.candidate_mask("fwd", 8192, 32)
