@@ -43,6 +43,7 @@ def test_settings_read_the_environment_as_os_environ_does(monkeypatch):
 def test_on_device_of_cpu_is_a_no_op():
     with runtime.on_device_of(torch.device("cpu")) as ctx:
         assert ctx.prev == -1
+    assert runtime.call_on(torch.device("cpu"), max, 1, 2) == 2
 
 
 def _expert_case(D=16, F=24, E=4, K=2, s=12, tp=4, dtype=torch.float32):
