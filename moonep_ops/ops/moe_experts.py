@@ -77,6 +77,7 @@ class ExpertPool:
         self.g1 = z((B, F, D), dtype)
         self.g3 = z((B, F, D), dtype)
         self.g2 = z((B, D, F), dtype)
+        self._named = None
         self.name = registry.register(self, "pool")
 
     def slot_weights(self, transposed: bool = False) -> list[Tensor]:
@@ -102,6 +103,14 @@ class ExpertPool:
         w = ("w1", "s1", "w3", "s3", "w2", "s2") if self.precision == "fp8" else ("w1", "w3", "w2")
         return w + ("g1", "g3", "g2")
 
+    def named_tensors(self) -> list[tuple[str, Tensor]]:
+        """[("the pool's <name>", tensor)] of every pool tensor, as the overlap checks name
+        them (built once: the pool's tensors are fixed until release)."""
+        if self._named is None:
+            self._named = [(f"the pool's {n}", t)
+                           for n, t in zip(self.tensor_names(), self.tensors())]
+        return self._named
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
@@ -109,6 +118,7 @@ class ExpertPool:
         registry.unregister(self.name)
         self.w1 = self.w3 = self.w2 = self.g1 = self.g3 = self.g2 = None
         self.s1 = self.s3 = self.s2 = None
+        self._named = None
 
 
 def _pool(name: str) -> ExpertPool:
@@ -171,8 +181,7 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
         mark_passed(key)
     if values:
         _gm._check_cu_values(cu, h.shape[0])
-        written = [(f"the pool's {n}", t) for n, t in zip(pool.tensor_names(), pool.tensors())]
-        check_no_overlap("moe_experts", written,
+        check_no_overlap("moe_experts", pool.named_tensors(),
                          [("h", h), ("cu_seqlens", cu), ("experts_to_copy", etc), ("w1", w1),
                           ("w3", w3), ("w2", w2), *more.items()])
         _ew.check_etc_values(etc, _backend(pool))   # (prefetch_weight's: CPU by default)

@@ -201,8 +201,7 @@ def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, valu
             raise ValueError(f"{op}: {name} must be contiguous (got strides {t.stride()})")
     _gm._check_cu(cu, 2 * B, M, h.device, values)
     if values:
-        written = [(f"the pool's {n}", t) for n, t in zip(pool.tensor_names(), pool.tensors())]
-        check_no_overlap(op, written, list(named_t.items()) + [("h", h)])
+        check_no_overlap(op, pool.named_tensors(), list(named_t.items()) + [("h", h)])
     return B, F, D, M
 
 

@@ -30,10 +30,15 @@ from ..runtime import call_on, current_raw_stream, sm_count
 
 def _native_ok(*ts: Tensor) -> bool:
     t0 = ts[0]
-    # 16-byte loads: base pointers must be 16-byte aligned (a contiguous view may not be).
-    return (t0.is_cuda and all(t.dtype == torch.bfloat16 and t.is_contiguous()
-                               and t.device == t0.device and t.data_ptr() % 16 == 0 for t in ts)
-            and native.ep() is not None)
+    if not t0.is_cuda:
+        return False
+    dev = t0.device
+    for t in ts:
+        # 16-byte loads: base pointers must be 16-byte aligned (a contiguous view may not be).
+        if (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device != dev
+                or t.data_ptr() % 16):
+            return False
+    return native.ep() is not None
 
 
 def _launch_args(t: Tensor):
