@@ -74,11 +74,16 @@ class on_device_of:
         return False
 
 
+# The current CUDA device without torch.cuda.current_device's lazy-init test: call_on reads it
+# for a tensor's device, so CUDA is initialised (a CPU-only build: the public function).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def call_on(device: torch.device, fn, *args):
     """``fn(*args)`` with ``device`` the current CUDA device, as inside ``on_device_of(device)``,
     but without the context manager's object and calls when it already is current."""
     idx = device.index
-    if idx is None or idx == torch.cuda.current_device():
+    if idx is None or idx == _current_device():
         return fn(*args)
     with on_device_of(device):
         return fn(*args)

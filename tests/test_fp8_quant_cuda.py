@@ -293,17 +293,20 @@ def test_scale_rows_backward_bitwise(shape, pow2):
 @pytest.mark.parametrize("shape", FUSED_SHAPES)
 def test_scale_rows_backward_bf16(shape):
     """The bf16 layer's backward of z = scale_rows(y, w) (no quantisation): dy bitwise the
-    FP8 kernel's and the torch formulation's, d_rows the FP8 kernel's bitwise (the same tile
-    sums); through autograd of moonep::scale_rows too."""
+    FP8 kernel's and the torch formulation's; d_rows within fp32 reassociation of an fp64 sum
+    (the same tile sums as the FP8 kernel's, which Triton may reduce in another order: measured
+    on an H100, 10-200 rows of a call differ from the quantising variant's in the last bits);
+    through autograd of moonep::scale_rows: bitwise the op's outputs."""
     k = _kernels()
     y = _data(shape, torch.bfloat16, seed=hash(shape) % 1000 + 17)
     dz = _data(shape, torch.bfloat16, seed=hash(shape) % 1000 + 18)
     w = _row_weights(shape[0], seed=shape[0] + 3)
     dy, d_rows = torch.ops.moonep.scale_rows_backward(dz, w, y)
-    full = k.scale_rows_backward(dz, w, y, False)
-    _same(dy, full[0])
-    _same(d_rows, full[3])
+    _same(dy, k.scale_rows_backward(dz, w, y, False)[0])
     _same(dy, (dz.float() * w[:, None]).to(torch.bfloat16))
+    p64 = dz.double() * y.double()
+    err = (d_rows.double() - p64.sum(-1)).abs()
+    assert d_rows.dtype == torch.float32 and bool((err <= 1e-5 * p64.abs().sum(-1) + 1e-30).all())
     yr, wr = y.clone().requires_grad_(True), w.clone().requires_grad_(True)
     torch.ops.moonep.scale_rows(yr, wr).backward(dz)
     _same(yr.grad, dy)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moonep_ops import Buffer, planner, runtime, settings
+from moonep_ops.ops import checks
 from moonep_ops.ops import grouped_mm as gm
 from moonep_ops.ops import grouped_mm_kernels as gk
 from moonep_ops.ops.swiglu import swiglu, swiglu_backward
@@ -42,6 +43,7 @@ def test_settings_read_the_environment_as_os_environ_does(monkeypatch):
 def test_on_device_of_cpu_is_a_no_op():
     with runtime.on_device_of(torch.device("cpu")) as ctx:
         assert ctx.prev == -1
+    assert runtime.call_on(torch.device("cpu"), max, 1, 2) == 2
 
 
 def _expert_case(D=16, F=24, E=4, K=2, s=12, tp=4, dtype=torch.float32):
@@ -118,15 +120,18 @@ def test_moe_experts_checks_etc_values_before_staging():
 
 def test_gemm_call_constants_follow_env_and_clear(monkeypatch):
     monkeypatch.setattr(gk, "_workspace_bytes", lambda kid, G, sm: 4096 + G)   # no library here
-    for v in ("MOONEP_GEMM_FAMILY", "MOONEP_GEMM_CANDIDATES"):
+    for v in ("MOONEP_GEMM_FAMILY", "MOONEP_GEMM_CANDIDATES", "MOONEP_GEMM_PDL"):
         monkeypatch.delenv(v, raising=False)
     gm.clear_plan_cache()
-    kid, table, mask, nbytes = gm._call_constants("fwd", 8192, 32, 768, 2048, 132)
-    assert (kid, nbytes) == (0, 4096 + 32)
+    kid, table, mask, nbytes, pdl = gm._call_constants("fwd", 8192, 32, 768, 2048, 132)
+    assert (kid, nbytes, pdl) == (0, 4096 + 32, gm._PDL)
     assert mask == gm.candidate_mask("fwd", 8192, 32, 768, 2048, 132)
     assert list(table) == pytest.approx(gm.gemm_cost_model.tuning_table(
         "fwd", gm.gemm_cost_model.tie_tolerance("fwd", 8192, 32)))
     assert gm._call_constants("fwd", 8192, 32, 768, 2048, 132)[1] is table     # built once
+    monkeypatch.setenv("MOONEP_GEMM_PDL", "0")
+    assert gm._call_constants("fwd", 8192, 32, 768, 2048, 132)[4] == 0
+    monkeypatch.delenv("MOONEP_GEMM_PDL")
     monkeypatch.setenv("MOONEP_GEMM_FAMILY", "moonep")
     m2 = gm._call_constants("fwd", 8192, 32, 768, 2048, 132)[2]
     assert m2 == gm.candidate_mask("fwd", 8192, 32)
@@ -289,7 +294,7 @@ def test_cached_checks_reject_a_call_one_property_away():
     body = gm.grouped_mm_body
     for config in (-1, 1):
         body(x, wl, ws, cu, config, True)
-        assert gm._signature(("fwd", config, int), (x, wl, ws, cu)) in gm._CHECKED
+        assert checks.passed(checks.signature(("fwd", config, int), (x, wl, ws, cu)))
     with pytest.raises(TypeError, match="dtype"):
         body(x.double(), wl, ws, cu)
     with pytest.raises(ValueError, match="cu_seqlens_G is on meta"):
@@ -311,6 +316,53 @@ def test_cached_checks_reject_a_call_one_property_away():
         gm.grouped_mm_wgrad_into(dy, x, cu, gl, gl)
     with pytest.raises(TypeError, match="input dtype"):
         gm.grouped_mm_wgrad_into(dy, x, cu, gl.double(), gs)
+
+
+def test_cached_expert_checks_reject_a_call_one_property_away():
+    buf, pool, h, cu, etc, w1, w3, w2 = _expert_case()
+    ops = torch.ops.moonep
+    ops.moe_experts(h, cu, etc, w1, w3, w2, pool.name)                  # a cached good call
+    strided = w1.transpose(1, 2).contiguous().transpose(1, 2)          # w1's shape and dtype
+    with pytest.raises(ValueError, match="w1 must be contiguous"):
+        ops.moe_experts(h, cu, etc, strided, w3, w2, pool.name)
+    with pytest.raises(ValueError, match="experts_to_copy must be int32"):
+        ops.moe_experts(h, cu, etc.long(), w1, w3, w2, pool.name)
+    with pytest.raises(ValueError, match="h must be"):
+        ops.moe_experts(h.double(), cu, etc, w1, w3, w2, pool.name)
+    bad = etc.clone()
+    bad[0, 0] = 99                                                     # values: every call
+    with pytest.raises(ValueError, match="experts_to_copy values"):
+        ops.moe_experts(h, cu, bad, w1, w3, w2, pool.name)
+    with pytest.raises(ValueError, match="overlap"):
+        ops.moe_experts(h, cu, etc, pool.w1, w3, w2, pool.name)
+    buf.destroy()
+
+
+def test_cached_buffer_op_checks_reject_a_call_one_property_away():
+    from moonep_ops.ops import dispatch as dops
+    torch.manual_seed(0)
+    buf = Buffer(12, 16, 2, 4, token_padding=4, dtype=torch.float32)
+    x = torch.randn(12, 16)
+    ids = torch.randint(0, 4, (12, 2), dtype=torch.int32)
+    h, _, cu, plan = buf.dispatch(x, ids)                              # cached good calls
+    dops.combine(h, None, plan.dst, buf.name, plan.total_num_tokens)
+    dops.dispatch_with_plan(x, None, plan.dst, buf.name, plan.total_num_tokens)
+    with pytest.raises(TypeError, match="topk_ids"):
+        dops.dispatch(x, ids.long(), None, buf.name, -1)
+    with pytest.raises(TypeError, match="route_weights"):       # present where it was absent
+        dops.dispatch(x, ids, torch.ones(12, 2, dtype=torch.float64), buf.name, -1)
+    strided = h.t().contiguous().t()                                   # h's shape and dtype
+    with pytest.raises(ValueError, match="must be contiguous"):
+        dops.combine(strided, None, plan.dst, buf.name, plan.total_num_tokens)
+    with pytest.raises(ValueError, match="x"):
+        dops.dispatch_with_plan(x[:, :8], None, plan.dst, buf.name, plan.total_num_tokens)
+    bad = plan.dst.clone()
+    bad[0] = 2 ** 30                                                   # values: every call
+    with pytest.raises(ValueError, match="plan.dst names"):
+        dops.combine(h, None, bad, buf.name, plan.total_num_tokens)
+    with pytest.raises(ValueError, match="plan.dst names"):
+        dops.dispatch_with_plan(x, None, bad, buf.name, plan.total_num_tokens)
+    buf.destroy()
 
 
 def test_gemm_launch_through_the_c_prototype(monkeypatch):
@@ -356,6 +408,30 @@ def test_gemm_launch_through_the_c_prototype(monkeypatch):
     gk._launch("fwd", 1, x, wl, ws, y, None, cu, epn, M, O, I, workspace=work)
     assert seen[1][1] == 1 and seen[1][16] == 0 and seen[1][17] == work.data_ptr()
     gk.clear_plan_cache()
+
+
+def test_fp8_launch_through_the_c_prototype(monkeypatch):
+    """Fp8Gemm.launch's arguments pass ctypes' conversion of the FP8 GEMM's real prototype,
+    with the raw stream, the forced config and the workspace it returns."""
+    import ctypes
+    from types import SimpleNamespace
+    from moonep_ops import native
+    from moonep_ops.ops import grouped_mm_fp8 as g8
+    restype, argtypes = native.GEMM_FP8_PROTOTYPES["moonep_grouped_gemm_fp8"]
+    seen = []
+    fn = ctypes.CFUNCTYPE(restype, *argtypes)(lambda *a: seen.append(a) or 0)
+    gemm = g8.Fp8Gemm("fp8", lambda: None, lambda: SimpleNamespace(
+        grouped_gemm_fp8=fn, gemm_fp8_workspace_bytes=lambda G, sms: 256 + G),
+        g8.fp8_cost, "MOONEP_GEMM_FP8_CONFIG", "test FP8 GEMM")
+    monkeypatch.setattr(g8, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(g8, "current_raw_stream", lambda dev: 0x4321)
+    monkeypatch.delenv("MOONEP_GEMM_FP8_CONFIG", raising=False)
+    operands = (16, 32, 48, 64, 80, 96, 112, 128, 4, 2, 64, 24, 32)
+    work = gemm.launch(operands, 4, gk._PDL, 1, torch.device("cpu"))
+    (a,) = seen
+    assert a[:8] == operands[:8] and a[8:13] == operands[8:]
+    assert a[13] == 1 and a[15] == gk._PDL                              # config, flags
+    assert a[16:] == (work.data_ptr(), 260, 132, 0x4321) and work.numel() == 260
 
 
 def test_symm_backend_reads_the_stream_once_per_op(monkeypatch):

@@ -171,6 +171,49 @@ def check_no_overlap(op: str, written: Named, read: Named = ()) -> None:
                                  f"writing {na} would change {nb} while the op reads it")
 
 
+# ---------------------------------------------------------------------------------------------
+# Static checks once per call signature
+# ---------------------------------------------------------------------------------------------
+# An op's shape, dtype, device and contiguity checks read only its arguments' types, shapes,
+# dtypes, devices and contiguity, and the op's other arguments (config, pool name, ...): a call
+# with the same signature passes them again, so the ops' bodies run them on a signature's first
+# call only.  A signature holds everything its checks read (a check that reads more, e.g. a
+# stride or storage offset, must add it).  Value checks (cu_seqlens's values where validation
+# runs, experts_to_copy's values, memory overlap) run on every call.
+
+_PASSED: set = set()
+_PASSED_MAX = 4096
+
+
+def signature(head: tuple, tensors, dense=()) -> Optional[tuple]:
+    """``head`` (the op and its non-tensor arguments, each with its type where a bool could
+    pass for an int: True == 1 as a key), then (type, shape, dtype, device) of each of
+    ``tensors`` and the contiguity of each of ``dense``; None when one is no tensor (the full
+    checks then say which)."""
+    key = list(head)
+    try:
+        for t in tensors:
+            key += (type(t), t.shape, t.dtype, t.device)
+        for t in dense:
+            key.append(t.is_contiguous())
+    except AttributeError:
+        return None
+    return tuple(key)
+
+
+def passed(key: Optional[tuple]) -> bool:
+    """The checks passed before for the signature ``key`` (a None key never did)."""
+    return key is not None and key in _PASSED
+
+
+def mark_passed(key: Optional[tuple]) -> None:
+    """The checks passed for ``key`` (a signature, or None: nothing recorded)."""
+    if key is not None:
+        if len(_PASSED) >= _PASSED_MAX:
+            _PASSED.clear()
+        _PASSED.add(key)
+
+
 def named(prefix: str, tensors: Iterable[Tensor]) -> list[tuple[str, Tensor]]:
     """[(f"{prefix}[i]", t)] for a tensor list argument."""
     return [(f"{prefix}[{i}]", t) for i, t in enumerate(tensors)]

@@ -43,7 +43,8 @@ from .. import registry, runtime
 from ..backends.base import Backend
 from ..planner import decode_raw_dst
 from . import fastpath
-from .checks import ARG_ERRORS, call_device, device_error, has_real_tensor, on_device, reject_call
+from .checks import (ARG_ERRORS, call_device, device_error, has_real_tensor, mark_passed,
+                     on_device, passed, reject_call, signature)
 from .quantize_fp8 import FP8ArgumentError, fake_rows_fp8, fp8_checks, rows_fp8
 
 
@@ -117,18 +118,16 @@ def check_dispatch_args(be, x, topk, rw, total: int) -> int:
     return s
 
 
-def check_reuse_args(be, x, rw, dst, total: int, values: bool = False) -> int:
+def check_reuse_args(be, x, rw, dst, total: int) -> int:
     dev = call_device(x, be.device)
     s = _check_hidden("x [s, D]", x, be, dev)
     _check_route_weights(rw, s, be, dev)
     check_s(be, s, total)
     _check_dst(dst, s, be, dev)
-    if values:
-        check_dst_values(dst, be, s, total)
     return s
 
 
-def check_combine_args(be, h, w, dst, total: int, values: bool = False) -> int:
+def check_combine_args(be, h, w, dst, total: int) -> int:
     dev = call_device(h, be.device)
     _tensor("plan.dst [s*K]", dst, torch.int32, 1, be, dev, "h")
     if dst.shape[0] % be.spec.K:
@@ -145,9 +144,17 @@ def check_combine_args(be, h, w, dst, total: int, values: bool = False) -> int:
         _tensor("route_weights [nvs_s]", w, torch.float32, 1, be, dev, "h")
         if w.shape[0] != h.shape[0]:
             raise ValueError(f"route_weights must have h's {h.shape[0]} rows, got {w.shape[0]}")
-    if values:
-        check_dst_values(dst, be, s, total)
     return s
+
+
+def _call_signature(op: str, buffer: str, total, *tensors) -> Optional[tuple]:
+    """checks.signature of a Buffer op's call, for its static checks (once per signature): the
+    op, the Buffer (a registry name is never reused; its backend and spec are fixed), total and
+    its type, which tensors are absent (route_weights None), and the others, all of which the
+    checks require contiguous."""
+    present = [t for t in tensors if t is not None]
+    return signature((op, buffer, total, type(total), *(t is None for t in tensors)), present,
+                     present)
 
 
 def check_dst_values(dst, be, s: int, total: int) -> None:
@@ -187,7 +194,10 @@ def dispatch_body(x: Tensor, topk_ids: Tensor, route_weights: Optional[Tensor], 
     """moonep::dispatch's kernel (every device; the backend does the work)."""
     be = _backend(buffer)
     try:
-        check_dispatch_args(be, x, topk_ids, route_weights, total_num_tokens)
+        key = _call_signature("dispatch", buffer, total_num_tokens, x, topk_ids, route_weights)
+        if not passed(key):
+            check_dispatch_args(be, x, topk_ids, route_weights, total_num_tokens)
+            mark_passed(key)
     except ARG_ERRORS as e:
         raise reject_call(be, "dispatch", "dispatch", e) from None
     return tuple(be.dispatch(x, topk_ids, route_weights, total_num_tokens,
@@ -268,7 +278,13 @@ def dispatch_with_plan_body(x: Tensor, route_weights: Optional[Tensor], dst: Ten
     """moonep::dispatch_with_plan's kernel."""
     be = _backend(buffer)
     try:
-        s = check_reuse_args(be, x, route_weights, dst, total_num_tokens, values=True)
+        key = _call_signature("dispatch_with_plan", buffer, total_num_tokens, x, route_weights,
+                              dst)
+        if not passed(key):
+            check_reuse_args(be, x, route_weights, dst, total_num_tokens)
+            mark_passed(key)
+        s = x.shape[0]
+        check_dst_values(dst, be, s, total_num_tokens)
     except ARG_ERRORS as e:
         raise reject_call(be, "dispatch_with_plan", "dispatch_with_plan", e) from None
     return be.dispatch_with_plan(x, route_weights, dst, be.spec.nvs_s(s, total_num_tokens))
@@ -312,7 +328,12 @@ def combine_body(h: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer
     """moonep::combine's kernel."""
     be = _backend(buffer)
     try:
-        s = check_combine_args(be, h, route_weights, dst, total_num_tokens, values=True)
+        key = _call_signature("combine", buffer, total_num_tokens, h, route_weights, dst)
+        if not passed(key):
+            check_combine_args(be, h, route_weights, dst, total_num_tokens)
+            mark_passed(key)
+        s = dst.shape[0] // be.spec.K
+        check_dst_values(dst, be, s, total_num_tokens)
     except ARG_ERRORS as e:
         raise reject_call(be, "combine", "combine", e) from None
     y, w = be.combine(h, route_weights, dst)

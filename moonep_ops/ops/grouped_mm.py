@@ -57,7 +57,7 @@ from torch import Tensor
 from ..gemm import cost_model as gemm_cost_model
 from ..runtime import should_validate
 from . import fastpath
-from .checks import check_no_overlap
+from .checks import check_no_overlap, mark_passed, passed, signature
 from . import grouped_mm_kernels as _kernels
 from .grouped_mm_kernels import (_cutlass_wgrad_lp, _nonempty_G11, _ref_fwd, _wgrad_acc_impl,
                                  backend_for, run_dgrad, run_fwd, run_mm, run_wgrad_into)
@@ -202,34 +202,6 @@ def _check_grads(grad_local, grad_slot, epn, O, I, device, dtype=torch.float32,
             raise ValueError(f"{name} must be contiguous")
 
 
-# The static checks of the ops' bodies, once per call signature.  They read only what
-# ``_signature`` holds (each argument's type, shape, dtype and device; config and its type,
-# since True == 1 as a key) and, for the written grads, their contiguity: a call whose
-# signature passed once passes again, so a hit skips them.  The value checks (cu_seqlens's
-# values where validation runs, memory overlap of written tensors) run on every call.
-_CHECKED: set = set()
-_CHECKED_MAX = 4096
-
-
-def _signature(head: tuple, tensors) -> tuple | None:
-    """``head`` and (type, shape, dtype, device) of each tensor; None when one is no tensor
-    (the full checks then say which)."""
-    key = list(head)
-    try:
-        for t in tensors:
-            key += (type(t), t.shape, t.dtype, t.device)
-    except AttributeError:
-        return None
-    return tuple(key)
-
-
-def _passed(key) -> None:
-    if key is not None:
-        if len(_CHECKED) >= _CHECKED_MAX:
-            _CHECKED.clear()
-        _CHECKED.add(key)
-
-
 def reference_grouped_mm(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G):
     """Plain per-group loop (fp32 accumulation, fp64 for fp64 inputs); the tests' oracle."""
     _check_mm("fwd", x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G, -1)
@@ -247,10 +219,11 @@ def _rows_op(name: str, a: str, kind: str, width: int):
     schema: `int` (not the inferred SymInt) so config is static in traces."""
     def body(a: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
              cu_seqlens: torch.Tensor, config: int = -1, zero_tail: bool = True) -> torch.Tensor:
-        key = _signature((kind, config, type(config)), (a, w_local, w_slot, cu_seqlens))
-        if key not in _CHECKED:
+        # (the static checks once per call signature: checks.signature)
+        key = signature((kind, config, type(config)), (a, w_local, w_slot, cu_seqlens))
+        if not passed(key):
             _check_mm(kind, a, w_local, w_slot, cu_seqlens, config, values=False)
-            _passed(key)
+            mark_passed(key)
         _check_cu_values(cu_seqlens, a.shape[0])
         return run_mm(kind, a, w_local, w_slot, cu_seqlens, config, zero_tail)
 
@@ -296,14 +269,12 @@ def _grads_op(name: str, run, input_dtype: bool):
     tensors have no storage: no overlap check)."""
     def body(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
              grad_local: torch.Tensor, grad_slot: torch.Tensor, config: int = -1) -> None:
-        key = _signature((name, config, type(config)), (dy, x, cu_seqlens, grad_local,
-                                                         grad_slot))
-        if key is not None:
-            key += (grad_local.is_contiguous(), grad_slot.is_contiguous())
-        if key not in _CHECKED:
+        key = signature((name, config, type(config)), (dy, x, cu_seqlens, grad_local,
+                                                        grad_slot), (grad_local, grad_slot))
+        if not passed(key):
             _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, values=False,
                                input_dtype=input_dtype)
-            _passed(key)
+            mark_passed(key)
         _check_cu_values(cu_seqlens, x.shape[0])
         check_no_overlap(name, [("grad_local", grad_local), ("grad_slot", grad_slot)],
                          [("dy", dy), ("x", x), ("cu_seqlens", cu_seqlens)])

@@ -229,20 +229,20 @@ def clear_plan_cache() -> None:
 
 
 # Per call shape, what _launch passes besides the pointers: (kind id, tuning table, candidate
-# mask, workspace bytes).  Keyed by the shape, the SM count and the two environment switches
-# the mask reads, so a changed switch is a new key; read on every call, built once.
+# mask, workspace bytes, PDL flag).  Keyed by the shape, the SM count and the three environment
+# switches they read, so a changed switch is a new key; read on every call, built once.
 _CALLS: dict[tuple, tuple] = {}
 _CALLS_MAX = 4096
 
 
 def _call_constants(kind: str, M: int, G: int, O: int, I: int, sm: int) -> tuple:
     key = (kind, M, G, O, I, sm, settings.get("MOONEP_GEMM_FAMILY"),
-           settings.get("MOONEP_GEMM_CANDIDATES"))
+           settings.get("MOONEP_GEMM_CANDIDATES"), settings.get("MOONEP_GEMM_PDL"))
     c = _CALLS.get(key)
     if c is None:
         kid = _KIND_ID[kind]
         c = (kid, _tuning_table(kind, gemm_cost_model.tie_tolerance(kind, M, G)),
-             candidate_mask(kind, M, G, O, I, sm), _workspace_bytes(kid, G, sm))
+             candidate_mask(kind, M, G, O, I, sm), _workspace_bytes(kid, G, sm), _pdl_flag())
         if len(_CALLS) >= _CALLS_MAX:
             _CALLS.clear()
         _CALLS[key] = c
@@ -276,24 +276,25 @@ def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,
     dev = a.device
     G = 2 * epn
     sm = sm_count(dev)
-    kid, table, mask, nbytes = _call_constants(kind, M, G, O, I, sm)
+    kid, table, mask, nbytes, pdl = _call_constants(kind, M, G, O, I, sm)
     if workspace is None or workspace.numel() < nbytes:
         workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     rc = call_on(dev, lib.grouped_gemm,
                  kid, config, raster,
                  a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
                  d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
-                 cu.data_ptr(), G, epn, M, O, I, table, mask, flags | _pdl_flag(),
+                 cu.data_ptr(), G, epn, M, O, I, table, mask, flags | pdl,
                  workspace.data_ptr(), nbytes, sm, current_raw_stream(dev))
     if rc:
         native.gemm_check(rc, f"moonep grouped GEMM ({kind})")
     return workspace
 
 
-def _cutlass_mm(kind, a, w_local, w_slot, cu, config, zero_tail=True):
-    """kind "fwd": y [M, O] = x [M, I] @ W_g^T; "dgrad": dx [M, I] = dy [M, O] @ W_g."""
+def _cutlass_mm(kind, a, w_local, w_slot, cu, config, zero_tail=True, shape=None):
+    """kind "fwd": y [M, O] = x [M, I] @ W_g^T; "dgrad": dx [M, I] = dy [M, O] @ W_g.
+    ``shape``: w_local's, when the caller has read it."""
     M = a.shape[0]
-    epn, O, I = w_local.shape
+    epn, O, I = w_local.shape if shape is None else shape
     out = torch.empty(M, O if kind == "fwd" else I, dtype=a.dtype, device=a.device)
     if M:
         _launch(kind, config, a.contiguous(), w_local.contiguous(), w_slot.contiguous(),
@@ -342,9 +343,10 @@ def _cutlass_wgrad_lp(dy, x, cu, epn, config):
 def run_mm(kind: str, a, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
     """moonep::grouped_mm (``kind`` "fwd", a = x) or grouped_mm_dgrad ("dgrad", a = dy) without
     its checks (the caller made them)."""
-    backend = backend_for(a, w_local.shape[1], w_local.shape[2])
+    shape = w_local.shape
+    backend = backend_for(a, shape[1], shape[2])
     if backend == "cutlass":
-        return _cutlass_mm(kind, a, w_local, w_slot, cu, config, zero_tail)
+        return _cutlass_mm(kind, a, w_local, w_slot, cu, config, zero_tail, shape)
     fwd = kind == "fwd"
     if backend == "torch":
         return (_torch_fwd if fwd else _torch_dgrad)(a, w_local, w_slot, cu, zero_tail)

@@ -39,7 +39,7 @@ from . import grouped_mm as _gm  # noqa: F401  (registers moonep::grouped_mm*)
 from . import expert_weights as _ew  # noqa: F401  (registers moonep::prefetch_weight, reduce_grad)
 from . import fastpath
 from .checks import (ARG_ERRORS, call_device, check_no_overlap, device_error, has_real_tensor,
-                     on_device, reject_call)
+                     mark_passed, on_device, passed, reject_call, signature)
 from .quantize_fp8 import FP8_DTYPE, scale_cols
 from .swiglu import run_swiglu, run_swiglu_backward
 
@@ -81,6 +81,7 @@ class ExpertPool:
         self.g3 = z((B, F, D), dtype)
         self.g2 = z((B, D, F), dtype)
         self.b1 = self.b3 = self.b2 = self.gb1 = self.gb3 = self.gb2 = None
+        self._named = None
         self.name = registry.register(self, "pool")
 
     def add_bias_slots(self) -> None:
@@ -94,6 +95,7 @@ class ExpertPool:
         self.b1, self.b3, self.b2 = z((B, F), self.dtype), z((B, F), self.dtype), z((B, D), self.dtype)
         self.gb1, self.gb3, self.gb2 = (z((B, F), self.dtype), z((B, F), self.dtype),
                                         z((B, D), self.dtype))
+        self._named = None                  # named_tensors lists the bias slots from now on
 
     def slot_weights(self, transposed: bool = False) -> list[Tensor]:
         """What prefetch_weight fills: [w1, w3, w2], or fp8 [w1, s1, w3, s3, w2, s2].
@@ -119,6 +121,14 @@ class ExpertPool:
         bias = ("b1", "b3", "b2", "gb1", "gb3", "gb2") if self.b1 is not None else ()
         return w + ("g1", "g3", "g2") + bias
 
+    def named_tensors(self) -> list[tuple[str, Tensor]]:
+        """[("the pool's <name>", tensor)] of every pool tensor, as the overlap checks name
+        them (built once: the pool's tensors are fixed until release)."""
+        if self._named is None:
+            self._named = [(f"the pool's {n}", t)
+                           for n, t in zip(self.tensor_names(), self.tensors())]
+        return self._named
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
@@ -127,6 +137,7 @@ class ExpertPool:
         self.w1 = self.w3 = self.w2 = self.g1 = self.g3 = self.g2 = None
         self.s1 = self.s3 = self.s2 = None
         self.b1 = self.b3 = self.b2 = self.gb1 = self.gb3 = self.gb2 = None
+        self._named = None
 
 
 def _pool(name: str) -> ExpertPool:
@@ -176,7 +187,27 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
                        **more: Tensor) -> None:
     """Every check of moe_experts(_backward), before the first write (the pool's slots) and the
     first collective (prefetch_weight).  ``more``: the backward's dy [M, D], g and u [M, F].
-    ``values``: real kernels only (cu_seqlens values, memory overlap)."""
+    ``values``: real kernels only (cu_seqlens values, memory overlap, experts_to_copy values).
+    The static checks run once per call signature (checks.signature): the pool (its name is
+    never reused; its D, F, dtype, precision, slots and Buffer are fixed) and each tensor's
+    type, shape, dtype, device and, for those that must be contiguous, contiguity."""
+    key = None
+    if values:
+        key = signature((precision, pool.name, *more), (h, cu, etc, w1, w3, w2, *more.values()),
+                        (cu, etc, w1, w3, w2))
+    if not passed(key):
+        _check_static(h, cu, etc, w1, w3, w2, pool, precision, more)
+        mark_passed(key)
+    if values:
+        _gm._check_cu_values(cu, h.shape[0])
+        check_no_overlap("moe_experts", pool.named_tensors(),
+                         [("h", h), ("cu_seqlens", cu), ("experts_to_copy", etc), ("w1", w1),
+                          ("w3", w3), ("w2", w2), *more.items()])
+        _ew.check_etc_values(etc, _backend(pool))   # (prefetch_weight's: CPU by default)
+
+
+def _check_static(h, cu, etc, w1, w3, w2, pool, precision, more) -> None:
+    """_check_expert_args's checks that read no data."""
     named_t = dict(h=h, cu_seqlens=cu, experts_to_copy=etc, w1=w1, w3=w3, w2=w2, **more)
     for name, t in named_t.items():
         if not isinstance(t, Tensor):
@@ -212,13 +243,9 @@ def _check_expert_args(h: Tensor, cu: Tensor, etc: Tensor, w1: Tensor, w3: Tenso
     if etc.dtype != torch.int32 or tuple(etc.shape) != (R, B):
         raise ValueError(f"experts_to_copy must be int32 [R={R}, epn={B}], got "
                          f"{list(etc.shape)} {etc.dtype}")
-    # cu_seqlens: dtype, [2*epn], device and (real kernels, MOONEP_VALIDATE) its values, now:
-    # the grouped GEMMs would check them only after prefetch_weight wrote the pool's slots.
-    _gm._check_cu(cu, 2 * B, M, h.device, values)
-    if values:
-        written = [(f"the pool's {n}", t) for n, t in zip(pool.tensor_names(), pool.tensors())]
-        check_no_overlap("moe_experts", written, list(named_t.items()))
-        _ew.check_etc_values(etc, be)         # (prefetch_weight's value check: CPU by default)
+    # cu_seqlens: dtype, [2*epn], device, and (_check_expert_args) its values, now: the grouped
+    # GEMMs would check them only after prefetch_weight wrote the pool's slots.
+    _gm._check_cu(cu, 2 * B, M, h.device, False)
 
 
 def checked(op: str, pool: ExpertPool, check, *args, values: bool = True, **kw):

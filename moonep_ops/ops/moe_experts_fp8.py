@@ -207,8 +207,7 @@ def _check(op: str, pool: ExpertPool, h, hs, wM, cu, etc, w1, w3, w2, pow2, valu
     if fp8_wgrad and (biases or activation != "swiglu"):
         raise ValueError(f"{op}: fp8_wgrad has no expert biases or activation {activation!r} yet")
     if values:
-        written = [(f"the pool's {n}", t) for n, t in zip(pool.tensor_names(), pool.tensors())]
-        check_no_overlap(op, written, list(named_t.items()) + [("h", h)])
+        check_no_overlap(op, pool.named_tensors(), list(named_t.items()) + [("h", h)])
     return B, F, D, M
 
 

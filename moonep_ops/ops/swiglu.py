@@ -27,15 +27,20 @@ import torch
 from torch import Tensor
 
 from .. import native
-from ..runtime import current_raw_stream, on_device_of, sm_count
+from ..runtime import call_on, current_raw_stream, on_device_of, sm_count
 
 
 def _native_ok(*ts: Tensor) -> bool:
     t0 = ts[0]
-    # 16-byte loads: base pointers must be 16-byte aligned (a contiguous view may not be).
-    return (t0.is_cuda and all(t.dtype == torch.bfloat16 and t.is_contiguous()
-                               and t.device == t0.device and t.data_ptr() % 16 == 0 for t in ts)
-            and native.ep() is not None)
+    if not t0.is_cuda:
+        return False
+    dev = t0.device
+    for t in ts:
+        # 16-byte loads: base pointers must be 16-byte aligned (a contiguous view may not be).
+        if (t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device != dev
+                or t.data_ptr() % 16):
+            return False
+    return native.ep() is not None
 
 
 def _launch_args(t: Tensor):
@@ -102,9 +107,8 @@ def run_swiglu(g_MF: Tensor, u_MF: Tensor) -> Tensor:
         return reference_swiglu(g_MF, u_MF)
     a = torch.empty_like(g_MF)
     sms, stream = _launch_args(g_MF)
-    with on_device_of(g_MF.device):
-        rc = native.ep().ep_swiglu_fwd(g_MF.data_ptr(), u_MF.data_ptr(), a.data_ptr(),
-                                       g_MF.numel(), sms, stream)
+    rc = call_on(g_MF.device, native.ep().ep_swiglu_fwd, g_MF.data_ptr(), u_MF.data_ptr(),
+                 a.data_ptr(), g_MF.numel(), sms, stream)
     if rc:
         native.ep_check(rc, "moonep swiglu")
     return a
@@ -117,10 +121,9 @@ def run_swiglu_backward(g_MF: Tensor, u_MF: Tensor, da_MF: Tensor
         return reference_swiglu_backward(g_MF, u_MF, da_MF)
     dg, du, a = (torch.empty_like(g_MF) for _ in range(3))
     sms, stream = _launch_args(g_MF)
-    with on_device_of(g_MF.device):
-        rc = native.ep().ep_swiglu_bwd(g_MF.data_ptr(), u_MF.data_ptr(), da_MF.data_ptr(),
-                                       dg.data_ptr(), du.data_ptr(), a.data_ptr(), g_MF.numel(),
-                                       sms, stream)
+    rc = call_on(g_MF.device, native.ep().ep_swiglu_bwd, g_MF.data_ptr(), u_MF.data_ptr(),
+                 da_MF.data_ptr(), dg.data_ptr(), du.data_ptr(), a.data_ptr(), g_MF.numel(), sms,
+                 stream)
     if rc:
         native.ep_check(rc, "moonep swiglu backward")
     return dg, du, a
