@@ -219,6 +219,35 @@ def test_bad_configuration():
     check_backend_dims("cpu", torch.bfloat16, 36, 12)
 
 
+@pytest.mark.parametrize("variant", [{}, dict(expert_bias=True, activation="swiglu_clamped")])
+def test_input_without_grad_skips_its_dgrads(variant, monkeypatch):
+    """A batch that needs no grad (a first layer, frozen inputs): the experts' backward runs no
+    dgrad into the dispatched rows (1 dgrad instead of 3: only da's), and every parameter's grad
+    is bitwise the one the same step gives when x requires grad."""
+    from moonep_ops.ops import grouped_mm as gk     # the module the experts call run_dgrad in
+    calls = []
+    real = gk.run_dgrad
+    monkeypatch.setattr(gk, "run_dgrad", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    buf = Buffer(16, D, K, E, token_padding=TP, dtype=torch.float32)
+    try:
+        layer = MoonEPMoE.for_buffer(buf, F, **variant)
+        x = torch.randn(16, D)
+        grads, counts = [], []
+        for need in (True, False):
+            layer.zero_grad(set_to_none=True)
+            calls.clear()
+            xi = x.clone().requires_grad_(need)
+            (layer(xi) ** 2).sum().backward()
+            counts.append(len(calls))
+            grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+        assert counts == [3, 1], counts
+        for n in grads[0]:
+            assert torch.equal(grads[0][n], grads[1][n]), n
+    finally:
+        buf.destroy()
+
+
 def _graph_ops(layer, x):
     ops = []
 
@@ -255,10 +284,10 @@ moonep::grouped_mm_dgrad(Tensor dy, Tensor w_local, Tensor w_slot, Tensor cu_seq
 moonep::grouped_mm_wgrad(Tensor dy, Tensor x, Tensor cu_seqlens, int epn, int config=-1, ScalarType? out_dtype=None) -> (Tensor, Tensor)
 moonep::grouped_mm_wgrad_accumulate(Tensor dy, Tensor x, Tensor cu_seqlens, Tensor(a!) grad_local, Tensor(b!) grad_slot, int config=-1) -> ()
 moonep::moe_experts(Tensor h, Tensor cu_seqlens, Tensor experts_to_copy, Tensor w1, Tensor w3, Tensor w2, str pool) -> (Tensor, Tensor, Tensor)
-moonep::moe_experts_backward(Tensor dy, Tensor h, Tensor g, Tensor u, Tensor cu_seqlens, Tensor experts_to_copy, Tensor w1, Tensor w3, Tensor w2, str pool) -> (Tensor, Tensor, Tensor, Tensor)""")
+moonep::moe_experts_backward(Tensor dy, Tensor h, Tensor g, Tensor u, Tensor cu_seqlens, Tensor experts_to_copy, Tensor w1, Tensor w3, Tensor w2, str pool, bool need_dh=True) -> (Tensor, Tensor, Tensor, Tensor)""")
 
     def test_captured_layer_graph(self):
         torch.manual_seed(0)
         buf = Buffer(8, D, K, E, token_padding=TP, dtype=torch.float32)
         layer = MoonEPMoE.for_buffer(buf, F)
-        self.assertExpectedInline(" ".join(_graph_ops(layer, torch.randn(8, D))), """.reshape .to linear .float softmax .detach add topk getitem .gather .to .detach moonep.dispatch getitem getitem getitem getitem getitem moonep.moe_experts getitem getitem mul .to moonep.combine getitem .view""")
+        self.assertExpectedInline(" ".join(_graph_ops(layer, torch.randn(8, D))), """.reshape .to linear .float softmax .detach add topk getitem .gather .to .detach moonep.dispatch getitem getitem getitem getitem getitem .detach moonep.moe_experts getitem getitem mul .to moonep.combine getitem .view""")

@@ -252,8 +252,8 @@ def test_ext_op_schemas():
         "activation, float alpha, float limit) -> (Tensor, Tensor, Tensor, Tensor)\n"
         "moonep::moe_experts_ext_backward(Tensor dz, Tensor h, Tensor row_weights, Tensor g, "
         "Tensor u, Tensor y, Tensor cu_seqlens, Tensor experts_to_copy, Tensor w1, Tensor w3, "
-        "Tensor w2, Tensor[] biases, str pool, str activation, float alpha, float limit) -> "
-        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])")
+        "Tensor w2, Tensor[] biases, str pool, str activation, float alpha, float limit, bool "
+        "need_dh=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])")
 
 
 def _op_args(layer):

@@ -92,20 +92,21 @@ def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_
                                                       w3, w2, pool_name, x_sD, w_sK, plan.dst,
                                                       plan.total_num_tokens, pow2_scales,
                                                       weight_cache, fp8_wgrad, *more)
-    elif variant:
-        h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
-        z, _, _, _ = moe_experts_ext(h, w_M, cu, plan.experts_to_copy, w1, w3, w2, list(biases),
-                                     pool_name, activation, alpha, limit)
     else:
         h, w_M, cu, plan = buf.dispatch(x_sD, ids_sK, w_sK, total_num_tokens=total_num_tokens)
-        y, _, _ = _moe_experts.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2, pool_name)
-        # z = x_dtype(fp32(y) * w): bf16 in one pass each way (moonep::scale_rows, no [M, D]
-        # fp32 products); else y promotes (bitwise y.float() * w), a wider y rounded to fp32.
-        if y.dtype == torch.bfloat16 and x_sD.dtype == torch.bfloat16:
-            z = _qf.scale_rows_differentiable(y, w_M)
-        else:
-            yw = y if y.dtype.itemsize <= 4 else y.float()
-            z = (yw * w_M[:, None]).to(x_sD.dtype)
+        if not x_sD.requires_grad:   # h's grad could reach only x: the experts skip its dgrads
+            h = h.detach()
+        if variant:
+            z, _, _, _ = moe_experts_ext(h, w_M, cu, plan.experts_to_copy, w1, w3, w2,
+                                         list(biases), pool_name, activation, alpha, limit)
+        else:    # z = x_dtype(fp32(y) * w): bf16 by moonep::scale_rows, else y promotes
+            y, _, _ = _moe_experts.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2,
+                                               pool_name)
+            if y.dtype == torch.bfloat16 and x_sD.dtype == torch.bfloat16:
+                z = _qf.scale_rows_differentiable(y, w_M)    # one pass each way
+            else:
+                yw = y if y.dtype.itemsize <= 4 else y.float()   # wider: rounded to fp32
+                z = (yw * w_M[:, None]).to(x_sD.dtype)
     out, _ = buf.combine(plan, z)
     return out
 

@@ -298,15 +298,17 @@ def _(h, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
 
 def moe_experts_backward_body(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_seqlens: Tensor,
                               experts_to_copy: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
-                              pool: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dh, dw1, dw3, dw2) for this rank's home experts, every rank's slot grads included."""
+                              pool: str, need_dh: bool = True
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dh, dw1, dw3, dw2) for this rank's home experts, every rank's slot grads included;
+    without ``need_dh`` (h needs no grad) dh is [0, D] and its two dgrads are not run."""
     p = _pool(pool)
     checked("moe_experts_backward", p, _check_expert_args, h, cu_seqlens, experts_to_copy, w1,
             w3, w2, p, dy=dy, g=g, u=u)
     _prefetch(p, experts_to_copy, w1, w3, w2)         # slots may hold another layer by now
     cu = cu_seqlens
     dh, dg, du, d1, d3, d2 = expert_grads(p, dy.contiguous(), h, cu, w1, w3, w2,
-                                          lambda da: run_swiglu_backward(g, u, da))
+                                          lambda da: run_swiglu_backward(g, u, da), need_dh)
     if d1.dtype in _ew.GRAD_DTYPES:
         _call("moonep::reduce_grad", _backend(p).reduce_grad, experts_to_copy, [d1, d3, d2],
               [p.g1, p.g3, p.g2])
@@ -317,7 +319,7 @@ def moe_experts_backward_body(dy: Tensor, h: Tensor, g: Tensor, u: Tensor, cu_se
 
 
 def expert_grads(p: ExpertPool, dy: Tensor, h: Tensor, cu: Tensor, w1: Tensor, w3: Tensor,
-                 w2: Tensor, act_backward) -> tuple[Tensor, ...]:
+                 w2: Tensor, act_backward, need_dh: bool = True) -> tuple[Tensor, ...]:
     """The experts' backward after the prefetch, before reduce_grad: (dh, dg, du, dw1, dw3, dw2)
     with the slot groups' weight grads in the pool.  ``act_backward(da) -> (dg, du, a)``: the
     activation's backward (moonep::swiglu_backward's body, or the gated variant's).  The GEMMs
@@ -328,8 +330,9 @@ def expert_grads(p: ExpertPool, dy: Tensor, h: Tensor, cu: Tensor, w1: Tensor, w
     dg, du, a = _call("moonep::swiglu_backward", act_backward, da)
     # One bf16 add (fp32 math, one rounding) of the two dgrads.  dh is h's gradient, zero past
     # the last group (its true value), so these two keep the zero tail.
-    dh = _call(dgrad, _gm.run_dgrad, dg, w1, p.w1, cu) + _call(dgrad, _gm.run_dgrad, du, w3,
-                                                               p.w3, cu)
+    dh = (_call(dgrad, _gm.run_dgrad, dg, w1, p.w1, cu) + _call(dgrad, _gm.run_dgrad, du, w3,
+                                                                p.w3, cu)) if need_dh else \
+        h.new_empty(0, h.shape[1])
     # Weight grads written once in the weights' dtype (fp32 accumulation inside the GEMM); slot
     # grads land in the shared pool, whose slots are zero outside a backward (reduce_grad
     # re-zeroes what it consumes), so empty slot groups are not rewritten.  d1, d3, d2 are
@@ -348,12 +351,12 @@ _moe_experts_backward = torch.library.custom_op("moonep::moe_experts_backward",
 
 
 @_moe_experts_backward.register_fake
-def _(dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool):
+def _(dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool, need_dh=True):
     p = _pool(pool)
     checked("moe_experts_backward", p, _check_expert_args, h, cu_seqlens, experts_to_copy, w1,
             w3, w2, p, values=False, dy=dy, g=g, u=u)
-    return h.new_empty(h.shape), w1.new_empty(w1.shape), w3.new_empty(w3.shape), \
-        w2.new_empty(w2.shape)
+    return h.new_empty(h.shape if need_dh else (0, h.shape[1])), w1.new_empty(w1.shape), \
+        w3.new_empty(w3.shape), w2.new_empty(w2.shape)
 
 
 def _experts_setup(ctx, inputs, output):
@@ -365,8 +368,9 @@ def _experts_setup(ctx, inputs, output):
 
 def _experts_backward(ctx, dy, _dg, _du):
     h, g, u, cu, etc, w1, w3, w2 = ctx.saved_tensors
-    dh, d1, d3, d2 = moe_experts_backward(dy, h, g, u, cu, etc, w1, w3, w2, ctx.pool)
-    return dh, None, None, d1, d3, d2, None
+    need_dh = ctx.needs_input_grad[0]          # h detached (x needs no grad): no dgrad into it
+    dh, d1, d3, d2 = moe_experts_backward(dy, h, g, u, cu, etc, w1, w3, w2, ctx.pool, need_dh)
+    return dh if need_dh else None, None, None, d1, d3, d2, None
 
 
 _ExpertsFn = fastpath.autograd(_moe_experts, "MoeExpertsFn", moe_experts_body, _experts_setup,
@@ -379,9 +383,10 @@ def moe_experts(h, cu_seqlens, experts_to_copy, w1, w3, w2, pool: str):
                          cu_seqlens, experts_to_copy, w1, w3, w2, pool)
 
 
-def moe_experts_backward(dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool: str):
+def moe_experts_backward(dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool: str,
+                         need_dh: bool = True):
     """``torch.ops.moonep.moe_experts_backward(...)``; in eager mode without the dispatcher."""
     return fastpath.call(torch.ops.moonep.moe_experts_backward, moe_experts_backward_body, None,
-                         dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool)
+                         dy, h, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool, need_dh)
 
 

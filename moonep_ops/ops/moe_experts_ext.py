@@ -184,7 +184,7 @@ def moe_experts_ext_backward_body(dz: Tensor, h: Tensor, row_weights: Tensor, g:
                                   u: Tensor, y: Tensor, cu_seqlens: Tensor,
                                   experts_to_copy: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
                                   biases: list[Tensor], pool: str, activation: str, alpha: float,
-                                  limit: float
+                                  limit: float, need_dh: bool = True
                                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     p = _pool(pool)
     checked("moe_experts_ext_backward", p, _check_ext, h, row_weights, cu_seqlens,
@@ -196,7 +196,8 @@ def moe_experts_ext_backward_body(dz: Tensor, h: Tensor, row_weights: Tensor, g:
     dy, dw_M = scale_rows_biased_backward(dz.contiguous(), y, b2, cu, row_weights)
     params = glu_params(activation, alpha, limit)
     dh, dg, du, d1, d3, d2 = expert_grads(
-        p, dy, h, cu, w1, w3, w2, lambda da: run_glu_backward(g, u, da, b1, b3, cu, *params))
+        p, dy, h, cu, w1, w3, w2, lambda da: run_glu_backward(g, u, da, b1, b3, cu, *params),
+        need_dh)
     local, slots = [d1, d3, d2], [p.g1, p.g3, p.g2]
     dbiases = bias_grads(p, dg, du, dy, cu, B) if biases else []
     if biases:
@@ -214,12 +215,13 @@ _ext_backward = torch.library.custom_op("moonep::moe_experts_ext_backward",
 
 @_ext_backward.register_fake
 def _(dz, h, row_weights, g, u, y, cu_seqlens, experts_to_copy, w1, w3, w2, biases, pool,
-      activation, alpha, limit):
+      activation, alpha, limit, need_dh=True):
     p = _pool(pool)
     checked("moe_experts_ext_backward", p, _check_ext, h, row_weights, cu_seqlens,
             experts_to_copy, w1, w3, w2, biases, p, activation, alpha, limit, values=False,
             dy=dz, g=g, u=u, y=y)
-    return (h.new_empty(h.shape), row_weights.new_empty(row_weights.shape),
+    return (h.new_empty(h.shape if need_dh else (0, h.shape[1])),
+            row_weights.new_empty(row_weights.shape),
             w1.new_empty(w1.shape), w3.new_empty(w3.shape), w2.new_empty(w2.shape),
             [b.new_empty(b.shape) for b in biases])
 
@@ -247,9 +249,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dz, _dg, _du, _dy):
     h, w_M, g, u, y, cu, etc, w1, w3, w2, *biases = ctx.saved_tensors
+    need_dh = ctx.needs_input_grad[0]          # h detached (x needs no grad): no dgrad into it
     dh, dw_M, d1, d3, d2, db = torch.ops.moonep.moe_experts_ext_backward(
-        dz.contiguous(), h, w_M, g, u, y, cu, etc, w1, w3, w2, biases, ctx.pool, *ctx.act)
-    return dh, dw_M, None, None, d1, d3, d2, list(db), None, None, None, None
+        dz.contiguous(), h, w_M, g, u, y, cu, etc, w1, w3, w2, biases, ctx.pool, *ctx.act,
+        need_dh)
+    return (dh if need_dh else None), dw_M, None, None, d1, d3, d2, list(db), None, None, None, \
+        None
 
 
 _ext.register_autograd(_backward, setup_context=_setup)
