@@ -58,6 +58,7 @@ from ..gemm import fp8_cost
 from ..runtime import call_on, current_raw_stream, sm_count
 # _pdl_flag: the bf16 ops' MOONEP_GEMM_PDL switch, on by default here too (1.020 gm, fp8.md)
 from .grouped_mm import _bounds, _check_cu, _pdl_flag, tail_flags
+from .grouped_mm_kernels import _on_cuda
 from . import grouped_mm as _gm  # registers moonep::grouped_mm_wgrad; the bf16 ops' checks
 from . import quantize_fp8 as qf
 
@@ -130,7 +131,7 @@ class Fp8Gemm:
 
     def backend(self, t: Tensor) -> str:
         """'cutlass' or 'reference' for data like ``t`` (device and environment only)."""
-        if t.device.type != "cuda" or settings.get("MOONEP_GEMM_BACKEND").lower() == "reference":
+        if not _on_cuda(t) or settings.get("MOONEP_GEMM_BACKEND").lower() == "reference":
             return "reference"
         return "cutlass" if self.feature() is not None else "reference"
 
