@@ -98,10 +98,11 @@ def _launch_args(path: str) -> int:
     """Arguments of the library call that ``path``'s _launch makes: the operands it hands to
     Fp8Gemm.launch, then the common tail Fp8Gemm.launch appends to them."""
     tail = next(c for c in ast.walk(_function("moonep_ops/ops/grouped_mm_fp8.py", "launch"))
-                if isinstance(c, ast.Call) and c.args and isinstance(c.args[0], ast.Starred))
+                if isinstance(c, ast.Call) and any(isinstance(a, ast.Starred) for a in c.args))
+    after = [isinstance(a, ast.Starred) for a in tail.args].index(True) + 1   # *operands, then
     call = next(c for c in ast.walk(_function(path, "_launch")) if isinstance(c, ast.Call)
                 and isinstance(c.func, ast.Attribute) and c.func.attr == "launch")
-    return len(call.args[0].elts) + len(tail.args) - 1
+    return len(call.args[0].elts) + len(tail.args) - after
 
 
 def test_launch_matches_the_declared_fp8_prototypes():
