@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU checks the open work still needs, in one device call (~8-9 min on an H100 with the
+# libraries carried; each step has its own time limit, logs in $OUT/<step>.log):
+#   run(command="bash scripts/gpu_open_checks.sh",
+#       carry=["moonep_ops/lib", "build/planner_base", ".whl"])
+# moonep_ops/lib: `python -m moonep_ops.build -j 2` of this tree.  build/planner_base: the
+# planner before its split into stage files, for the latency A/B (made on the CPU machine:
+#   mkdir -p build/planner_base && git archive f374fbe^ moonep_ops benchmarks/bench_plan_device.py \
+#     | tar -x -C build/planner_base, then its libmoonep_ep.so (python -m moonep_ops.build --lib ep
+#     in a checkout of f374fbe^) into build/planner_base/moonep_ops/lib/).
+# Steps (STEPS=a,b to run some):
+#   planner   the device planner's CUDA tests, then bench_plan_device on the split planner and on
+#             build/planner_base, three alternating rounds (the latency A/B)
+#   experts   the gated experts' CUDA tests (expert biases, the clamped SwiGLU), the converted
+#             gpt-oss on CUDA, bench_expert_variants (bf16, fp8: the variant's step <= 1.03x)
+#   layer     bench_layer_r1 captured + profile (titan-style / ours at R = 1, the GEMMs in order)
+#   host      bench_host_cost's GEMM section (host us per call against torch._grouped_mm)
+#   fp8       bench_fp8_step's variants at 8 experts a rank, 1 and 4 micro-batches
+#   gemm      the rest of the CUDA tests of the GEMMs and the MoE layer
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PY:-python3}
+STEPS=${STEPS:-planner,experts,layer,host,fp8,gemm}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/moonep_site .whl/*.whl \
+    > /dev/null 2>&1
+  export PYTHONPATH=/tmp/moonep_site
+fi
+ROOT=$PWD
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+$PY scripts/check_abi.py | tail -3
+T0=$SECONDS
+step() {   # step NAME LIMIT_S COMMAND...: run it unless STEPS leaves it out
+  local name=$1 limit=$2; shift 2
+  [[ ",$STEPS," == *",$name,"* ]] || return 0
+  echo "==== $name ($((SECONDS - T0)) s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "rc $? ($((SECONDS - T0)) s)"
+  grep -E "passed|failed|MISMATCH|^FAILED|^ERROR" "$OUT/$name.log" | tail -8
+}
+planner() {
+  $PY -m pytest -q -rs -p no:cacheprovider tests/test_plan_device_cuda.py tests/test_planner_cuda.py
+  [ -d build/planner_base/moonep_ops ] || { echo "build/planner_base missing: no latency A/B"; return 1; }
+  for i in 1 2 3; do
+    echo "== round $i: split"
+    $PY benchmarks/bench_plan_device.py --skip-torch-graph --torch-iters 1 --reps 3
+    echo "== round $i: before the split"
+    (cd build/planner_base && PYTHONPATH=$PWD${PYTHONPATH#$ROOT} $PY benchmarks/bench_plan_device.py \
+      --skip-torch-graph --torch-iters 1 --reps 3)
+  done
+}
+experts() {
+  $PY -m pytest -q -rs -p no:cacheprovider tests/test_moe_ext_cuda.py tests/test_swiglu_cuda.py
+  $PY -m pytest -q -rs -p no:cacheprovider tests/test_hf_gpt_oss.py -k cuda
+  $PY benchmarks/bench_expert_variants.py --precisions bf16,fp8 --rounds 3 --steps 4 --out "$OUT"
+}
+export -f planner experts
+export PY ROOT
+step planner 200 bash -c planner
+step experts 150 bash -c experts
+step layer 100 $PY benchmarks/bench_layer_r1.py --shapes small,qwen3-30b-a3b,deepseek-v3-ep8 \
+  --modes captured,profile --rounds 2 --steps 3 --no-hf --out "$OUT"
+step host 90 $PY benchmarks/bench_host_cost.py --sections gemm --rounds 3 --calls 100 --out "$OUT"
+step fp8 70 $PY benchmarks/bench_fp8_step.py --experts 8 --micro 1,4 --iters 8 \
+  --variants bf16,fp8,fp8_cache,fp8_base
+step gemm 150 $PY -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_cuda.py \
+  tests/test_moe_symm_cuda.py tests/test_fp8_quant_cuda.py tests/test_fp8_wgrad_cuda.py \
+  tests/test_grouped_mm_fp8_cuda.py
+echo "==== done ($((SECONDS - T0)) s)"
+for f in layer fp8 experts; do
+  [ -f "$OUT/$f.log" ] && grep -E "^\| |captured|ratio|MET|MISSED" "$OUT/$f.log" | head -20
+done
