@@ -333,6 +333,31 @@ def test_bytes_per_token_and_per_expert_at_deepseek_v3_sizes():
         buf.destroy()
 
 
+@pytest.mark.parametrize("fp8_wgrad", [False, True])
+def test_input_without_grad_skips_its_dgrads(fp8_wgrad):
+    """x needs no grad: the FP8 backward runs no dgrad into h (1 FP8 GEMM dgrad of da instead
+    of 3) and every parameter's grad is bitwise the one the step gives when x requires grad."""
+    from torch.profiler import ProfilerActivity, profile
+
+    buf = Buffer(S, D, K, E, token_padding=TP, dtype=BF16)
+    try:
+        layer = make_layer(buf, "fp8", fp8_wgrad=fp8_wgrad)
+        x, gy = tokens(0, S)
+        grads, counts = [], []
+        for need in (True, False):
+            layer.zero_grad(set_to_none=True)
+            out = layer(x.clone().requires_grad_(need))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                (out.float() * gy).sum().backward()
+            counts.append(sum(e.name == "moonep::grouped_mm_fp8" for e in prof.events()))
+            grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+        assert counts == [3, 1], counts
+        for n in grads[0]:
+            assert torch.equal(grads[0][n], grads[1][n]), n
+    finally:
+        buf.destroy()
+
+
 def test_fp8_precision_config():
     MoEArgs()  # default
     assert MoEArgs().precision == "bf16"

@@ -238,7 +238,7 @@ _FWD_SCHEMA = ("(Tensor h, Tensor h_scale, Tensor row_weights, Tensor cu_seqlens
 _BWD_SCHEMA = ("(Tensor dz, Tensor h, Tensor h_scale, Tensor row_weights, Tensor y, Tensor g, "
                "Tensor u, Tensor cu_seqlens, Tensor experts_to_copy, Tensor w1, Tensor w3, "
                "Tensor w2, str pool, Tensor dst, int total_num_tokens, bool pow2_scales=False, "
-               "str weight_cache=\"\", bool fp8_wgrad=False" + _VARIANT + ")"
+               "str weight_cache=\"\", bool fp8_wgrad=False" + _VARIANT + ", bool need_dx=True)"
                " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor[])")
 
 
@@ -292,7 +292,7 @@ def _(h, h_scale, row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pool, x,
 def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, experts_to_copy,
                               w1, w3, w2, pool, dst, total_num_tokens, pow2_scales=False,
                               weight_cache="", fp8_wgrad=False, biases=None, activation="swiglu",
-                              alpha=1.0, limit=1.0):
+                              alpha=1.0, limit=1.0, need_dx=True):
     p = _pool(pool)
     checked("moe_experts_fp8_backward", p, _check, "moe_experts_fp8_backward", p, h, h_scale,
             row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales, dst=dst,
@@ -310,7 +310,8 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     if fp8_wgrad:
         return _backward_fp8_wgrad(p, dz, h, h_scale, row_weights, y, g, u, cu, experts_to_copy,
                                    w1, w3, w2, dst, total_num_tokens, pow2_scales,
-                                   (q1, s1, q3, s3, q2, s2), (t1, ts1, t3, ts3, t2, ts2))
+                                   (q1, s1, q3, s3, q2, s2), (t1, ts1, t3, ts3, t2, ts2),
+                                   need_dx)
     variant = bool(biases) or activation != "swiglu"
     quant = torch.ops.moonep.quantize_fp8_rows
     mm = torch.ops.moonep.grouped_mm_fp8
@@ -329,8 +330,10 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
         dg, du, a = run_glu_backward(g, u, da, b1, b3, cu, *glu_params(activation, alpha, limit))
     else:
         dg, du, a = swiglu_backward(g, u, da)
+    # [M, D]; x needs no grad: zeros (the combine below still gathers the route weights' grad)
     dh = mm(*quant(dg, pow2_scales), q1, s1, t1, ts1, cu, False) \
-        + mm(*quant(du, pow2_scales), q3, s3, t3, ts3, cu, False)   # [M, D]
+        + mm(*quant(du, pow2_scales), q3, s3, t3, ts3, cu, False) if need_dx else \
+        dz.new_zeros(dz.shape)
     h_bf = torch.ops.moonep.dequantize_fp8_rows(h, h_scale)     # bf16(h * h_scale), one pass:
                                                                 # the rows the forward used
     d1, d3, d2 = (torch.empty_like(w) for w in (w1, w3, w2))
@@ -346,7 +349,7 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
 
 
 def _backward_fp8_wgrad(p, dz, h, h_scale, row_weights, y, g, u, cu, etc, w1, w3, w2, dst,
-                        total_num_tokens, pow2, home, slots):
+                        total_num_tokens, pow2, home, slots, need_dx=True):
     """The backward with the wgrads in FP8 (the docstring's fp8_wgrad=True): each operand is
     quantised once per layout it feeds (rows for the dgrads, tokens for the wgrads)."""
     q1, s1, q3, s3, q2, s2 = home
@@ -360,7 +363,8 @@ def _backward_fp8_wgrad(p, dz, h, h_scale, row_weights, y, g, u, cu, etc, w1, w3
     rt = torch.ops.moonep.quantize_fp8_rows_tokens
     gq, gs_, gT, gTs = rt(dg, cu, pow2)                            # one pass over dg
     uq, us_, uT, uTs = rt(du, cu, pow2)                            # one pass over du
-    dh = mm(gq, gs_, q1, s1, t1, ts1, cu, False) + mm(uq, us_, q3, s3, t3, ts3, cu, False)
+    dh = mm(gq, gs_, q1, s1, t1, ts1, cu, False) + mm(uq, us_, q3, s3, t3, ts3, cu, False) \
+        if need_dx else dz.new_zeros(dz.shape)
     tok = torch.ops.moonep.quantize_fp8_tokens
     hT, hTs = tok(h, cu, h_scale, pow2)                            # the forward's rows, in fp32
     aT, aTs = tok(a, cu, None, pow2)
@@ -377,7 +381,7 @@ def _backward_fp8_wgrad(p, dz, h, h_scale, row_weights, y, g, u, cu, etc, w1, w3
 @_moe_experts_fp8_backward.register_fake
 def _(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, experts_to_copy, w1, w3, w2, pool, dst,
       total_num_tokens, pow2_scales=False, weight_cache="", fp8_wgrad=False, biases=None,
-      activation="swiglu", alpha=1.0, limit=1.0):
+      activation="swiglu", alpha=1.0, limit=1.0, need_dx=True):
     p = _pool(pool)
     checked("moe_experts_fp8_backward", p, _check, "moe_experts_fp8_backward", p, h, h_scale,
             row_weights, cu_seqlens, experts_to_copy, w1, w3, w2, pow2_scales, values=False,
@@ -404,10 +408,13 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dz, _dy, _dg, _du):
     h, hs, wM, y, g, u, cu, etc, w1, w3, w2, dst, *biases = ctx.saved_tensors
+    need_dx = ctx.needs_input_grad[9]       # x: without its grad the two dgrads into h are skipped
     dx, drw, d1, d3, d2, db = torch.ops.moonep.moe_experts_fp8_backward(
         dz.contiguous(), h, hs, wM, y, g, u, cu, etc, w1, w3, w2, ctx.pool, dst, ctx.total,
-        ctx.pow2, ctx.cache, ctx.fp8_wgrad, biases if ctx.has_biases else None, *ctx.variant)
-    grads = (None, None, None, None, None, d1, d3, d2, None, dx, drw, None, None, None, None,
+        ctx.pow2, ctx.cache, ctx.fp8_wgrad, biases if ctx.has_biases else None, *ctx.variant,
+        need_dx)
+    grads = (None, None, None, None, None, d1, d3, d2, None, dx if need_dx else None, drw,
+             None, None, None, None,
              None, list(db) if ctx.has_biases else None, None, None, None)
     # one per input the call passed: the dispatcher drops trailing arguments equal to their
     # defaults, and with a Tensor[] in the schema torch checks the count
