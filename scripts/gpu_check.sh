@@ -33,20 +33,8 @@
 #   nccl, job  several GPUs only: the multi-rank tests over NCCL; the main job under torchrun
 # Logs and results land in $OUT (default /tmp/gpu_out).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_out}
-export OUT      # the stage functions run in a child bash
-mkdir -p "$OUT"
-# NVLink multicast stays off (it can take a shared host's GPUs out of service).
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY=${PY:-python3}
+source "$(dirname "$0")/gpu_env.sh"
 STAGES=${STAGES:-build,tests,diag,vranks,dataplane,moe,costterms,fp8,soak,gemm}   # host: on request
-if compgen -G ".whl/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/moonep_site .whl/*.whl 2>&1 | tail -1
-  export PYTHONPATH=/tmp/moonep_site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(), torch.cuda.device_count(), 'GPU(s)')"
 nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader
 NG=$($PY -c "import torch; print(torch.cuda.device_count())")

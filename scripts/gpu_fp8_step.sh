@@ -20,18 +20,8 @@
 #          expert shapes, 32 and 8 experts a rank, 1 and 4 micro-batches, CUDA graphs
 #   train  benchmarks/fp8_training.py --steps 200: FP8 (cache + FP8 wgrad) vs bf16 final loss
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY=${PY:-python3}
+source "$(dirname "$0")/gpu_env.sh"
 STAGES=${STAGES:-libs,tests,wgrad,step,train}
-if compgen -G ".whl/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/moonep_site .whl/*.whl 2>&1 | tail -1
-  export PYTHONPATH=/tmp/moonep_site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv,noheader
 rows=()

@@ -18,19 +18,9 @@
 #   fp8       bench_fp8_step's variants at 8 experts a rank, 1 and 4 micro-batches
 #   gemm      the rest of the CUDA tests of the GEMMs and the MoE layer
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY=${PY:-python3}
+source "$(dirname "$0")/gpu_env.sh"
 STEPS=${STEPS:-planner,experts,layer,host,fp8,gemm}
-if compgen -G ".whl/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/moonep_site .whl/*.whl \
-    > /dev/null 2>&1
-  export PYTHONPATH=/tmp/moonep_site
-fi
 ROOT=$PWD
-export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 $PY scripts/check_abi.py | tail -3
 T0=$SECONDS
 step() {   # step NAME LIMIT_S COMMAND...: run it unless STEPS leaves it out
