@@ -62,10 +62,11 @@ _NESTED = ("grouped_mm", "grouped_mm_dgrad", "grouped_mm_wgrad_into", "swiglu",
            "swiglu_backward", "prefetch_weight", "reduce_grad")
 
 
-def _count_op_calls(monkeypatch) -> dict:
-    """Calls of the ops moe_experts used to call through the dispatcher, counted."""
-    calls = {n: 0 for n in _NESTED}
-    for n in _NESTED:
+def _count_op_calls(monkeypatch, names=_NESTED) -> dict:
+    """Calls of the ops ``names`` through the dispatcher (by default those moe_experts used to
+    make), counted."""
+    calls = {n: 0 for n in names}
+    for n in names:
         packet = getattr(torch.ops.moonep, n)
 
         def counted(*a, _n=n, _p=packet, **k):
@@ -237,14 +238,7 @@ def test_layer_step_without_the_dispatcher_equals_the_ops(monkeypatch):
     buf = Buffer(24, 16, 2, 4, token_padding=4, dtype=torch.float32)
     layer = MoonEPMoE.for_buffer(buf, 8, num_shared_experts=1)
     x, gy = torch.randn(24, 16), torch.randn(24, 16)
-    calls = {n: 0 for n in _LAYER_OPS}
-    for n in _LAYER_OPS:
-        packet = getattr(torch.ops.moonep, n)
-
-        def counted(*a, _n=n, _p=packet, **k):
-            calls[_n] += 1
-            return _p(*a, **k)
-        monkeypatch.setattr(torch.ops.moonep, n, counted)
+    calls = _count_op_calls(monkeypatch, _LAYER_OPS)
     fast = _layer_step(layer, x, gy)
     assert not any(calls.values()), calls
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
