@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 import moonep_ops  # noqa: F401
 from moonep_ops.buffer import Buffer
 from moonep_ops.nn.moe import MoEArgs, MoonEPMoE
-from moonep_ops.testing.train_step import enable_backward_tracing
+from moonep_ops.testing.train_step import enable_backward_tracing, grads_with_and_without_input_grad
 from moonep_ops.ops import quantize_fp8 as qf
 
 try:
@@ -337,20 +337,12 @@ def test_bytes_per_token_and_per_expert_at_deepseek_v3_sizes():
 def test_input_without_grad_skips_its_dgrads(fp8_wgrad):
     """x needs no grad: the FP8 backward runs no dgrad into h (1 FP8 GEMM dgrad of da instead
     of 3) and every parameter's grad is bitwise the one the step gives when x requires grad."""
-    from torch.profiler import ProfilerActivity, profile
-
     buf = Buffer(S, D, K, E, token_padding=TP, dtype=BF16)
     try:
         layer = make_layer(buf, "fp8", fp8_wgrad=fp8_wgrad)
         x, gy = tokens(0, S)
-        grads, counts = [], []
-        for need in (True, False):
-            layer.zero_grad(set_to_none=True)
-            out = layer(x.clone().requires_grad_(need))
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                (out.float() * gy).sum().backward()
-            counts.append(sum(e.name == "moonep::grouped_mm_fp8" for e in prof.events()))
-            grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+        counts, grads = grads_with_and_without_input_grad(
+            layer, x, lambda out: (out.float() * gy).sum(), "moonep::grouped_mm_fp8")
         assert counts == [3, 1], counts
         for n in grads[0]:
             assert torch.equal(grads[0][n], grads[1][n]), n

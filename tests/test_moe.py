@@ -11,7 +11,8 @@ from moonep_ops.buffer import Buffer
 from moonep_ops.nn.moe import MoEArgs, MoonEPMoE, check_backend_dims
 from moonep_ops.testing import reference_moe
 from moonep_ops.planner import plan_all_ranks
-from moonep_ops.testing.train_step import enable_backward_tracing, sgd_step
+from moonep_ops.testing.train_step import (enable_backward_tracing,
+                                           grads_with_and_without_input_grad, sgd_step)
 
 try:
     from dist_harness import cached_runner, multi_rank_cases
@@ -220,27 +221,16 @@ def test_bad_configuration():
 
 
 @pytest.mark.parametrize("variant", [{}, dict(expert_bias=True, activation="swiglu_clamped")])
-def test_input_without_grad_skips_its_dgrads(variant, monkeypatch):
+def test_input_without_grad_skips_its_dgrads(variant):
     """A batch that needs no grad (a first layer, frozen inputs): the experts' backward runs no
     dgrad into the dispatched rows (1 dgrad instead of 3: only da's), and every parameter's grad
     is bitwise the one the same step gives when x requires grad."""
-    from moonep_ops.ops import grouped_mm as gk     # the module the experts call run_dgrad in
-    calls = []
-    real = gk.run_dgrad
-    monkeypatch.setattr(gk, "run_dgrad", lambda *a, **k: calls.append(1) or real(*a, **k))
     torch.manual_seed(0)
     buf = Buffer(16, D, K, E, token_padding=TP, dtype=torch.float32)
     try:
         layer = MoonEPMoE.for_buffer(buf, F, **variant)
-        x = torch.randn(16, D)
-        grads, counts = [], []
-        for need in (True, False):
-            layer.zero_grad(set_to_none=True)
-            calls.clear()
-            xi = x.clone().requires_grad_(need)
-            (layer(xi) ** 2).sum().backward()
-            counts.append(len(calls))
-            grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+        counts, grads = grads_with_and_without_input_grad(
+            layer, torch.randn(16, D), lambda out: (out ** 2).sum(), "moonep::grouped_mm_dgrad")
         assert counts == [3, 1], counts
         for n in grads[0]:
             assert torch.equal(grads[0][n], grads[1][n]), n

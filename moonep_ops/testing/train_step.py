@@ -47,3 +47,21 @@ def sgd_step(model: nn.Module, params: Sequence[nn.Parameter], lr: float, *,
         return loss.detach()
 
     return step
+
+
+def grads_with_and_without_input_grad(layer: nn.Module, x: Tensor,
+                                      loss: Callable[[Tensor], Tensor], op: str):
+    """One forward + backward of ``loss(layer(x))`` with x requiring grad, then without:
+    ([calls of ``op`` in each backward], [each run's parameter grads by name]).  The calls are
+    counted in a CPU profile by name, so the bodies the expert ops call directly count too (they
+    run in a range named like their op while a profiler runs)."""
+    from torch.profiler import ProfilerActivity, profile
+    calls, grads = [], []
+    for need in (True, False):
+        layer.zero_grad(set_to_none=True)
+        out = layer(x.clone().requires_grad_(need))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss(out).backward()
+        calls.append(sum(e.name == op for e in prof.events()))
+        grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    return calls, grads
