@@ -33,7 +33,7 @@ from . import grouped_mm as _gm
 from .moe_experts import (ExpertPool, _backend, _call, _check_expert_args, _pool, checked,
                           expert_grads)
 from .. import native
-from ..runtime import on_device_of
+from ..runtime import call_on
 from .swiglu import (_launch_args, _native_ok, _row_bias, check_activation, glu_params, group_sums,
                      rows_group, run_glu, run_glu_backward)
 from . import expert_weights as _ew
@@ -121,10 +121,9 @@ def scale_rows_biased(y: Tensor, b2_G, cu: Tensor, w_M: Tensor) -> Tensor:
         return (biased_y(y, b2_G, cu) * w_M[:, None]).to(y.dtype)
     z = torch.empty_like(y)
     sms, stream = _launch_args(y)
-    with on_device_of(y.device):
-        rc = native.ep().ep_bias_scale_rows(
-            y.data_ptr(), b2_G.data_ptr() if b2_G is not None else None, cu.data_ptr(),
-            cu.shape[0], y.shape[1], w_M.data_ptr(), z.data_ptr(), y.shape[0], sms, stream)
+    rc = call_on(y.device, native.ep().ep_bias_scale_rows,
+                 y.data_ptr(), b2_G.data_ptr() if b2_G is not None else None, cu.data_ptr(),
+                 cu.shape[0], y.shape[1], w_M.data_ptr(), z.data_ptr(), y.shape[0], sms, stream)
     if rc:
         native.ep_check(rc, "moonep bias scale rows")
     return z
@@ -140,11 +139,10 @@ def scale_rows_biased_backward(dz: Tensor, y: Tensor, b2_G, cu: Tensor, w_M: Ten
     dy = torch.empty_like(dz)
     d_rows = torch.empty(dz.shape[0], dtype=torch.float32, device=dz.device)
     sms, stream = _launch_args(y)
-    with on_device_of(y.device):
-        rc = native.ep().ep_bias_scale_rows_bwd(
-            dz.data_ptr(), y.data_ptr(), b2_G.data_ptr() if b2_G is not None else None,
-            cu.data_ptr(), cu.shape[0], y.shape[1], w_M.data_ptr(), dy.data_ptr(),
-            d_rows.data_ptr(), y.shape[0], sms, stream)
+    rc = call_on(y.device, native.ep().ep_bias_scale_rows_bwd,
+                 dz.data_ptr(), y.data_ptr(), b2_G.data_ptr() if b2_G is not None else None,
+                 cu.data_ptr(), cu.shape[0], y.shape[1], w_M.data_ptr(), dy.data_ptr(),
+                 d_rows.data_ptr(), y.shape[0], sms, stream)
     if rc:
         native.ep_check(rc, "moonep bias scale rows backward")
     return dy, d_rows

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import native
-from ..runtime import call_on, current_raw_stream, on_device_of, sm_count
+from ..runtime import call_on, current_raw_stream, sm_count
 
 
 def _native_ok(*ts: Tensor) -> bool:
@@ -220,9 +220,8 @@ def group_sums(x_MF: Tensor, cu_G: Tensor) -> Tensor:
         return reference_group_sums(x_MF, cu_G)
     out = torch.empty(G, C, dtype=torch.float32, device=x_MF.device)
     sms, stream = _launch_args(x_MF)
-    with on_device_of(x_MF.device):
-        rc = native.ep().ep_group_sums(x_MF.data_ptr(), cu_G.data_ptr(), G, C, out.data_ptr(),
-                                       sms, stream)
+    rc = call_on(x_MF.device, native.ep().ep_group_sums, x_MF.data_ptr(), cu_G.data_ptr(), G, C,
+                 out.data_ptr(), sms, stream)
     if rc:
         native.ep_check(rc, "moonep group sums")
     return out
@@ -291,10 +290,9 @@ def run_glu(g_MF: Tensor, u_MF: Tensor, b1_GF, b3_GF, cu_G: Tensor, alpha: float
         return reference_glu(g_MF, u_MF, b1_GF, b3_GF, cu_G, alpha, limit, offset)
     a = torch.empty_like(g_MF)
     sms, stream = _launch_args(g_MF)
-    with on_device_of(g_MF.device):
-        rc = native.ep().ep_glu_fwd(g_MF.data_ptr(), u_MF.data_ptr(), _ptr(b1_GF), _ptr(b3_GF),
-                                    cu_G.data_ptr(), cu_G.shape[0], g_MF.shape[1], a.data_ptr(),
-                                    g_MF.numel(), alpha, limit, offset, sms, stream)
+    rc = call_on(g_MF.device, native.ep().ep_glu_fwd, g_MF.data_ptr(), u_MF.data_ptr(),
+                 _ptr(b1_GF), _ptr(b3_GF), cu_G.data_ptr(), cu_G.shape[0], g_MF.shape[1],
+                 a.data_ptr(), g_MF.numel(), alpha, limit, offset, sms, stream)
     if rc:
         native.ep_check(rc, "moonep glu")
     return a
@@ -307,11 +305,10 @@ def run_glu_backward(g_MF: Tensor, u_MF: Tensor, da_MF: Tensor, b1_GF, b3_GF, cu
         return reference_glu_backward(g_MF, u_MF, da_MF, b1_GF, b3_GF, cu_G, alpha, limit, offset)
     dg, du, a = (torch.empty_like(g_MF) for _ in range(3))
     sms, stream = _launch_args(g_MF)
-    with on_device_of(g_MF.device):
-        rc = native.ep().ep_glu_bwd(g_MF.data_ptr(), u_MF.data_ptr(), da_MF.data_ptr(),
-                                    _ptr(b1_GF), _ptr(b3_GF), cu_G.data_ptr(), cu_G.shape[0],
-                                    g_MF.shape[1], dg.data_ptr(), du.data_ptr(), a.data_ptr(),
-                                    g_MF.numel(), alpha, limit, offset, sms, stream)
+    rc = call_on(g_MF.device, native.ep().ep_glu_bwd, g_MF.data_ptr(), u_MF.data_ptr(),
+                 da_MF.data_ptr(), _ptr(b1_GF), _ptr(b3_GF), cu_G.data_ptr(), cu_G.shape[0],
+                 g_MF.shape[1], dg.data_ptr(), du.data_ptr(), a.data_ptr(), g_MF.numel(), alpha,
+                 limit, offset, sms, stream)
     if rc:
         native.ep_check(rc, "moonep glu backward")
     return dg, du, a
