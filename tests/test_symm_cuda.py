@@ -183,9 +183,11 @@ def test_prefetch_reduce_virtual(R):
 
 
 def prefetch_reduce_case(R, make_buffer):
-    """rank_fn(r) checking prefetch_weight / reduce_grad bitwise on a random table."""
+    """rank_fn(r) checking prefetch_weight / reduce_grad bitwise on a random table, with more
+    tensors than one launch takes (10 weights, 9 grads: an FP8 expert with biases pushes 9)."""
     E, epn = 4 * R, 4
     etc = _random_table(R, epn, seed=R)
+    kinds = [((3, 5), torch.bfloat16), ((7,), torch.float32)] * 5
 
     def owner(o, shape, dtype, tag):
         g = torch.Generator().manual_seed(1000 * tag + o)
@@ -194,37 +196,41 @@ def prefetch_reduce_case(R, make_buffer):
     def rank_fn(r):
         buf = make_buffer(r, 8, 16, 2, E, dtype=torch.bfloat16)
         dev = buf.device
-        local = [owner(r, (3, 5), torch.bfloat16, 1).to(dev), owner(r, (7,), torch.float32, 2).to(dev)]
-        slots = [buf.symmetric_zeros((epn, 3, 5), torch.bfloat16),
-                 buf.symmetric_zeros((epn, 7), torch.float32)]
-        slots[0].fill_(-3)
+        local = [owner(r, shape, dt, i + 1).to(dev) for i, (shape, dt) in enumerate(kinds)]
+        slots = [buf.symmetric_zeros((epn, *shape), dt) for shape, dt in kinds]
+        for t in slots[::2]:
+            t.fill_(-3)
         torch.ops.moonep.prefetch_weight(etc.to(dev), local, slots, buf.name)
         for b in range(epn):
             e = int(etc[r, b])
-            for i, (shape, dt) in enumerate((((3, 5), torch.bfloat16), ((7,), torch.float32))):
+            for i, (shape, dt) in enumerate(kinds):
                 got = slots[i][b].cpu()
                 if e < 0:
-                    exp = torch.full(shape, -3.0 if i == 0 else 0.0, dtype=dt)
+                    exp = torch.full(shape, -3.0 if i % 2 == 0 else 0.0, dtype=dt)
                 else:
                     exp = owner(e // epn, shape, dt, i + 1)[e % epn]
                 assert torch.equal(got, exp), f"rank {r} slot {b} tensor {i}"
         # reduce_grad: fixed order, fp32 sum (bf16: rounded once), consumed slots zeroed
         for dt in (torch.float32, torch.bfloat16):
-            lg = [owner(r, (6,), dt, 3).to(dev)]
-            sg = [buf.symmetric_zeros((epn, 6), dt)]
-            sg[0].copy_(owner(r, (6,), dt, 4).to(dev))
+            tags = range(20, 29)
+            lg = [owner(r, (6,), dt, t).to(dev) for t in tags]
+            sg = [buf.symmetric_zeros((epn, 6), dt) for _ in tags]
+            for g, t in zip(sg, tags):
+                g.copy_(owner(r, (6,), dt, t + 10).to(dev))
             torch.ops.moonep.reduce_grad(etc.to(dev), lg, sg, buf.name)
-            exp = owner(r, (6,), dt, 3).float()
-            for src in range(R):
+            for j, t in enumerate(tags):
+                exp = owner(r, (6,), dt, t).float()
+                for src in range(R):
+                    for b in range(epn):
+                        e = int(etc[src, b])
+                        if e >= 0 and e // epn == r:
+                            exp[e % epn] += owner(src, (6,), dt, t + 10)[b].float()
+                assert torch.equal(lg[j].cpu(), exp.to(dt)), f"rank {r}: reduced grads {j} ({dt})"
+                mine = owner(r, (6,), dt, t + 10)
                 for b in range(epn):
-                    e = int(etc[src, b])
-                    if e >= 0 and e // epn == r:
-                        exp[e % epn] += owner(src, (6,), dt, 4)[b].float()
-            assert torch.equal(lg[0].cpu(), exp.to(dt)), f"rank {r}: reduced grads ({dt})"
-            mine = owner(r, (6,), dt, 4)
-            for b in range(epn):
-                exp_slot = torch.zeros(6, dtype=dt) if int(etc[r, b]) >= 0 else mine[b]
-                assert torch.equal(sg[0][b].cpu(), exp_slot), f"rank {r}: slot {b} after reduce"
+                    exp_slot = torch.zeros(6, dtype=dt) if int(etc[r, b]) >= 0 else mine[b]
+                    assert torch.equal(sg[j][b].cpu(), exp_slot), \
+                        f"rank {r}: slot {b} of grad {j} after reduce"
         with pytest.raises(ValueError, match="symmetric_zeros"):
             torch.ops.moonep.prefetch_weight(etc.to(dev), local, [torch.zeros_like(t) for t in local],
                                              buf.name)

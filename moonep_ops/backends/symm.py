@@ -144,6 +144,10 @@ def _call(name: str, *args) -> None:
         native.ep_check(rc, f"moonep_ep_{name}")
 
 
+# Tensors one push_weights / reduce_grads / zero_slots launch takes (csrc/ep_kernels.cu, kMaxT).
+_MAX_TENSORS = 8
+
+
 def _ptrs(values: Sequence[int]):
     return (ctypes.c_void_p * len(values))(*values)
 
@@ -377,17 +381,24 @@ class SymmBackend(Backend):
 
     def _slot_exchange(self, what, kernel, before, after, etc_RB, local, slots, *dtype):
         """Barrier ``before``, the kernel over every (home tensor, slot tensor) pair, barrier
-        ``after``.  Returns (n, row bytes, stream) for a follow-up launch."""
-        n = len(local)
-        lp = _ptrs([t.data_ptr() for t in local])
-        pp = _ptrs([self._peers_of(t, what).data_ptr() for t in slots])
-        rb = (ctypes.c_int64 * n)(*[_row_bytes(t) for t in local])
+        ``after``.  The kernel takes at most _MAX_TENSORS pairs (csrc/ep_kernels.cu kMaxT: an
+        FP8 expert with biases has 9), so longer lists are launched in groups between the same
+        two barriers.  Returns [(n, slot pointers, row bytes)] per group and the stream, for
+        a follow-up launch."""
         stream = self._stream()
         self.barrier(before, stream)
-        _call(kernel, n, lp, pp, rb, etc_RB.data_ptr(), self.spec.R, self.spec.epn, self.rank,
-              self.err.data_ptr(), self.num_sms, *dtype, stream)
+        groups = []
+        for i in range(0, len(local), _MAX_TENSORS):
+            lo, sl = local[i:i + _MAX_TENSORS], slots[i:i + _MAX_TENSORS]
+            n = len(lo)
+            lp = _ptrs([t.data_ptr() for t in lo])
+            pp = _ptrs([self._peers_of(t, what).data_ptr() for t in sl])
+            rb = (ctypes.c_int64 * n)(*[_row_bytes(t) for t in lo])
+            _call(kernel, n, lp, pp, rb, etc_RB.data_ptr(), self.spec.R, self.spec.epn,
+                  self.rank, self.err.data_ptr(), self.num_sms, *dtype, stream)
+            groups.append((n, _ptrs([t.data_ptr() for t in sl]), rb))
         self.barrier(after, stream)
-        return n, rb, stream
+        return groups, stream
 
     def prefetch_weight(self, etc_RB, local, slots):
         # slots_free: peers are done with the slots' previous contents; slots_filled: every slot
@@ -401,9 +412,9 @@ class SymmBackend(Backend):
         # the slots, which are zeroed then
         if not local:
             return
-        n, rb, stream = self._slot_exchange("reduce_grad", "reduce_grads", "grads_complete",
-                                            "grads_read", etc_RB, local, slots,
-                                            _DTYPE_CODE[local[0].dtype])
-        sp = _ptrs([t.data_ptr() for t in slots])
-        _call("zero_slots", n, sp, rb, etc_RB.data_ptr(), self.spec.epn, self.rank, self.num_sms,
-              stream)
+        groups, stream = self._slot_exchange("reduce_grad", "reduce_grads", "grads_complete",
+                                             "grads_read", etc_RB, local, slots,
+                                             _DTYPE_CODE[local[0].dtype])
+        for n, sp, rb in groups:
+            _call("zero_slots", n, sp, rb, etc_RB.data_ptr(), self.spec.epn, self.rank,
+                  self.num_sms, stream)
