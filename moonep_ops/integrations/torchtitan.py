@@ -164,7 +164,8 @@ def _shared_buffer(group: dist.ProcessGroup, S: int, D: int, K: int, E: int, *,
         token_padding = 128 if dist.get_backend(group) == "nccl" else 1
     cost = dict(slack=slack, link_gbps=link_gbps, expert_dim=F) if policy == "cost" else {}
     # id(group) is unique while the Buffer lives: the Buffer's backend holds the group.
-    key = (id(group), S, D, K, E, token_padding, policy, backend) + tuple(cost.values())
+    key = (id(group), S, D, K, E, COMPUTE_DTYPE, token_padding, policy, backend) + tuple(
+        cost.values())
     buf = _BUFFERS.get(key)
     if buf is None or not buf.alive or buf.group is not group:
         buf = Buffer(S, D, K, E, group=group, token_padding=token_padding, dtype=COMPUTE_DTYPE,
