@@ -16,11 +16,11 @@ experts at EP 8 -> 16), so the step is one rank's share.  The two are timed in a
 ms per step and the ratio variant / plain (target <= 1.03).
 
 --profile: then, per shape and precision, where the time goes: GPU time per kernel group
-(grouped GEMMs, SwiGLU / gated GLU, route weights, bias grads, data plane, planner, the rest)
-of each layer's eager step, averaged over --steps steps (torch.profiler), the difference
-variant - plain per group, and the variant's top kernels.  On CPU the same table counts the
-top-level torch ops of a step by the moonep:: range they run in (op counts; the times mean
-nothing there).
+(grouped GEMMs, SwiGLU / gated GLU, route weights, bias grads, data plane, planner, fills and
+copies, the rest) of each layer's eager step, averaged over --steps steps (torch.profiler), the
+difference variant - plain per group, and the variant's top kernels.  On CPU the same table
+counts the top-level torch ops of a step by the moonep:: range they run in (op counts; the times
+mean nothing there).
 
 On CPU (the CI smoke test: --tiny) the numbers mean nothing.
 """
@@ -63,8 +63,10 @@ GROUPS = (
     ("data plane", ("dispatch", "combine", "push_weights", "reduce_grad", "zero_slots",
                     "barrier_kernel", "publish", "prefetch_weight")),
     ("planner", ("plan",)),
+    ("fills and copies (zero grads, cats)", ("memset", "fillfunctor", "memcpy", "catarray",
+                                            "zeros", "fill_", "aten::cat", "copy_")),
 )
-OTHER = "other (router, loss, casts, adds, cats, SGD)"
+OTHER = "other (router, loss, casts, SGD)"
 
 
 def build(T, D, F, E, K, dev, tp, precision):
