@@ -283,6 +283,35 @@ def test_opcheck(bias, act):
         layer.buffer.destroy()
 
 
+def test_unused_outputs_get_no_zero_grads():
+    """g, u, y are outputs for the backward's sake: autograd materialises no zero grads for them
+    (three [M, F] / [M, D] memsets per step otherwise), and with z unused too the backward gives
+    no grads at all."""
+    layer = make_layer(True, "swiglu_clamped")
+    layer.bind()
+    try:
+        args = list(_op_args(layer))
+        for i in (0, 4, 5, 6):
+            args[i] = args[i].clone().requires_grad_()
+        args[7] = [b.clone().requires_grad_() for b in args[7]]
+        node = "GeneratedBackwardFor_moonep_moe_experts_ext_defaultBackward"   # autograd's
+        z, g, u, y = torch.ops.moonep.moe_experts_ext(*args)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+            z.float().sum().backward()
+        zeros = [e for e in p.events() if e.name in ("aten::zeros", "aten::zeros_like")
+                 and e.cpu_parent is not None and e.cpu_parent.name == node]
+        assert zeros == []
+        assert all(t.grad is not None for t in (args[0], *args[4:7], *args[7]))
+        leaves = (args[0], *args[4:7], *args[7])
+        for t in leaves:
+            t.grad = None
+        z, g, u, y = torch.ops.moonep.moe_experts_ext(*args)
+        (g.float().sum() + y.float().sum()).backward()
+        assert all(t.grad is None for t in leaves)
+    finally:
+        layer.buffer.destroy()
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(activation="swiglu_clamped", swiglu_limit=0.0), "finite limit > 0"),
     (dict(activation="swiglu_clamped", swiglu_limit=-1.0), "finite limit > 0"),
@@ -494,10 +523,11 @@ def test_multi_rank(R, case):
 
 
 def test_bench_expert_variants_smoke():
-    """benchmarks/bench_expert_variants.py (the GPU's 3 % target) runs: both precisions, tiny."""
+    """benchmarks/bench_expert_variants.py (the GPU's 3 % target) runs: both precisions, tiny,
+    with --profile (on the CPU: torch ops per group)."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_expert_variants
     assert bench_expert_variants.main(["--tiny", "--rounds", "1", "--steps", "1",
-                                       "--precisions", "bf16,fp8"]) == 0
+                                       "--precisions", "bf16,fp8", "--profile"]) == 0

@@ -90,11 +90,15 @@ def test_route_weight_pass_with_down_bias(bias, M, D, G):
     assert ((d_rows - prod.sum(1)).abs() <= 1e-5 * prod.abs().sum(1) + 1e-6).all()
 
 
-@pytest.mark.parametrize("M,C,G", [(9, 8, 2), (4097, 2880, 16), (5000, 64, 32)])
+@pytest.mark.parametrize("M,C,G", [(9, 8, 2), (4097, 2880, 16), (5000, 64, 32), (20011, 40, 3)])
 def test_group_sums_kernel(M, C, G):
+    """(20011, 40, 3): a group of ~20k rows (hundreds of rows per row lane) and a last column
+    tile with one pack of its four."""
     gen = torch.Generator().manual_seed(C + G)
     x = (torch.randn(M, C, generator=gen) * 2).bfloat16().cuda()
     cu = _cu(M, G, gen)
+    if G == 3:
+        cu = torch.tensor([5, 20000, 20000], dtype=torch.int32, device="cuda")
     x[int(cu[-1]):] = float("nan")                       # unwritten tail rows are not read
     got = sw.group_sums(x, cu)
     want = sw.reference_group_sums(x, cu)

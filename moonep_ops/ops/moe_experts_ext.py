@@ -162,7 +162,7 @@ def moe_experts_ext_body(h: Tensor, row_weights: Tensor, cu_seqlens: Tensor,
     u = _call(mm, _gm.run_fwd, h, w3, p.w3, cu, -1, False)
     a = _call("moonep::swiglu", run_glu, g, u, b1, b3, cu, *glu_params(activation, alpha, limit))
     y = _call(mm, _gm.run_fwd, a, w2, p.w2, cu, -1, False)
-    return scale_rows_biased(y, b2, cu, row_weights), g, u, y
+    return _call("moonep::bias_scale_rows", scale_rows_biased, y, b2, cu, row_weights), g, u, y
 
 
 _ext = torch.library.custom_op("moonep::moe_experts_ext", moe_experts_ext_body, mutates_args=())
@@ -191,13 +191,14 @@ def moe_experts_ext_backward_body(dz: Tensor, h: Tensor, row_weights: Tensor, g:
     _prefetch(p, experts_to_copy, w1, w3, w2, biases)   # slots may hold another layer by now
     cu, B = cu_seqlens, w1.shape[0]
     b1, b3, b2 = group_biases(p, biases)
-    dy, dw_M = scale_rows_biased_backward(dz.contiguous(), y, b2, cu, row_weights)
+    dy, dw_M = _call("moonep::bias_scale_rows_backward", scale_rows_biased_backward,
+                     dz.contiguous(), y, b2, cu, row_weights)
     params = glu_params(activation, alpha, limit)
     dh, dg, du, d1, d3, d2 = expert_grads(
         p, dy, h, cu, w1, w3, w2, lambda da: run_glu_backward(g, u, da, b1, b3, cu, *params),
         need_dh)
     local, slots = [d1, d3, d2], [p.g1, p.g3, p.g2]
-    dbiases = bias_grads(p, dg, du, dy, cu, B) if biases else []
+    dbiases = _call("moonep::bias_grads", bias_grads, p, dg, du, dy, cu, B) if biases else []
     if biases:
         local, slots = local + dbiases, slots + [p.gb1, p.gb3, p.gb2]
     if d1.dtype in _ew.GRAD_DTYPES:
@@ -234,7 +235,7 @@ def bias_grads(p: ExpertPool, dg: Tensor, du: Tensor, dy: Tensor, cu: Tensor, B:
     for x, land in ((dg, p.gb1), (du, p.gb3), (dy, p.gb2)):
         s = group_sums(x, cu).to(x.dtype)
         land.copy_(s[B:])
-        out.append(s[:B].contiguous())
+        out.append(s[:B])                   # (the first rows of a contiguous [G, C])
     return out
 
 
@@ -243,10 +244,15 @@ def _setup(ctx, inputs, output):
     _, g, u, y = output
     ctx.pool, ctx.act = pool, (activation, alpha, limit)
     ctx.save_for_backward(h, w_M, g, u, y, cu, etc, w1, w3, w2, *biases)
+    # g, u, y are outputs for the backward's sake, never differentiated through: their grads
+    # stay None instead of three [M, F] / [M, D] zero tensors (one memset pass each) per step
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dz, _dg, _du, _dy):
     h, w_M, g, u, y, cu, etc, w1, w3, w2, *biases = ctx.saved_tensors
+    if dz is None:                             # z unused: every grad is zero
+        return (None,) * 7 + ([None] * len(biases),) + (None,) * 4
     need_dh = ctx.needs_input_grad[0]          # h detached (x needs no grad): no dgrad into it
     dh, dw_M, d1, d3, d2, db = torch.ops.moonep.moe_experts_ext_backward(
         dz.contiguous(), h, w_M, g, u, y, cu, etc, w1, w3, w2, biases, ctx.pool, *ctx.act,

@@ -212,7 +212,8 @@ def rows_group(cu_G: Tensor, M: int) -> Tensor:
 def group_sums(x_MF: Tensor, cu_G: Tensor) -> Tensor:
     """fp32 [G, F] (fp64 for fp64 x): the sum of each group's rows (the bias grads), in a fixed
     order (no atomics); rows past the last group, whose values are unwritten, are not read.
-    CUDA bf16: one kernel (csrc/swiglu.cu moonep_ep_group_sums, each group summed in row order);
+    CUDA bf16: one kernel (csrc/swiglu.cu moonep_ep_group_sums: 64 row lanes per 32 columns of a
+    group, each lane's rows in ascending order, then the lanes in order; run to run bitwise);
     else the reference below (an fp32 GEMM of the groups' 0/1 row masks): equal to fp32
     reassociation, not bitwise."""
     G, C = cu_G.shape[0], x_MF.shape[1]
