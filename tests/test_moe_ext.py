@@ -312,6 +312,35 @@ def test_unused_outputs_get_no_zero_grads():
         layer.buffer.destroy()
 
 
+@pytest.mark.parametrize("entry", ["op", "eager"])
+def test_plain_experts_materialise_no_zero_grads(entry):
+    """The same for the plain moonep::moe_experts (g, u unused by the loss), through the op and
+    through its eager entry (ops/fastpath.py's autograd.Function)."""
+    from moonep_ops.ops import moe_experts as me
+    layer = make_layer(False, "swiglu")
+    layer.bind()
+    try:
+        x, ids, w = routing(0)
+        h, _, cu, plan = layer.buffer.dispatch(x, ids, w)
+        ws = [getattr(layer, n).detach().clone().requires_grad_() for n in ("w1", "w3", "w2")]
+        args = (h, cu, plan.experts_to_copy, *ws, layer.pool_name)
+        fn = torch.ops.moonep.moe_experts if entry == "op" else me.moe_experts
+        y, g, u = fn(*args)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+            y.float().sum().backward()
+        zeros = [e for e in p.events() if e.name in ("aten::zeros", "aten::zeros_like")
+                 and e.cpu_parent is not None and "Backward" in e.cpu_parent.name]
+        assert zeros == []
+        assert all(t.grad is not None for t in ws)
+        for t in ws:
+            t.grad = None
+        y, g, u = fn(*args)
+        (g.float().sum() + u.float().sum()).backward()
+        assert all(t.grad is None for t in ws)
+    finally:
+        layer.buffer.destroy()
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(activation="swiglu_clamped", swiglu_limit=0.0), "finite limit > 0"),
     (dict(activation="swiglu_clamped", swiglu_limit=-1.0), "finite limit > 0"),

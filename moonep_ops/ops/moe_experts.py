@@ -364,9 +364,14 @@ def _experts_setup(ctx, inputs, output):
     _, g, u = output
     ctx.pool = pool
     ctx.save_for_backward(h, g, u, cu, etc, w1, w3, w2)
+    # g, u are outputs for the backward's sake, never differentiated through: their grads stay
+    # None instead of two [M, F] zero tensors (one memset pass each) per step
+    ctx.set_materialize_grads(False)
 
 
 def _experts_backward(ctx, dy, _dg, _du):
+    if dy is None:                             # y unused: every grad is zero
+        return (None,) * 7
     h, g, u, cu, etc, w1, w3, w2 = ctx.saved_tensors
     need_dh = ctx.needs_input_grad[0]          # h detached (x needs no grad): no dgrad into it
     dh, d1, d3, d2 = moe_experts_backward(dy, h, g, u, cu, etc, w1, w3, w2, ctx.pool, need_dh)

@@ -404,9 +404,14 @@ def _setup(ctx, inputs, output):
     ctx.cache, ctx.fp8_wgrad = cache, fp8_wgrad
     ctx.variant, ctx.has_biases = (activation, alpha, limit), biases is not None
     ctx.save_for_backward(h, hs, wM, y, g, u, cu, etc, w1, w3, w2, dst, *(biases or []))
+    # y, g, u are outputs for the backward's sake, never differentiated through: their grads
+    # stay None instead of three zero tensors of the buffer's size per step
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dz, _dy, _dg, _du):
+    if dz is None:                          # z unused: every grad is zero
+        return (None,) * len(ctx.needs_input_grad)
     h, hs, wM, y, g, u, cu, etc, w1, w3, w2, dst, *biases = ctx.saved_tensors
     need_dx = ctx.needs_input_grad[9]       # x: without its grad the two dgrads into h are skipped
     dx, drw, d1, d3, d2, db = torch.ops.moonep.moe_experts_fp8_backward(
