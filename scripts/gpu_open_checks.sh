@@ -11,15 +11,18 @@
 # Steps (STEPS=a,b to run some):
 #   planner   the device planner's CUDA tests, then bench_plan_device on the split planner and on
 #             build/planner_base, three alternating rounds (the latency A/B)
+#   symm      the symmetric backend's prefetch_weight / reduce_grad tests (more tensors than one
+#             launch takes)
 #   experts   the gated experts' CUDA tests (expert biases, the clamped SwiGLU), the converted
 #             gpt-oss on CUDA, bench_expert_variants (bf16, fp8: the variant's step <= 1.03x)
-#   layer     bench_layer_r1 captured + profile (titan-style / ours at R = 1, the GEMMs in order)
+#   layer     bench_layer_r1 on its four shapes, eager / compiled / captured + profile (titan-style
+#             / ours at R = 1, the GEMMs in order) and the converted tiny Qwen3-MoE's host time
 #   host      bench_host_cost's GEMM section (host us per call against torch._grouped_mm)
 #   fp8       bench_fp8_step's variants at 8 experts a rank, 1 and 4 micro-batches
 #   gemm      the rest of the CUDA tests of the GEMMs and the MoE layer
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-STEPS=${STEPS:-planner,experts,layer,host,fp8,gemm}
+STEPS=${STEPS:-symm,experts,layer,host,fp8,gemm}
 ROOT=$PWD
 $PY scripts/check_abi.py | tail -3
 T0=$SECONDS
@@ -50,9 +53,11 @@ experts() {
 export -f planner experts
 export PY ROOT
 step planner 200 bash -c planner
+step symm 120 $PY -m pytest -q -rs -p no:cacheprovider tests/test_symm_cuda.py \
+  tests/test_async_cuda.py -k prefetch
 step experts 150 bash -c experts
-step layer 100 $PY benchmarks/bench_layer_r1.py --shapes small,qwen3-30b-a3b,deepseek-v3-ep8 \
-  --modes captured,profile --rounds 2 --steps 3 --no-hf --out "$OUT"
+step layer 330 $PY benchmarks/bench_layer_r1.py --modes eager,compiled,captured,profile --rounds 3 \
+  --steps 4 --time-limit-s 300 --out "$OUT"
 step host 90 $PY benchmarks/bench_host_cost.py --sections gemm --rounds 3 --calls 100 --out "$OUT"
 step fp8 70 $PY benchmarks/bench_fp8_step.py --experts 8 --micro 1,4 --iters 8 \
   --variants bf16,fp8,fp8_cache,fp8_base
