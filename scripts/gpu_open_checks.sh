@@ -48,7 +48,8 @@ planner() {
 experts() {
   $PY -m pytest -q -rs -p no:cacheprovider tests/test_moe_ext_cuda.py tests/test_swiglu_cuda.py
   $PY -m pytest -q -rs -p no:cacheprovider tests/test_hf_gpt_oss.py -k cuda
-  $PY benchmarks/bench_expert_variants.py --precisions bf16,fp8 --rounds 3 --steps 4 --out "$OUT"
+  $PY benchmarks/bench_expert_variants.py --precisions bf16,fp8 --rounds 3 --steps 4 --profile \
+    --out "$OUT/expert_variants.json"
 }
 export -f planner experts
 export PY ROOT
@@ -65,6 +66,6 @@ step gemm 150 $PY -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_cuda.
   tests/test_moe_symm_cuda.py tests/test_fp8_quant_cuda.py tests/test_fp8_wgrad_cuda.py \
   tests/test_grouped_mm_fp8_cuda.py
 echo "==== done ($((SECONDS - T0)) s)"
-for f in layer fp8 experts; do
-  [ -f "$OUT/$f.log" ] && grep -E "^\| |captured|ratio|MET|MISSED" "$OUT/$f.log" | head -20
+for f in layer experts fp8; do
+  [ -f "$OUT/$f.log" ] && grep -E "^\| |captured|eager|compiled|ratio|MET|MISSED|^gpt" "$OUT/$f.log" | head -60
 done
