@@ -482,3 +482,23 @@ def test_symm_backend_reads_the_stream_once_per_op(monkeypatch):
     calls.clear()
     be.barrier("hist")                                        # alone: reads the stream itself
     assert calls[0][1][-1] == 0x77 and calls[0][1][6] == code["hist"]
+
+
+def test_standin_benchmark_runs_and_restores(tmp_path):
+    """bench_host_cost --standin reaches the CUTLASS branch's launch on CPU tensors (it raises
+    otherwise) and puts back every stub and the environment after."""
+    import json
+    import sys
+    from pathlib import Path
+    from moonep_ops import native
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_host_cost
+    before = (native.gemm, native.require_gemm, gk._on_cuda, runtime.sm_count, gk.sm_count,
+              runtime.current_raw_stream, os.environ.get("MOONEP_VALIDATE"))
+    assert bench_host_cost.main(["--standin", "--calls", "3", "--reps", "1", "--rounds", "1",
+                                 "--out", str(tmp_path)]) == 0
+    assert before == (native.gemm, native.require_gemm, gk._on_cuda, runtime.sm_count,
+                      gk.sm_count, runtime.current_raw_stream, os.environ.get("MOONEP_VALIDATE"))
+    rows = json.loads((tmp_path / "host_cost_standin.json").read_text())["standin"]
+    assert {r["kind"] for r in rows} == {"fwd", "dgrad", "wgrad_into"}
+    assert all(r[k] > 0 for r in rows for k in ("api", "body", "native", "empty"))
