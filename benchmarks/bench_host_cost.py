@@ -3,7 +3,7 @@ the torch ops a torchtitan-style layer runs instead, and a profile of one eager 
 
     python benchmarks/bench_host_cost.py [--calls 200] [--rounds 5] [--layer qwen3-30b-a3b]
                                          [--profile-steps 20] [--out DIR] [--tiny]
-    python benchmarks/bench_host_cost.py --standin [--calls 2000] [--rounds 7] [--out DIR]
+    python benchmarks/bench_host_cost.py --standin [--calls 2000] [--rounds 7] [--baseline DIR]
 
 Host time per call: the wall time of one call issued on an idle GPU (a sync before it, median
 over calls): what the call costs the Python thread that issues it, never held back by a full
@@ -43,6 +43,8 @@ stubs live only inside the section and are restored after it.  Per direction: ap
 function), body (run_fwd / run_dgrad / run_wgrad_into, after the checks) and the stub's launch
 alone (the Python call of the stub with every argument prepared), beside a torch.empty of the
 output; us per call, best of --reps x --calls calls, median over --rounds alternating rounds.
+With --baseline DIR (a directory holding an older moonep_ops package): one stand-in process per
+package and round, the two packages alternating, --rounds each, api and body side by side.
 """
 from __future__ import annotations
 
@@ -683,6 +685,8 @@ def main(argv=None) -> int:
     ap.add_argument("--standin", action="store_true", help="only the CPU stand-in of the CUDA "
                     "GEMM path (any machine; --calls per loop, default 2000, --reps loops)")
     ap.add_argument("--reps", type=int, default=3, help="--standin: loops per sample (best of)")
+    ap.add_argument("--baseline", default=None, help="--standin: a directory holding an older "
+                    "moonep_ops package, timed against this tree in alternating processes")
     a = ap.parse_args(argv)
     if a.standin:
         return standin_main(a, argv)
@@ -772,8 +776,51 @@ def main(argv=None) -> int:
     return 0
 
 
+def standin_baseline(a, calls: int) -> int:
+    """--standin --baseline DIR: the stand-in in one process per round and package, the package
+    of DIR (an older moonep_ops) and this tree's alternating, --rounds each; medians per cell."""
+    import subprocess
+    import tempfile
+    sides = {"baseline": str(Path(a.baseline).resolve()), "this": str(HERE.parent)}
+    runs = {k: [] for k in sides}
+    for r in range(a.rounds):
+        for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            with tempfile.TemporaryDirectory() as out:
+                subprocess.run([sys.executable, str(Path(__file__).resolve()), "--standin",
+                                "--rounds", "1", "--calls", str(calls), "--reps", str(a.reps),
+                                "--out", out], check=True, capture_output=True,
+                               env=dict(os.environ, PYTHONPATH=sides[side]))
+                doc = json.loads((Path(out) / "host_cost_standin.json").read_text())
+            if not doc["package"].startswith(sides[side]):
+                raise RuntimeError(f"{side}: imported {doc['package']}, not {sides[side]}")
+            runs[side].append(doc["standin"])
+    lines = ["", f"### S1. CPU stand-in: {sides['baseline']} against this tree, host us per call",
+             "", f"One process per package and round, {a.rounds} alternating rounds (medians); "
+             f"each: best of {a.reps} x {calls} calls.", "",
+             "| D | F | G | M | dir | api before | api after | ratio | body before | "
+             "body after | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for i, row in enumerate(runs["this"][0]):
+        med = {(k, c): statistics.median(run[i][c] for run in runs[k])
+               for k in sides for c in ("api", "body")}
+        rows.append(dict(row, **{f"{c}_{k}": v for (k, c), v in med.items()}))
+        lines.append(f"| {row['D']} | {row['F']} | {row['G']} | {row['M']} | {row['kind']} | "
+                     + " | ".join(f"{med['baseline', c]:.2f} | {med['this', c]:.2f} | "
+                                  f"{med['this', c] / med['baseline', c]:.2f}"
+                                  for c in ("api", "body")) + " |")
+    print("\n".join(lines))
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "host_cost_standin_baseline.json").write_text(json.dumps(
+            dict(baseline=sides["baseline"], rows=rows, rounds=a.rounds), indent=1))
+        (Path(a.out) / "host_cost_standin_baseline.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
 def standin_main(a, argv) -> int:
     calls = a.calls if "--calls" in (argv if argv is not None else sys.argv) else 2000
+    if a.baseline:
+        return standin_baseline(a, calls)
     pkg = os.path.dirname(sys.modules["moonep_ops"].__file__)
     print(f"bench_host_cost --standin: torch {torch.__version__}, package {pkg}", flush=True)
     rows, prof = standin_rows(STANDIN_SHAPES, calls, a.reps, a.rounds)

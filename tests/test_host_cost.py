@@ -585,3 +585,9 @@ def test_standin_benchmark_runs_and_restores(tmp_path):
     rows = json.loads((tmp_path / "host_cost_standin.json").read_text())["standin"]
     assert {r["kind"] for r in rows} == {"fwd", "dgrad", "wgrad_into"}
     assert all(r[k] > 0 for r in rows for k in ("api", "body", "native", "empty"))
+    root = Path(__file__).resolve().parent.parent                  # this tree as its baseline
+    assert bench_host_cost.main(["--standin", "--calls", "3", "--reps", "1", "--rounds", "1",
+                                 "--baseline", str(root), "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "host_cost_standin_baseline.json").read_text())
+    assert len(doc["rows"]) == len(rows) and all(r["api_baseline"] > 0 and r["api_this"] > 0
+                                                 for r in doc["rows"])
