@@ -470,7 +470,7 @@ def run_rows(work: tuple, kind: str, a, w_local, w_slot, cu, config: int, zero_t
 def grads_work(kind: str, flags: int, dy, x, grad_local) -> tuple:
     """What a checked wgrad_into / _accumulate call (CUTLASS ``kind``, ``flags``) runs: (the
     launch plan or None where the op's run function runs, M, O, I, epn, device)."""
-    (M, O), I, epn, dev = dy.shape, x.shape[1], grad_local.shape[0], x.device
+    (M, O), I, epn, dev = dy.shape, x.shape[1], grad_local.shape[0], dy.device
     plan = None
     if M and backend_for(dy, O, I) == "cutlass":
         plan = launch_plan(kind, dev, M, 2 * epn, O, I, flags)
