@@ -3,6 +3,7 @@ the torch ops a torchtitan-style layer runs instead, and a profile of one eager 
 
     python benchmarks/bench_host_cost.py [--calls 200] [--rounds 5] [--layer qwen3-30b-a3b]
                                          [--profile-steps 20] [--out DIR] [--tiny]
+    python benchmarks/bench_host_cost.py --standin [--calls 2000] [--rounds 7] [--baseline DIR]
 
 Host time per call: the wall time of one call issued on an idle GPU (a sync before it, median
 over calls): what the call costs the Python thread that issues it, never held back by a full
@@ -32,6 +33,18 @@ measured in alternating rounds with its torch counterpart (median over --rounds)
 
 On CPU (--tiny: the CI smoke run) every op runs its CPU reference: the numbers measure the
 Python around the kernels, which the CUDA path shares only in part.
+
+--standin (CPU, any machine): the Python of the CUDA GEMM path alone.  The public grouped GEMM
+functions run on CPU bf16 tensors with the CUTLASS backend taken for them, libmoonep_gemm.so
+replaced by a Python object whose grouped_gemm returns 0 and whose gemm_workspace_bytes returns
+a size, the SM count and the raw stream stubbed and MOONEP_VALIDATE off (as on CUDA), so every
+host step of a CUDA call runs but the CUDA calls (the launch, the current-device read).  The
+stubs live only inside the section and are restored after it.  Per direction: api (the public
+function), body (run_fwd / run_dgrad / run_wgrad_into, after the checks) and the stub's launch
+alone (the Python call of the stub with every argument prepared), beside a torch.empty of the
+output; us per call, best of --reps x --calls calls, median over --rounds alternating rounds.
+With --baseline DIR (a directory holding an older moonep_ops package): one stand-in process per
+package and round, the two packages alternating, --rounds each, api and body side by side.
 """
 from __future__ import annotations
 
@@ -276,6 +289,188 @@ def gemm_table(rows) -> list[str]:
     return out
 
 
+
+# ---------------------------------------------------------------------------------------------
+# --standin: the CUDA GEMM path's Python on CPU tensors
+# ---------------------------------------------------------------------------------------------
+
+# (D, F, G = 2 * epn, M): the shape of the host-cost table, a tiny one and a wide one
+STANDIN_SHAPES = [(2048, 768, 16, 4096), (32, 24, 4, 64), (7168, 2048, 64, 2048)]
+STANDIN_WORKSPACE = 4096
+
+
+class _StubGemmLibrary:
+    """libmoonep_gemm.so's place in the stand-in: every launch returns 0 (and is counted, its
+    arguments kept), every workspace query one size."""
+
+    def __init__(self):
+        self.calls = 0
+        self.last = None
+
+    def grouped_gemm(self, *args):
+        self.calls += 1
+        self.last = args
+        return 0
+
+    def gemm_workspace_bytes(self, kind_id, G, sm):
+        return STANDIN_WORKSPACE
+
+    def gemm_last_error(self):
+        return b""
+
+
+class standin_patches:
+    """``with standin_patches() as lib:`` the CUDA GEMM path for CPU bf16 tensors (the module
+    docstring, --standin); everything it replaces is put back on exit, and the GEMM's per-shape
+    caches are cleared on entry and exit (they would hold the stub's values)."""
+
+    def __init__(self):
+        self.lib = _StubGemmLibrary()
+        self.saved = []
+
+    def _set(self, obj, name, value):
+        self.saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def __enter__(self):
+        from moonep_ops import runtime
+        from moonep_ops.ops import grouped_mm_kernels as gk
+        lib = self.lib
+        try:
+            self._set(native, "gemm", lambda: lib)
+            self._set(native, "require_gemm", lambda: lib)
+            self._set(native, "gemm_keep_tail", lambda: True)
+            self._set(gk, "_on_cuda", lambda t: True)
+            stubs = {runtime.sm_count: lambda dev: 132, runtime.current_raw_stream: lambda dev: 0}
+            for mod in [m for n, m in sys.modules.items() if n.startswith("moonep_ops")]:
+                for name, val in list(vars(mod).items()):
+                    if callable(val) and val in stubs:
+                        self._set(mod, name, stubs[val])
+            self.env = os.environ.get("MOONEP_VALIDATE")
+            os.environ["MOONEP_VALIDATE"] = "0"
+        except BaseException:
+            self._restore()
+            raise
+        self._clear()
+        return lib
+
+    def _clear(self):
+        from moonep_ops.ops import grouped_mm_kernels as gk
+        gk.clear_plan_cache()
+        getattr(gk._workspace_bytes, "cache_clear", lambda: None)()
+
+    def _restore(self):
+        for obj, name, val in reversed(self.saved):
+            setattr(obj, name, val)
+        self.saved.clear()
+
+    def __exit__(self, *exc):
+        if self.env is None:
+            os.environ.pop("MOONEP_VALIDATE", None)
+        else:
+            os.environ["MOONEP_VALIDATE"] = self.env
+        self._restore()
+        self._clear()
+        return False
+
+
+def best_us(fn, calls: int, reps: int) -> float:
+    """us per call: the best of ``reps`` loops of ``calls`` back-to-back calls."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6 / calls
+
+
+def standin_cases(D, F, G, M, lib) -> dict:
+    """{direction: {column: zero-argument call}} of one shape (tensors allocated, not filled: no
+    call reads them)."""
+    epn = G // 2
+    bf = torch.bfloat16
+    x, dy = torch.empty(M, D, dtype=bf), torch.empty(M, F, dtype=bf)
+    wl, ws = torch.empty(epn, F, D, dtype=bf), torch.empty(epn, F, D, dtype=bf)
+    gl, gs = torch.empty_like(wl), torch.empty_like(ws)
+    cu = (torch.arange(1, G + 1, dtype=torch.int32) * (M // G)).clamp(max=M)
+    y, dx = torch.empty(M, F, dtype=bf), torch.empty(M, D, dtype=bf)
+    ws_buf = torch.empty(STANDIN_WORKSPACE, dtype=torch.uint8)
+    table = (ctypes.c_float * 4)()
+    fn = lib.grouped_gemm
+
+    def stub(kid, a, b, b_slot, d, d_slot, flags):
+        args = (kid, -1, 0, a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
+                d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(), cu.data_ptr(), G, epn,
+                M, F, D,
+                table, 1, flags, ws_buf.data_ptr(), STANDIN_WORKSPACE, 132, 0)
+        return lambda: fn(*args)
+
+    return {
+        "fwd": dict(api=lambda: gm.grouped_mm(x, wl, ws, cu, zero_tail=False),
+                    body=lambda: gm.run_fwd(x, wl, ws, cu, -1, False),
+                    native=stub(0, x, wl, ws, y, None, 6),
+                    empty=lambda: torch.empty(M, F, dtype=bf)),
+        "dgrad": dict(api=lambda: gm.grouped_mm_dgrad(dy, wl, ws, cu, zero_tail=False),
+                      body=lambda: gm.run_dgrad(dy, wl, ws, cu, -1, False),
+                      native=stub(1, dy, wl, ws, dx, None, 6),
+                      empty=lambda: torch.empty(M, D, dtype=bf)),
+        "wgrad_into": dict(api=lambda: gm.grouped_mm_wgrad_into(dy, x, cu, gl, gs),
+                           body=lambda: gm.run_wgrad_into(dy, x, cu, gl, gs),
+                           native=stub(3, dy, x, None, gl, gs, 3),
+                           empty=lambda: torch.empty(epn, F, D, dtype=bf)),
+    }
+
+
+def standin_rows(shapes, calls: int, reps: int, rounds: int) -> tuple[list[dict], list[str]]:
+    """The stand-in's rows (us per call) and a cProfile of the first shape's api calls."""
+    rows, prof = [], []
+    with standin_patches() as lib:
+        for D, F, G, M in shapes:
+            for kind, fns in standin_cases(D, F, G, M, lib).items():
+                for col in ("api", "body"):                 # warm up; the stub is reached
+                    n = lib.calls
+                    fns[col]()
+                    fns[col]()
+                    if lib.calls != n + 2:
+                        raise RuntimeError(f"stand-in: {kind} {col} did not take the CUTLASS "
+                                           "branch (no launch reached the stub)")
+                names = list(fns)
+                vals = {k: [] for k in names}
+                for r in range(rounds):
+                    for k in (names if r % 2 == 0 else names[::-1]):
+                        vals[k].append(best_us(fns[k], calls, reps))
+                row = dict(D=D, F=F, G=G, M=M, kind=kind,
+                           **{k: statistics.median(v) for k, v in vals.items()})
+                rows.append(row)
+                print(f"  stand-in D={D} F={F} G={G} M={M} {kind}: "
+                      + ", ".join(f"{k} {row[k]:.2f}" for k in names), flush=True)
+        D, F, G, M = shapes[0]
+        cases = standin_cases(D, F, G, M, lib)
+
+        def api_calls():
+            for fns in cases.values():
+                fns["api"]()
+        summary, prof = profile(api_calls, max(calls, 1),
+                                "### S2. Where the stand-in's api calls go (cProfile, fwd + "
+                                f"dgrad + wgrad_into, D, F, G, M = {shapes[0]})",
+                                per="3 calls", top_n=20)
+    return rows, summary + prof
+
+
+def standin_table(rows, calls: int, reps: int, rounds: int) -> list[str]:
+    out = ["", "### S1. CPU stand-in of the CUDA GEMM path: host us per call", "",
+           f"Best of {reps} x {calls} calls, median over {rounds} alternating rounds; "
+           "MOONEP_VALIDATE off; native: the stub library's launch alone, every argument "
+           "prepared; empty: torch.empty of the output.", "",
+           "| D | F | G | M | dir | api | body | native (stub) | empty | api - native |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['D']} | {r['F']} | {r['G']} | {r['M']} | {r['kind']} | "
+                   f"{r['api']:.2f} | {r['body']:.2f} | {r['native']:.2f} | {r['empty']:.2f} | "
+                   f"{r['api'] - r['native']:.2f} |")
+    return out
+
 # ---------------------------------------------------------------------------------------------
 # 2. the layer's ops
 # ---------------------------------------------------------------------------------------------
@@ -487,7 +682,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU smoke run)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None, help="write host_cost.json and host_cost.md there")
+    ap.add_argument("--standin", action="store_true", help="only the CPU stand-in of the CUDA "
+                    "GEMM path (any machine; --calls per loop, default 2000, --reps loops)")
+    ap.add_argument("--reps", type=int, default=3, help="--standin: loops per sample (best of)")
+    ap.add_argument("--baseline", default=None, help="--standin: a directory holding an older "
+                    "moonep_ops package, timed against this tree in alternating processes")
     a = ap.parse_args(argv)
+    if a.standin:
+        return standin_main(a, argv)
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -571,6 +773,66 @@ def main(argv=None) -> int:
     if errors:
         print("ERRORS: " + "; ".join(errors))
         return 1
+    return 0
+
+
+def standin_baseline(a, calls: int) -> int:
+    """--standin --baseline DIR: the stand-in in one process per round and package, the package
+    of DIR (an older moonep_ops) and this tree's alternating, --rounds each; medians per cell."""
+    import subprocess
+    import tempfile
+    sides = {"baseline": str(Path(a.baseline).resolve()), "this": str(HERE.parent)}
+    runs = {k: [] for k in sides}
+    for r in range(a.rounds):
+        for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            with tempfile.TemporaryDirectory() as out:
+                subprocess.run([sys.executable, str(Path(__file__).resolve()), "--standin",
+                                "--rounds", "1", "--calls", str(calls), "--reps", str(a.reps),
+                                "--out", out], check=True, capture_output=True,
+                               env=dict(os.environ, PYTHONPATH=sides[side]))
+                doc = json.loads((Path(out) / "host_cost_standin.json").read_text())
+            if not doc["package"].startswith(sides[side]):
+                raise RuntimeError(f"{side}: imported {doc['package']}, not {sides[side]}")
+            runs[side].append(doc["standin"])
+    lines = ["", f"### S1. CPU stand-in: {sides['baseline']} against this tree, host us per call",
+             "", f"One process per package and round, {a.rounds} alternating rounds (medians); "
+             f"each: best of {a.reps} x {calls} calls.", "",
+             "| D | F | G | M | dir | api before | api after | ratio | body before | "
+             "body after | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
+    for i, row in enumerate(runs["this"][0]):
+        med = {(k, c): statistics.median(run[i][c] for run in runs[k])
+               for k in sides for c in ("api", "body")}
+        rows.append(dict(row, **{f"{c}_{k}": v for (k, c), v in med.items()}))
+        lines.append(f"| {row['D']} | {row['F']} | {row['G']} | {row['M']} | {row['kind']} | "
+                     + " | ".join(f"{med['baseline', c]:.2f} | {med['this', c]:.2f} | "
+                                  f"{med['this', c] / med['baseline', c]:.2f}"
+                                  for c in ("api", "body")) + " |")
+    print("\n".join(lines))
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "host_cost_standin_baseline.json").write_text(json.dumps(
+            dict(baseline=sides["baseline"], rows=rows, rounds=a.rounds), indent=1))
+        (Path(a.out) / "host_cost_standin_baseline.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def standin_main(a, argv) -> int:
+    calls = a.calls if "--calls" in (argv if argv is not None else sys.argv) else 2000
+    if a.baseline:
+        return standin_baseline(a, calls)
+    pkg = os.path.dirname(sys.modules["moonep_ops"].__file__)
+    print(f"bench_host_cost --standin: torch {torch.__version__}, package {pkg}", flush=True)
+    rows, prof = standin_rows(STANDIN_SHAPES, calls, a.reps, a.rounds)
+    text = "\n".join(standin_table(rows, calls, a.reps, a.rounds) + prof)
+    print(text)
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        doc = dict(device="cpu (stand-in)", torch=torch.__version__, package=pkg, standin=rows,
+                   calls=calls, reps=a.reps, rounds=a.rounds)
+        (Path(a.out) / "host_cost_standin.json").write_text(json.dumps(doc, indent=1))
+        (Path(a.out) / "host_cost_standin.md").write_text(
+            f"bench_host_cost --standin: torch {torch.__version__}, package {pkg}\n" + text + "\n")
     return 0
 
 

@@ -23,15 +23,26 @@ def validate_mode() -> str:
     return settings.get("MOONEP_VALIDATE").lower()
 
 
+_OFF, _ON = ("0", "off", "false"), ("1", "on", "true")
+
+
 def should_validate(t: torch.Tensor) -> bool:
     mode = validate_mode()
-    if mode in ("0", "off", "false"):
+    if mode in _OFF:
         return False
     if t.is_cpu:                        # (device.type costs 0.6 us a read, is_cpu 0.05)
         return True
-    if mode in ("1", "on", "true"):
+    if mode in _ON:
         return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
     return False
+
+
+def may_validate(device: torch.device) -> bool:
+    """Whether ``should_validate`` can be true for a tensor on ``device`` under the current
+    MOONEP_VALIDATE (a caller that keeps this per device, with the switch's value in its key,
+    asks should_validate only where it can be)."""
+    mode = validate_mode()
+    return mode not in _OFF and (device.type == "cpu" or mode in _ON)
 
 
 def current_raw_stream(device: torch.device) -> int:
@@ -74,16 +85,17 @@ class on_device_of:
         return False
 
 
-# The current CUDA device without torch.cuda.current_device's lazy-init test: call_on reads it
-# for a tensor's device, so CUDA is initialised (a CPU-only build: the public function).
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+# The current CUDA device's index without torch.cuda.current_device's lazy-init test: call_on
+# reads it for a tensor's device, so CUDA is initialised (a CPU-only build: the public function).
+current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def call_on(device: torch.device, fn, *args):
     """``fn(*args)`` with ``device`` the current CUDA device, as inside ``on_device_of(device)``,
-    but without the context manager's object and calls when it already is current."""
+    but without the context manager's object and calls when it already is current (a caller on
+    the hot path may test ``device.index`` against ``current_device()`` itself and call ``fn``)."""
     idx = device.index
-    if idx is None or idx == _current_device():
+    if idx is None or idx == current_device():
         return fn(*args)
     with on_device_of(device):
         return fn(*args)

@@ -277,7 +277,7 @@ def test_gemm_api_entry_keeps_errors_and_versions():
     assert torch.equal(gl, ol) and torch.equal(gs, os_)
 
 
-def test_cached_checks_reject_a_call_one_property_away():
+def test_cached_checks_reject_a_call_one_property_away(monkeypatch):
     """The ops' bodies skip their static checks for a call signature that passed once; a call
     that differs from a cached good one in one property is checked in full and rejected, and
     the value checks (cu_seqlens's values, memory overlap) run on every call."""
@@ -286,9 +286,15 @@ def test_cached_checks_reject_a_call_one_property_away():
     wl, ws = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
     cu = torch.tensor([3, 6, 9, 12], dtype=torch.int32)
     body = gm.grouped_mm_body
+    gm.clear_plan_cache()
+    checked = []
+    check_mm = gm._check_mm
+    monkeypatch.setattr(gm, "_check_mm", lambda *a, **k: checked.append(a[0]) or check_mm(*a, **k))
     for config in (-1, 1):
         body(x, wl, ws, cu, config, True)
-        assert checks.passed(checks.signature(("fwd", config, int), (x, wl, ws, cu)))
+        body(x.clone(), wl, ws, cu, config, True)          # the same signature
+        gm.grouped_mm(x, wl, ws, cu, config=config)
+    assert checked == ["fwd", "fwd"]                       # once per signature
     with pytest.raises(TypeError, match="dtype"):
         body(x.double(), wl, ws, cu)
     with pytest.raises(ValueError, match="cu_seqlens_G is on meta"):
@@ -404,6 +410,83 @@ def test_gemm_launch_through_the_c_prototype(monkeypatch):
     gk.clear_plan_cache()
 
 
+def test_gemm_api_launches_on_the_cutlass_branch(monkeypatch):
+    """The public GEMM calls on the CUTLASS branch (CPU bf16 tensors taken for CUDA ones, the
+    library a callback behind its real prototype) hand the launch what the per-call path
+    computes from the arguments: every pointer, G, epn, M, O, I, the mask, flags and table of
+    the call's shape; a repeated call (its signature's entry) the new tensors' pointers, and a
+    changed switch its new value."""
+    import ctypes
+    from types import SimpleNamespace
+    from moonep_ops import native
+    restype, argtypes = native.GEMM_PROTOTYPES["moonep_grouped_gemm"]
+    seen = []
+    fn = ctypes.CFUNCTYPE(restype, *argtypes)(lambda *a: seen.append(a) or 0)
+    lib = SimpleNamespace(grouped_gemm=fn)
+    for name, val in (("gemm", lambda: lib), ("require_gemm", lambda: lib),
+                      ("gemm_keep_tail", lambda: True)):
+        monkeypatch.setattr(native, name, val)
+    monkeypatch.setattr(gk, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(gk, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(gk, "current_raw_stream", lambda dev: 0x1234)
+    monkeypatch.setattr(gk, "_workspace_bytes", lambda kid, G, sm: 512)
+    for v in ("MOONEP_GEMM_FAMILY", "MOONEP_GEMM_CANDIDATES", "MOONEP_GEMM_PDL"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("MOONEP_VALIDATE", "0")
+    gk.clear_plan_cache()
+    epn, M, O, I = 4, 256, 24, 32
+    bf = torch.bfloat16
+
+    def tensors():
+        return (torch.randn(M, I, dtype=bf), torch.randn(M, O, dtype=bf),
+                torch.randn(epn, O, I, dtype=bf), torch.randn(epn, O, I, dtype=bf),
+                torch.zeros(epn, O, I, dtype=bf), torch.zeros(epn, O, I, dtype=bf),
+                torch.tensor([32, 64, 96, 128, 160, 192, 224, 240], dtype=torch.int32))
+
+    def check(kind, a, b, b_slot, d, d_slot, cu, flags, config=-1):
+        args = seen.pop()
+        ptr = [None if t is None else t.data_ptr() for t in (a, b, b_slot, d, d_slot, cu)]
+        assert args[:3] == (gk._KIND_ID[kind], config, 0)
+        assert args[3:9] == tuple(ptr)
+        assert args[9:14] == (2 * epn, epn, M, O, I)
+        assert args[15] == gk.candidate_mask(kind, M, 2 * epn, O, I, 132)
+        assert args[16] == flags
+        table = gk._call_constants(kind, M, 2 * epn, O, I, 132)[1]
+        assert [args[14][i] for i in range(len(table))] == pytest.approx(list(table))
+        assert args[18:] == (512, 132, 0x1234)
+
+    for _ in range(2):                          # a signature's first call, then its entry
+        x, dy, wl, ws, gl, gs, cu = tensors()
+        y = gm.grouped_mm(x, wl, ws, cu, zero_tail=False)
+        check("fwd", x, wl, ws, y, None, cu, gk._KEEP_TAIL | gk._PDL)
+        dx = gm.grouped_mm_dgrad(dy, wl, ws, cu)
+        check("dgrad", dy, wl, ws, dx, None, cu, gk._PDL)
+        gm.grouped_mm_wgrad_into(dy, x, cu, gl, gs)
+        check("wgrad_lp", dy, x, None, gl, gs, cu, gk._KEEP_EMPTY_SLOTS | gk._PDL)
+        y = gm.run_fwd(x, wl, ws, cu, 2, False)                 # moe_experts' entry
+        check("fwd", x, wl, ws, y, None, cu, gk._KEEP_TAIL | gk._PDL, config=2)
+    monkeypatch.setenv("MOONEP_GEMM_PDL", "0")
+    y = gm.grouped_mm(x, wl, ws, cu, config=1)
+    check("fwd", x, wl, ws, y, None, cu, 0, config=1)
+    monkeypatch.setenv("MOONEP_GEMM_FAMILY", "moonep")
+    monkeypatch.setenv("MOONEP_GEMM_CANDIDATES", gm.gemm_cost_model.CONFIGS["dgrad"][0].name)
+    dx = gm.grouped_mm_dgrad(dy, wl, ws, cu)
+    check("dgrad", dy, wl, ws, dx, None, cu, 0)
+    strided = dy.t().contiguous().t()                       # dy's values, another layout
+    gm.grouped_mm_wgrad_into(strided, x, cu, gl, gs)
+    assert seen.pop()[3] != strided.data_ptr()              # a contiguous copy launched
+    bad = torch.tensor([32, 16, 96, 128, 160, 192, 224, 240], dtype=torch.int32)
+    gm.grouped_mm(x, wl, ws, bad)                           # MOONEP_VALIDATE=0: not read
+    seen.pop()
+    monkeypatch.setenv("MOONEP_VALIDATE", "auto")           # CPU tensors: read
+    with pytest.raises(ValueError, match="non-decreasing"):
+        gm.grouped_mm(x, wl, ws, bad)
+    monkeypatch.setenv("MOONEP_GEMM_BACKEND", "reference")
+    y = gm.grouped_mm(x, wl, ws, cu)
+    assert not seen and torch.equal(y, gm.reference_grouped_mm(x, wl, ws, cu))
+    gk.clear_plan_cache()
+
+
 def test_fp8_launch_through_the_c_prototype(monkeypatch):
     """Fp8Gemm.launch's arguments pass ctypes' conversion of the FP8 GEMM's real prototype,
     with the raw stream, the forced config and the workspace it returns."""
@@ -482,3 +565,29 @@ def test_symm_backend_reads_the_stream_once_per_op(monkeypatch):
     calls.clear()
     be.barrier("hist")                                        # alone: reads the stream itself
     assert calls[0][1][-1] == 0x77 and calls[0][1][6] == code["hist"]
+
+
+def test_standin_benchmark_runs_and_restores(tmp_path):
+    """bench_host_cost --standin reaches the CUTLASS branch's launch on CPU tensors (it raises
+    otherwise) and puts back every stub and the environment after."""
+    import json
+    import sys
+    from pathlib import Path
+    from moonep_ops import native
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_host_cost
+    before = (native.gemm, native.require_gemm, gk._on_cuda, runtime.sm_count, gk.sm_count,
+              runtime.current_raw_stream, os.environ.get("MOONEP_VALIDATE"))
+    assert bench_host_cost.main(["--standin", "--calls", "3", "--reps", "1", "--rounds", "1",
+                                 "--out", str(tmp_path)]) == 0
+    assert before == (native.gemm, native.require_gemm, gk._on_cuda, runtime.sm_count,
+                      gk.sm_count, runtime.current_raw_stream, os.environ.get("MOONEP_VALIDATE"))
+    rows = json.loads((tmp_path / "host_cost_standin.json").read_text())["standin"]
+    assert {r["kind"] for r in rows} == {"fwd", "dgrad", "wgrad_into"}
+    assert all(r[k] > 0 for r in rows for k in ("api", "body", "native", "empty"))
+    root = Path(__file__).resolve().parent.parent                  # this tree as its baseline
+    assert bench_host_cost.main(["--standin", "--calls", "3", "--reps", "1", "--rounds", "1",
+                                 "--baseline", str(root), "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "host_cost_standin_baseline.json").read_text())
+    assert len(doc["rows"]) == len(rows) and all(r["api_baseline"] > 0 and r["api_this"] > 0
+                                                 for r in doc["rows"])

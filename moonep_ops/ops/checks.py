@@ -140,6 +140,20 @@ def _stored(pairs: Named) -> list:
     return [(n, t, t.untyped_storage().data_ptr()) for n, t in pairs if _has_storage(t)]
 
 
+def shares_storage(written: Sequence[Tensor], read: Sequence[Tensor]) -> bool:
+    """Some written tensor views the same storage as another written or a read one: only then
+    can two of them share a byte, and ``check_no_overlap`` has byte ranges to compare.  For
+    real tensors of plain types on a device other than meta (every tensor has a storage
+    address to read; empty ones may share address 0, which the full check then clears)."""
+    w = {t.untyped_storage().data_ptr() for t in written}
+    if len(w) < len(written):
+        return True
+    for t in read:
+        if t.untyped_storage().data_ptr() in w:
+            return True
+    return False
+
+
 def check_no_overlap(op: str, written: Named, read: Named = ()) -> None:
     """Raise ValueError when two written tensors, or a written and a read tensor, share memory.
 

@@ -40,11 +40,17 @@ def _plain(t: Tensor) -> bool:
 OP, BODY, AUTOGRAD = 0, 1, 2
 
 
+def intercepted() -> bool:
+    """Some call goes through the dispatcher whatever its arguments: torch.compile tracing, a
+    dispatch or function mode, a profiler."""
+    return bool(_is_compiling() or _dispatch_modes() or _function_modes() or _profiler_enabled())
+
+
 def route(args) -> int:
     """How a call with these arguments runs: OP (the dispatcher), BODY (the op's body:
     ``eager`` and not ``needs_grad``) or AUTOGRAD (eager, and autograd records it), in one
     pass over the arguments."""
-    if _is_compiling() or _dispatch_modes() or _function_modes() or _profiler_enabled():
+    if intercepted():
         return OP
     grad = _grad_enabled()
     record = False
@@ -61,6 +67,19 @@ def route(args) -> int:
                 if isinstance(t, Tensor) and not _plain(t):
                     return OP
     return AUTOGRAD if record else BODY
+
+
+def route_plain(tensors) -> int:
+    """``route(tensors)`` after ``intercepted()`` said no, for tensors the caller knows to be of
+    a plain type (``type(t) in (Tensor, Parameter)``) on a device other than meta: only the
+    functionalization / functorch wrappers and requires_grad are left to read."""
+    record = False
+    for t in tensors:
+        if _is_functional(t) or _is_wrapped(t):
+            return OP
+        if t.requires_grad:
+            record = True
+    return AUTOGRAD if record and _grad_enabled() else BODY
 
 
 def eager(*args) -> bool:
@@ -102,4 +121,5 @@ def autograd(op, name: str, body, setup_context, backward) -> type:
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-__all__ = ["eager", "needs_grad", "route", "OP", "BODY", "AUTOGRAD", "call", "autograd"]
+__all__ = ["eager", "needs_grad", "intercepted", "route", "route_plain", "OP", "BODY",
+           "AUTOGRAD", "call", "autograd"]

@@ -55,15 +55,17 @@ import torch
 from torch import Tensor
 
 from ..gemm import cost_model as gemm_cost_model
-from ..runtime import should_validate
+from ..runtime import may_validate, should_validate
 from . import fastpath
-from .checks import check_no_overlap, mark_passed, passed, signature
+from .fastpath import AUTOGRAD, BODY, intercepted, route_plain
+from .checks import check_no_overlap, shares_storage
 from . import grouped_mm_kernels as _kernels
-from .grouped_mm_kernels import (_cutlass_wgrad_lp, _nonempty_G11, _ref_fwd, _wgrad_acc_impl,
-                                 backend_for, run_dgrad, run_fwd, run_mm, run_wgrad_into)
+from .grouped_mm_kernels import (ENTRIES, _PLAIN, _cutlass_wgrad_lp, _nonempty_G11, _ref_fwd,
+                                 _wgrad_acc_impl, _wgrad_into_impl, backend_for, grads_work,
+                                 plain_on, remember, rows_work, run_dgrad, run_fwd, run_grads,
+                                 run_rows, run_wgrad_into, switches)
 
-# The backends live in grouped_mm_kernels.py; the names other modules, benchmarks and tests use
-# stay reachable here (the same objects).
+# The backends live in grouped_mm_kernels.py; the names others use stay reachable here.
 candidate_mask, clear_plan_cache, tail_flags = (_kernels.candidate_mask,
                                                 _kernels.clear_plan_cache, _kernels.tail_flags)
 _launch, _call_constants, _pdl_flag, _bounds = (_kernels._launch, _kernels._call_constants,
@@ -209,23 +211,82 @@ def reference_grouped_mm(x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G):
 
 
 # --------------------------------------------------------------------------------------------
+# One entry per call signature
+# --------------------------------------------------------------------------------------------
+# A call's static checks, backend and launch plan depend only on its signature: the op, config,
+# zero_tail, each tensor's type, shape, dtype and device, the written grads' contiguity, and the
+# environment switches the call reads (_kernels.switches).  A signature's first call runs the
+# full static checks and makes its entry (_kernels.ENTRIES, cleared by clear_plan_cache): (plain:
+# plain_on, validate: may_validate, work: _kernels.rows_work / grads_work).  Later calls look it
+# up, run the value checks (cu_seqlens's values where validation can run, memory overlap),
+# allocate, read the pointers and the raw stream, and launch.
+
+def _rows_entry(kind, a, wl, ws, cu, config: int, zero_tail) -> tuple:
+    """The entry of a grouped_mm ("fwd") / _dgrad call with an int config."""
+    try:
+        key = (kind, config, zero_tail, switches(), type(a), a.shape, a.dtype, a.device, type(wl),
+               wl.shape, wl.dtype, wl.device, type(ws), ws.shape, ws.dtype, ws.device, type(cu),
+               cu.shape, cu.dtype, cu.device)
+    except AttributeError:
+        key = None                                     # not a tensor: the checks say which
+    e = ENTRIES.get(key)
+    if e is None:
+        _check_mm(kind, a, wl, ws, cu, config, values=False)
+        dev = a.device
+        e = remember(key, (plain_on(dev, a, wl, ws, cu), may_validate(dev),
+                           rows_work(kind, a, wl, zero_tail)))
+    return e
+
+
+def _grads_entry(name, kind, flags, input_dtype, dy, x, cu, gl, gs, config: int) -> tuple:
+    """The entry of a wgrad_into / _accumulate call (op ``name``) with an int config."""
+    try:
+        key = (name, config, switches(), type(dy), dy.shape, dy.dtype, dy.device, type(x),
+               x.shape, x.dtype, x.device, type(cu), cu.shape, cu.dtype, cu.device, type(gl),
+               gl.shape, gl.dtype, gl.device, type(gs), gs.shape, gs.dtype, gs.device,
+               gl.is_contiguous(), gs.is_contiguous())
+    except AttributeError:
+        key = None
+    e = ENTRIES.get(key)
+    if e is None:
+        _check_wgrad_grads(dy, x, cu, gl, gs, config, values=False, input_dtype=input_dtype)
+        dev = x.device
+        e = remember(key, (plain_on(dev, dy, x, cu, gl, gs), may_validate(dev),
+                           grads_work(kind, flags, dy, x, gl)))
+    return e
+
+
+def _run_grads(e: tuple, name, run, dy, x, cu, gl, gs, config: int) -> None:
+    """A wgrad_into / _accumulate call of entry ``e``: the value checks (the grads' memory
+    overlap compared byte by byte only where a grad shares its storage with another argument:
+    checks.shares_storage), then the work."""
+    if e[1]:
+        _check_cu_values(cu, e[2][1])
+    if not e[0] or shares_storage((gl, gs), (dy, x, cu)):
+        check_no_overlap(name, [("grad_local", gl), ("grad_slot", gs)],
+                         [("dy", dy), ("x", x), ("cu_seqlens", cu)])
+    run_grads(e[2], run, dy, x, cu, gl, gs, config)
+
+
+# --------------------------------------------------------------------------------------------
 # Custom ops
 # --------------------------------------------------------------------------------------------
 
 def _rows_op(name: str, a: str, kind: str, width: int):
     """moonep::<name>, grouped_mm (``a`` is x, ``kind`` "fwd") or grouped_mm_dgrad (dy,
-    "dgrad"): its body (its checks, then run_mm; the op's kernel and the eager path's) and the
-    op with its fake, whose output has the ``width``-th of (epn, O, I) columns.  An explicit
-    schema: `int` (not the inferred SymInt) so config is static in traces."""
+    "dgrad"): its body (checks, work; the op's kernel) and the op with its fake, whose output
+    has the ``width``-th of (epn, O, I) columns.  An explicit schema: `int` (not the inferred
+    SymInt) so config is static in traces."""
     def body(a: torch.Tensor, w_local: torch.Tensor, w_slot: torch.Tensor,
              cu_seqlens: torch.Tensor, config: int = -1, zero_tail: bool = True) -> torch.Tensor:
-        # (the static checks once per call signature: checks.signature)
-        key = signature((kind, config, type(config)), (a, w_local, w_slot, cu_seqlens))
-        if not passed(key):
+        if type(config) is not int:        # (a bool: True == 1 as a key) the checks say why
             _check_mm(kind, a, w_local, w_slot, cu_seqlens, config, values=False)
-            mark_passed(key)
-        _check_cu_values(cu_seqlens, a.shape[0])
-        return run_mm(kind, a, w_local, w_slot, cu_seqlens, config, zero_tail)
+            _check_cu_values(cu_seqlens, a.shape[0])
+            return run_mm(kind, a, w_local, w_slot, cu_seqlens, config, zero_tail)
+        e = _rows_entry(kind, a, w_local, w_slot, cu_seqlens, config, zero_tail)
+        if e[1]:
+            _check_cu_values(cu_seqlens, a.shape[0])
+        return run_rows(e[2], kind, a, w_local, w_slot, cu_seqlens, config, zero_tail)
 
     op = torch.library.custom_op(
         f"moonep::{name}", body, mutates_args=(),
@@ -262,23 +323,19 @@ def _check_wgrad_grads(dy, x, cu, grad_local, grad_slot, config, values=True,
     return O, I
 
 
-def _grads_op(name: str, run, input_dtype: bool):
+def _grads_op(name: str, run, input_dtype: bool, kind: str, flags: int):
     """moonep::<name>, grouped_mm_wgrad_accumulate (fp32 grads, ``input_dtype=False``) or
     grouped_mm_wgrad_into (grads in dy's dtype): its body (its checks, the grads' memory
-    overlap with each other and the inputs, then ``run``) and the op with its fake (fake
-    tensors have no storage: no overlap check)."""
+    overlap with each other and the inputs, then the CUTLASS ``kind`` launch with ``flags`` or
+    ``run``) and the op with its fake (fake tensors have no storage: no overlap check)."""
     def body(dy: torch.Tensor, x: torch.Tensor, cu_seqlens: torch.Tensor,
              grad_local: torch.Tensor, grad_slot: torch.Tensor, config: int = -1) -> None:
-        key = signature((name, config, type(config)), (dy, x, cu_seqlens, grad_local,
-                                                        grad_slot), (grad_local, grad_slot))
-        if not passed(key):
+        if type(config) is not int:        # (a bool: True == 1 as a key) the checks say why
             _check_wgrad_grads(dy, x, cu_seqlens, grad_local, grad_slot, config, values=False,
                                input_dtype=input_dtype)
-            mark_passed(key)
-        _check_cu_values(cu_seqlens, x.shape[0])
-        check_no_overlap(name, [("grad_local", grad_local), ("grad_slot", grad_slot)],
-                         [("dy", dy), ("x", x), ("cu_seqlens", cu_seqlens)])
-        run(dy, x, cu_seqlens, grad_local, grad_slot, config)
+        e = _grads_entry(name, kind, flags, input_dtype, dy, x, cu_seqlens, grad_local,
+                         grad_slot, config)
+        _run_grads(e, name, run, dy, x, cu_seqlens, grad_local, grad_slot, config)
 
     op = torch.library.custom_op(
         f"moonep::{name}", body, mutates_args=("grad_local", "grad_slot"),
@@ -293,9 +350,10 @@ def _grads_op(name: str, run, input_dtype: bool):
     return body, op
 
 
-_, _grouped_mm_wgrad_acc_op = _grads_op("grouped_mm_wgrad_accumulate", _wgrad_acc_impl, False)
-grouped_mm_wgrad_into_body, _grouped_mm_wgrad_into_op = _grads_op("grouped_mm_wgrad_into",
-                                                                  run_wgrad_into, True)
+_, _grouped_mm_wgrad_acc_op = _grads_op("grouped_mm_wgrad_accumulate", _wgrad_acc_impl, False,
+                                        "wgrad", 0)
+grouped_mm_wgrad_into_body, _grouped_mm_wgrad_into_op = _grads_op(
+    "grouped_mm_wgrad_into", _wgrad_into_impl, True, "wgrad_lp", _KEEP_EMPTY_SLOTS)
 
 
 def _check_out_dtype(out_dtype, dy):
@@ -402,6 +460,31 @@ def _check_zero_tail(zero_tail) -> bool:
     return zero_tail
 
 
+def _rows_call(kind: str, name: str, fn, a, wl, ws, cu, config, zero_tail, a_name: str):
+    """The public grouped_mm (``kind`` "fwd") / grouped_mm_dgrad: in eager mode the call's entry
+    (_rows_entry) and its work, inside ``fn`` (the autograd.Function, or None: the op) when
+    autograd records the call; otherwise, or for tensors of other types, the op ``name``."""
+    plain = type(a) in _PLAIN and type(wl) in _PLAIN and type(ws) in _PLAIN and type(cu) in _PLAIN
+    if not plain and not (isinstance(a, Tensor) and isinstance(wl, Tensor)
+                          and isinstance(ws, Tensor) and isinstance(cu, Tensor)):
+        _require_tensors(**{a_name: a, "w_local_BOI": wl, "w_slot_BOI": ws, "cu_seqlens_G": cu})
+    config = -1 if config is None else _config_arg(config, kind)
+    if zero_tail is not True and zero_tail is not False:
+        _check_zero_tail(zero_tail)
+    # (a config of another type: the op's schema reports it)
+    if plain and type(config) is int and not intercepted():
+        e = _rows_entry(kind, a, wl, ws, cu, config, zero_tail)
+        if e[0]:
+            how = route_plain((a, wl, ws, cu))
+            if how == BODY:
+                if e[1]:
+                    _check_cu_values(cu, a.shape[0])
+                return run_rows(e[2], kind, a, wl, ws, cu, config, zero_tail)
+            if fn is not None and how == AUTOGRAD:
+                return fn.apply(a, wl, ws, cu, config, zero_tail)
+    return getattr(torch.ops.moonep, name)(a, wl, ws, cu, config, zero_tail)
+
+
 def grouped_mm(x_MI: torch.Tensor, w_local_BOI: torch.Tensor, w_slot_BOI: torch.Tensor,
                cu_seqlens_G: torch.Tensor, *, config: int | str | None = None,
                zero_tail: bool = True) -> torch.Tensor:
@@ -413,31 +496,16 @@ def grouped_mm(x_MI: torch.Tensor, w_local_BOI: torch.Tensor, w_slot_BOI: torch.
     undefined, as torch._grouped_mm leaves them (saves writing them: (M - cu_seqlens_G[-1]) * O
     * 2 bytes, in series with the GEMM).
     """
-    if not (isinstance(x_MI, Tensor) and isinstance(w_local_BOI, Tensor)
-            and isinstance(w_slot_BOI, Tensor) and isinstance(cu_seqlens_G, Tensor)):
-        _require_tensors(x_MI=x_MI, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
-                         cu_seqlens_G=cu_seqlens_G)
-    args = (x_MI, w_local_BOI, w_slot_BOI, cu_seqlens_G, _config_arg(config, "fwd"),
-            _check_zero_tail(zero_tail))
-    if type(args[4]) is int:             # else the op's schema reports a bad config's type
-        return fastpath.call(torch.ops.moonep.grouped_mm, grouped_mm_body, _GroupedMMFn, *args)
-    return torch.ops.moonep.grouped_mm(*args)
+    return _rows_call("fwd", "grouped_mm", _GroupedMMFn, x_MI, w_local_BOI, w_slot_BOI,
+                      cu_seqlens_G, config, zero_tail, "x_MI")
 
 
 def grouped_mm_dgrad(dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G, *, config=None,
                      zero_tail: bool = True):
     """dx_MI[rows of g] = dy_MO[rows of g] @ W_g; rows at or past cu_seqlens_G[-1] zero
     (``zero_tail=False``: undefined, as in `grouped_mm`)."""
-    if not (isinstance(dy_MO, Tensor) and isinstance(w_local_BOI, Tensor)
-            and isinstance(w_slot_BOI, Tensor) and isinstance(cu_seqlens_G, Tensor)):
-        _require_tensors(dy_MO=dy_MO, w_local_BOI=w_local_BOI, w_slot_BOI=w_slot_BOI,
-                         cu_seqlens_G=cu_seqlens_G)
-    args = (dy_MO, w_local_BOI, w_slot_BOI, cu_seqlens_G, _config_arg(config, "dgrad"),
-            _check_zero_tail(zero_tail))
-    if type(args[4]) is int:
-        return fastpath.call(torch.ops.moonep.grouped_mm_dgrad, grouped_mm_dgrad_body, None,
-                             *args)
-    return torch.ops.moonep.grouped_mm_dgrad(*args)
+    return _rows_call("dgrad", "grouped_mm_dgrad", None, dy_MO, w_local_BOI, w_slot_BOI,
+                      cu_seqlens_G, config, zero_tail, "dy_MO")
 
 
 def grouped_mm_wgrad(dy_MO, x_MI, cu_seqlens_G, epn: int, *, config=None, out_dtype=None):
@@ -455,20 +523,23 @@ def grouped_mm_wgrad_into(dy_MO, x_MI, cu_seqlens_G, grad_local_BOI, grad_slot_B
     grad_local_BOI[g] = dW_g for every g < epn (zero when group g is empty);
     grad_slot_BOI[b] = dW_{epn+b} when that group has rows, else left untouched (the MoE pool's
     slots are zero outside a backward, so the unused ones are not rewritten every step)."""
-    if not (isinstance(dy_MO, Tensor) and isinstance(x_MI, Tensor)
-            and isinstance(cu_seqlens_G, Tensor) and isinstance(grad_local_BOI, Tensor)
-            and isinstance(grad_slot_BOI, Tensor)):
+    args = (dy_MO, x_MI, cu_seqlens_G, grad_local_BOI, grad_slot_BOI)
+    plain = (type(dy_MO) in _PLAIN and type(x_MI) in _PLAIN and type(cu_seqlens_G) in _PLAIN
+             and type(grad_local_BOI) in _PLAIN and type(grad_slot_BOI) in _PLAIN)
+    if not plain and not all(isinstance(t, Tensor) for t in args):
         _require_tensors(dy_MO=dy_MO, x_MI=x_MI, cu_seqlens_G=cu_seqlens_G,
                          grad_local_BOI=grad_local_BOI, grad_slot_BOI=grad_slot_BOI)
-    args = (dy_MO, x_MI, cu_seqlens_G, grad_local_BOI, grad_slot_BOI,
-            _config_arg(config, "wgrad_lp"))
-    if type(args[5]) is int and _increment_version is not None \
-            and fastpath.route(args) == fastpath.BODY:
-        grouped_mm_wgrad_into_body(*args)
-        # what the op's in-place registration does: autograd sees the grads as modified
-        _increment_version((grad_local_BOI, grad_slot_BOI))
-        return
-    torch.ops.moonep.grouped_mm_wgrad_into(*args)
+    config = -1 if config is None else _config_arg(config, "wgrad_lp")
+    if plain and type(config) is int and _increment_version is not None \
+            and not intercepted():
+        e = _grads_entry("grouped_mm_wgrad_into", "wgrad_lp", _KEEP_EMPTY_SLOTS, True, *args,
+                         config)
+        if e[0] and route_plain(args) == BODY:
+            _run_grads(e, "grouped_mm_wgrad_into", _wgrad_into_impl, *args, config)
+            # what the op's in-place registration does: autograd sees the grads as modified
+            _increment_version((grad_local_BOI, grad_slot_BOI))
+            return
+    torch.ops.moonep.grouped_mm_wgrad_into(*args, config)
 
 
 _increment_version = getattr(torch.autograd.graph, "increment_version", None)

@@ -8,9 +8,11 @@ launch.
   CUTLASS          libmoonep_gemm.so: one prep kernel and the family's fused GEMM per call; the
                    per-shape constants (tuning table, candidate mask, workspace bytes) looked up
                    once per call shape (_call_constants).
-  run_mm (run_fwd, run_dgrad), run_wgrad_into   an op's work after its checks: the ops call
-                   them, and so does moonep::moe_experts, which checks its arguments once for
-                   all its GEMMs.
+  run_mm, _wgrad_into_impl   an op's work after its checks, on any backend;
+  rows_work / run_rows, grads_work / run_grads   a checked call's work made once per call shape
+                   (the CUTLASS launch plan, or the above where none applies) and run;
+  run_fwd, run_dgrad, run_wgrad_into   the ops without their checks, for moonep::moe_experts,
+                   which checks every argument once for all its GEMMs.
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ import torch
 from .. import native
 from ..gemm import cost_model as gemm_cost_model
 from .. import settings
-from ..runtime import call_on, current_raw_stream, sm_count
+from ..runtime import current_device, current_raw_stream, on_device_of, sm_count
 
 _KIND_ID = {"fwd": 0, "dgrad": 1, "wgrad": 2, "wgrad_lp": 3}
+_KINDS = list(_KIND_ID)
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,10 +225,42 @@ def candidate_mask(kind: str, rows: int, groups: int, O: int | None = None,
 
 def clear_plan_cache() -> None:
     """Forget the per-shape plans and tuning tables (after changing gemm.tuning's constants in
-    place)."""
+    place) and the ops' per-signature entries."""
     _plan.cache_clear()
     _tables.clear()
     _CALLS.clear()
+    ENTRIES.clear()
+    WORK.clear()
+
+
+# Per call signature of the ops (grouped_mm.py): what its calls run once its checks passed.
+ENTRIES: dict[tuple, tuple] = {}
+ENTRIES_MAX = 4096
+
+
+def remember(key: Optional[tuple], entry: tuple, table: Optional[dict] = None) -> tuple:
+    """``entry`` kept for ``key`` (None: not kept) in ``table`` (ENTRIES, or WORK); returns it."""
+    table = ENTRIES if table is None else table
+    if key is not None:
+        if len(table) >= ENTRIES_MAX:
+            table.clear()
+        table[key] = entry
+    return entry
+
+
+def plain_on(dev: torch.device, *tensors) -> bool:
+    """Every tensor of a plain type, on ``dev`` other than meta: what fastpath.route_plain
+    takes for granted."""
+    return dev.type != "meta" and all(type(t) in _PLAIN for t in tensors)
+
+
+def switches() -> tuple:
+    """The environment switches a GEMM call reads (should_validate, backend_for,
+    _call_constants): part of each per-signature entry's key, so a changed switch is a new
+    entry."""
+    get = settings.get
+    return (get("MOONEP_VALIDATE"), get("MOONEP_GEMM_BACKEND"), get("MOONEP_GEMM_FAMILY"),
+            get("MOONEP_GEMM_CANDIDATES"), get("MOONEP_GEMM_PDL"))
 
 
 # Per call shape, what _launch passes besides the pointers: (kind id, tuning table, candidate
@@ -265,29 +300,49 @@ def _pdl_flag() -> int:
     return _PDL if settings.flag("MOONEP_GEMM_PDL") else 0
 
 
+def launch_plan(kind: str, dev: torch.device, M: int, G: int, O: int, I: int,
+                flags: int = 0) -> tuple:
+    """What a CUTLASS call of this shape on ``dev`` passes besides its pointers and config:
+    (library function, kind id, tuning table, candidate mask, workspace bytes, ``flags`` with
+    the PDL bit, SM count); the constants come from _call_constants (once per call shape)."""
+    sm = sm_count(dev)
+    kid, table, mask, nbytes, pdl = _call_constants(kind, M, G, O, I, sm)
+    return native.require_gemm().grouped_gemm, kid, table, mask, nbytes, flags | pdl, sm
+
+
+def launch(plan: tuple, dev: torch.device, config: int, a: int, b: int, b_slot: int, d: int,
+           d_slot: int, cu: int, G: int, epn: int, M: int, O: int, I: int, raster: int = 0,
+           workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run one CUTLASS grouped GEMM of ``plan`` (launch_plan) on the current stream of ``dev``,
+    the operands given as data pointers (0: none); returns the workspace it used.  Host work:
+    the workspace (a fresh allocation: a call in flight or captured in a CUDA graph keeps its
+    own), the raw stream and the C call (inside runtime.on_device_of when ``dev`` is not the
+    current device)."""
+    idx = dev.index
+    if idx is not None and idx != current_device():
+        with on_device_of(dev):                        # (the stream read is the device's)
+            return launch(plan, dev, config, a, b, b_slot, d, d_slot, cu, G, epn, M, O, I,
+                          raster, workspace)
+    fn, kid, table, mask, nbytes, flags, sm = plan
+    if workspace is None or workspace.numel() < nbytes:
+        workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    rc = fn(kid, config, raster, a, b, b_slot, d, d_slot, cu, G, epn, M, O, I, table, mask, flags,
+            workspace.data_ptr(), nbytes, sm, current_raw_stream(dev))
+    if rc:
+        native.gemm_check(rc, f"moonep grouped GEMM ({_KINDS[kid]})")
+    return workspace
+
+
 def _launch(kind: str, config: int, a, b, b_slot, d, d_slot, cu, epn, M, O, I,
             raster: int = 0, workspace: Optional[torch.Tensor] = None,
             flags: int = 0) -> torch.Tensor:
-    """Run one CUTLASS grouped GEMM on the current stream; returns the workspace it used.
-    Host work per call: one dict look-up for the shape's constants (_call_constants), the
-    workspace (a fresh allocation: a call in flight or captured in a CUDA graph keeps its
-    own), the raw stream, and the C call."""
-    lib = native.require_gemm()
+    """``launch`` of tensors (contiguous): the plan of the call's shape, then the launch."""
     dev = a.device
     G = 2 * epn
-    sm = sm_count(dev)
-    kid, table, mask, nbytes, pdl = _call_constants(kind, M, G, O, I, sm)
-    if workspace is None or workspace.numel() < nbytes:
-        workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    rc = call_on(dev, lib.grouped_gemm,
-                 kid, config, raster,
-                 a.data_ptr(), b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(),
-                 d.data_ptr(), 0 if d_slot is None else d_slot.data_ptr(),
-                 cu.data_ptr(), G, epn, M, O, I, table, mask, flags | pdl,
-                 workspace.data_ptr(), nbytes, sm, current_raw_stream(dev))
-    if rc:
-        native.gemm_check(rc, f"moonep grouped GEMM ({kind})")
-    return workspace
+    return launch(launch_plan(kind, dev, M, G, O, I, flags), dev, config, a.data_ptr(),
+                  b.data_ptr(), 0 if b_slot is None else b_slot.data_ptr(), d.data_ptr(),
+                  0 if d_slot is None else d_slot.data_ptr(), cu.data_ptr(), G, epn, M, O, I,
+                  raster, workspace)
 
 
 def _cutlass_mm(kind, a, w_local, w_slot, cu, config, zero_tail=True, shape=None):
@@ -353,13 +408,9 @@ def run_mm(kind: str, a, w_local, w_slot, cu, config: int = -1, zero_tail: bool 
     return (_ref_fwd if fwd else _ref_dgrad)(a, w_local, w_slot, cu)
 
 
-run_fwd = functools.partial(run_mm, "fwd")
-run_dgrad = functools.partial(run_mm, "dgrad")
-
-
-def run_wgrad_into(dy, x, cu, grad_local, grad_slot, config: int = -1) -> None:
+def _wgrad_into_impl(dy, x, cu, grad_local, grad_slot, config: int = -1) -> None:
     """moonep::grouped_mm_wgrad_into without its checks (the caller made them, memory overlap
-    of the written grads with the inputs included)."""
+    of the written grads with the inputs included), on any backend."""
     backend = backend_for(dy, dy.shape[1], x.shape[1])
     if backend == "cutlass":
         _cutlass_wgrad_into(dy, x, cu, grad_local, grad_slot, config)
@@ -382,3 +433,80 @@ def _wgrad_acc_impl(dy, x, cu, grad_local, grad_slot, config):
         _torch_wgrad_acc(dy, x, cu, grad_local, grad_slot)
     else:
         _ref_wgrad_acc(dy, x, cu, grad_local, grad_slot)
+
+
+# --------------------------------------------------------------------------------------------
+# A checked call's work, made once per call shape: what the ops' entries (grouped_mm.py) hold,
+# and what run_fwd / run_dgrad / run_wgrad_into keep per the properties it reads (WORK).
+# --------------------------------------------------------------------------------------------
+
+WORK: dict[tuple, tuple] = {}
+
+
+def rows_work(kind: str, a, w_local, zero_tail) -> tuple:
+    """What a checked grouped_mm ("fwd") / _dgrad call runs: (the CUTLASS launch plan or None
+    where run_mm runs (another backend, no rows), M, output columns, dtype, device, G, epn, O,
+    I)."""
+    (epn, O, I), dev, M = w_local.shape, a.device, a.shape[0]
+    plan = None
+    if M and backend_for(a, O, I) == "cutlass":
+        plan = launch_plan(kind, dev, M, 2 * epn, O, I, tail_flags(zero_tail))
+    return plan, M, O if kind == "fwd" else I, a.dtype, dev, 2 * epn, epn, O, I
+
+
+def run_rows(work: tuple, kind: str, a, w_local, w_slot, cu, config: int, zero_tail):
+    """A checked grouped_mm / _dgrad call's work (``rows_work``)."""
+    plan, M, cols, dtype, dev, G, epn, O, I = work
+    if plan is None:
+        return run_mm(kind, a, w_local, w_slot, cu, config, zero_tail)
+    out = torch.empty(M, cols, dtype=dtype, device=dev)
+    a, w_local, w_slot, cu = a.contiguous(), w_local.contiguous(), w_slot.contiguous(), \
+        cu.contiguous()
+    launch(plan, dev, config, a.data_ptr(), w_local.data_ptr(), w_slot.data_ptr(),
+           out.data_ptr(), 0, cu.data_ptr(), G, epn, M, O, I)
+    return out
+
+
+def grads_work(kind: str, flags: int, dy, x, grad_local) -> tuple:
+    """What a checked wgrad_into / _accumulate call (CUTLASS ``kind``, ``flags``) runs: (the
+    launch plan or None where the op's run function runs, M, O, I, epn, device)."""
+    (M, O), I, epn, dev = dy.shape, x.shape[1], grad_local.shape[0], dy.device
+    plan = None
+    if M and backend_for(dy, O, I) == "cutlass":
+        plan = launch_plan(kind, dev, M, 2 * epn, O, I, flags)
+    return plan, M, O, I, epn, dev
+
+
+def run_grads(work: tuple, run, dy, x, cu, grad_local, grad_slot, config: int) -> None:
+    """A checked wgrad_into / _accumulate call's work (``grads_work``; ``run``: the op's
+    function for every backend, where no launch plan applies)."""
+    plan, M, O, I, epn, dev = work
+    if plan is None:
+        run(dy, x, cu, grad_local, grad_slot, config)
+        return
+    dy, x, cu = dy.contiguous(), x.contiguous(), cu.contiguous()
+    launch(plan, dev, config, dy.data_ptr(), x.data_ptr(), 0, grad_local.data_ptr(),
+           grad_slot.data_ptr(), cu.data_ptr(), 2 * epn, epn, M, O, I)
+
+
+def run_fwd(a, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
+    """moonep::grouped_mm without its checks (the caller made them)."""
+    key = ("fwd", zero_tail, switches(), type(a), a.shape, a.dtype, a.device, w_local.shape)
+    work = WORK.get(key) or remember(key, rows_work("fwd", a, w_local, zero_tail), WORK)
+    return run_rows(work, "fwd", a, w_local, w_slot, cu, config, zero_tail)
+
+
+def run_dgrad(a, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
+    """moonep::grouped_mm_dgrad without its checks (the caller made them)."""
+    key = ("dgrad", zero_tail, switches(), type(a), a.shape, a.dtype, a.device, w_local.shape)
+    work = WORK.get(key) or remember(key, rows_work("dgrad", a, w_local, zero_tail), WORK)
+    return run_rows(work, "dgrad", a, w_local, w_slot, cu, config, zero_tail)
+
+
+def run_wgrad_into(dy, x, cu, grad_local, grad_slot, config: int = -1) -> None:
+    """moonep::grouped_mm_wgrad_into without its checks (the caller made them, memory overlap
+    of the written grads with the inputs included)."""
+    key = (switches(), type(dy), dy.shape, dy.dtype, dy.device, x.shape, grad_local.shape)
+    work = WORK.get(key) or remember(key, grads_work("wgrad_lp", _KEEP_EMPTY_SLOTS, dy, x,
+                                                      grad_local), WORK)
+    run_grads(work, _wgrad_into_impl, dy, x, cu, grad_local, grad_slot, config)
