@@ -8,7 +8,7 @@
 #   mkdir -p build/planner_base && git archive f374fbe^ moonep_ops benchmarks/bench_plan_device.py \
 #     | tar -x -C build/planner_base, then its libmoonep_ep.so (python -m moonep_ops.build --lib ep
 #     in a checkout of f374fbe^) into build/planner_base/moonep_ops/lib/).
-# Steps (STEPS=a,b to run some):
+# Steps (STEPS=a,b to run some; EXPERT_PRECISIONS, LAYER_MODES narrow the two benchmarks):
 #   planner   the device planner's CUDA tests, then bench_plan_device on the split planner and on
 #             build/planner_base, three alternating rounds (the latency A/B)
 #   symm      the symmetric backend's prefetch_weight / reduce_grad tests (more tensors than one
@@ -48,7 +48,8 @@ planner() {
 experts() {
   $PY -m pytest -q -rs -p no:cacheprovider tests/test_moe_ext_cuda.py tests/test_swiglu_cuda.py
   $PY -m pytest -q -rs -p no:cacheprovider tests/test_hf_gpt_oss.py -k cuda
-  $PY benchmarks/bench_expert_variants.py --precisions bf16,fp8 --rounds 3 --steps 4 --profile \
+  $PY benchmarks/bench_expert_variants.py --precisions "${EXPERT_PRECISIONS:-bf16,fp8}" \
+    --rounds 3 --steps 4 --profile \
     --out "$OUT/expert_variants.json"
 }
 export -f planner experts
@@ -57,8 +58,8 @@ step planner 200 bash -c planner
 step symm 120 $PY -m pytest -q -rs -p no:cacheprovider tests/test_symm_cuda.py \
   tests/test_async_cuda.py -k prefetch
 step experts 150 bash -c experts
-step layer 330 $PY benchmarks/bench_layer_r1.py --modes eager,compiled,captured,profile --rounds 3 \
-  --steps 4 --time-limit-s 300 --out "$OUT"
+step layer 330 $PY benchmarks/bench_layer_r1.py --modes "${LAYER_MODES:-eager,compiled,captured,profile}" \
+  --rounds 3 --steps 4 --time-limit-s 300 --out "$OUT"
 step host 90 $PY benchmarks/bench_host_cost.py --sections gemm --rounds 3 --calls 100 --out "$OUT"
 step fp8 70 $PY benchmarks/bench_fp8_step.py --experts 8 --micro 1,4 --iters 8 \
   --variants bf16,fp8,fp8_cache,fp8_base
