@@ -185,92 +185,70 @@ int glu_launch(bool bwd, const void* g, const void* u, const void* da, void* a, 
 
 // The route-weight pass of moonep::moe_experts_ext with the down bias folded in (one read of y,
 // one write of z):  z[m] = bf16((y[m] + b2[grp(m)]) * w[m])  (fp32 math; b2 may be null).
-// Both passes run one warp per row: the row's group (a search of cu) and weight are read once
-// per row, not per 16 bytes, and the lanes' 32-bit pack index needs no 64-bit division (a
-// grid-stride loop over packs did both per pack: 240 / 456 us fwd / bwd at gpt-oss-120b's
-// [36864, 2880] on an H100, against 2 / 3 passes of ~70 us of memory time).
-constexpr int kRowWarps = 8;  // rows (warps) per 256-thread block
-
-__global__ void __launch_bounds__(kRowWarps * 32)
-bias_scale_rows_kernel(const __nv_bfloat16* __restrict__ y, const __nv_bfloat16* __restrict__ b2,
-                       const int* __restrict__ cu, int G, int packs,
-                       const float* __restrict__ w, __nv_bfloat16* __restrict__ z, int64_t M) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
-  for (int64_t row = blockIdx.x * static_cast<int64_t>(kRowWarps) + threadIdx.x / 32; row < M;
-       row += warps) {
+__global__ void bias_scale_rows_kernel(const __nv_bfloat16* __restrict__ y,
+                                       const __nv_bfloat16* __restrict__ b2,
+                                       const int* __restrict__ cu, int G, int64_t D,
+                                       const float* __restrict__ w, __nv_bfloat16* __restrict__ z,
+                                       int64_t n8) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n8;
+       i += stride) {
+    const int64_t row = (i * 8) / D, col = (i * 8) % D;
     const int grp = group_of_row(cu, G, row);
-    const Pack8* bias = b2 != nullptr && grp < G
-        ? reinterpret_cast<const Pack8*>(b2) + static_cast<int64_t>(grp) * packs : nullptr;
+    const Pack8 py = reinterpret_cast<const Pack8*>(y)[i];
+    Pack8 pb, pz;
+    const bool has_b = b2 != nullptr && grp < G;
+    if (has_b) pb = *reinterpret_cast<const Pack8*>(b2 + grp * D + col);
     const float wr = w[row];
-    const Pack8* yr = reinterpret_cast<const Pack8*>(y) + row * packs;
-    Pack8* zr = reinterpret_cast<Pack8*>(z) + row * packs;
-#pragma unroll 4
-    for (int p = lane; p < packs; p += 32) {
-      const Pack8 py = yr[p];
-      Pack8 pb, pz;
-      if (bias != nullptr) pb = bias[p];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float v = __bfloat162float(py.v[j]);
-        if (bias != nullptr) v = v + __bfloat162float(pb.v[j]);
-        pz.v[j] = __float2bfloat16_rn(v * wr);
-      }
-      zr[p] = pz;
+    for (int j = 0; j < 8; ++j) {
+      float v = __bfloat162float(py.v[j]);
+      if (has_b) v = v + __bfloat162float(pb.v[j]);
+      pz.v[j] = __float2bfloat16_rn(v * wr);
     }
+    reinterpret_cast<Pack8*>(z)[i] = pz;
   }
 }
 
-// Its backward: dy[m] = bf16(dz[m] * w[m]) and d_rows[m] = sum_D dz[m] * (y[m] + b2[grp(m)]) in
-// fp32 (lanes strided over the row's packs, then a shuffle reduction: fp32 sums in another order
-// than torch's, not bitwise).
-__global__ void __launch_bounds__(kRowWarps * 32)
-bias_scale_rows_bwd_kernel(const __nv_bfloat16* __restrict__ dz,
-                           const __nv_bfloat16* __restrict__ y,
-                           const __nv_bfloat16* __restrict__ b2, const int* __restrict__ cu,
-                           int G, int packs, const float* __restrict__ w,
-                           __nv_bfloat16* __restrict__ dy, float* __restrict__ d_rows,
-                           int64_t M) {
+// Its backward, one warp per row: dy[m] = bf16(dz[m] * w[m]) and
+// d_rows[m] = sum_D dz[m] * (y[m] + b2[grp(m)]) in fp32 (lanes strided over the row's packs,
+// then a shuffle reduction: fp32 sums in another order than torch's, not bitwise).
+__global__ void bias_scale_rows_bwd_kernel(const __nv_bfloat16* __restrict__ dz,
+                                           const __nv_bfloat16* __restrict__ y,
+                                           const __nv_bfloat16* __restrict__ b2,
+                                           const int* __restrict__ cu, int G, int64_t D,
+                                           const float* __restrict__ w,
+                                           __nv_bfloat16* __restrict__ dy,
+                                           float* __restrict__ d_rows, int64_t M) {
   const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowWarps;
-  for (int64_t row = blockIdx.x * static_cast<int64_t>(kRowWarps) + threadIdx.x / 32; row < M;
-       row += warps) {
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t packs = D / 8;
+  for (int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+       row < M; row += warps) {
     const int grp = group_of_row(cu, G, row);
-    const Pack8* bias = b2 != nullptr && grp < G
-        ? reinterpret_cast<const Pack8*>(b2) + static_cast<int64_t>(grp) * packs : nullptr;
+    const bool has_b = b2 != nullptr && grp < G;
     const float wr = w[row];
-    const Pack8* dzr = reinterpret_cast<const Pack8*>(dz) + row * packs;
-    const Pack8* yr = reinterpret_cast<const Pack8*>(y) + row * packs;
-    Pack8* dyr = reinterpret_cast<Pack8*>(dy) + row * packs;
     float acc = 0.f;
-#pragma unroll 4
-    for (int p = lane; p < packs; p += 32) {
-      const Pack8 pdz = dzr[p];
-      const Pack8 py = yr[p];
+    for (int64_t p = lane; p < packs; p += 32) {
+      const int64_t i = row * packs + p;
+      const Pack8 pdz = reinterpret_cast<const Pack8*>(dz)[i];
+      const Pack8 py = reinterpret_cast<const Pack8*>(y)[i];
       Pack8 pb, pdy;
-      if (bias != nullptr) pb = bias[p];
+      if (has_b) pb = *reinterpret_cast<const Pack8*>(b2 + grp * D + p * 8);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float d = __bfloat162float(pdz.v[j]);
         float v = __bfloat162float(py.v[j]);
-        if (bias != nullptr) v = v + __bfloat162float(pb.v[j]);
+        if (has_b) v = v + __bfloat162float(pb.v[j]);
         acc += d * v;
         pdy.v[j] = __float2bfloat16_rn(d * wr);
       }
-      dyr[p] = pdy;
+      reinterpret_cast<Pack8*>(dy)[i] = pdy;
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
     if (lane == 0) d_rows[row] = acc;
   }
-}
-
-// One warp per row, at most 8 blocks of kRowWarps rows per SM resident: a grid-stride loop
-// beyond that.
-int row_blocks(int64_t M, int num_sms) {
-  const int64_t cap = static_cast<int64_t>(num_sms > 0 ? num_sms : 132) * 8;
-  const int64_t want = (M + kRowWarps - 1) / kRowWarps;
-  return static_cast<int>(want < 1 ? 1 : (want < cap ? want : cap));
 }
 
 // The bias grads: out[g, c] = sum of x[m, c] over group g's rows, fp32, in an order fixed by
@@ -370,14 +348,12 @@ MOONEP_EXPORT int moonep_ep_bias_scale_rows(const void* y, const void* b2, const
                                             int64_t D, const void* w, void* z, int64_t M,
                                             int num_sms, void* stream) {
   if (M <= 0) return 0;
-  if (D <= 0 || D % 8 || D / 8 > INT32_MAX || G < 1) {
-    return fail(cudaErrorInvalidValue, "moonep_ep_bias_scale_rows");
-  }
-  bias_scale_rows_kernel<<<row_blocks(M, num_sms), kRowWarps * 32, 0,
-                           static_cast<cudaStream_t>(stream)>>>(
+  if (D <= 0 || D % 8 || G < 1) return fail(cudaErrorInvalidValue, "moonep_ep_bias_scale_rows");
+  const int64_t n = M * D;
+  bias_scale_rows_kernel<<<blocks_for(n, num_sms), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const __nv_bfloat16*>(y), static_cast<const __nv_bfloat16*>(b2),
-      static_cast<const int*>(cu), G, static_cast<int>(D / 8), static_cast<const float*>(w),
-      static_cast<__nv_bfloat16*>(z), M);
+      static_cast<const int*>(cu), G, D, static_cast<const float*>(w),
+      static_cast<__nv_bfloat16*>(z), n / 8);
   return fail(cudaGetLastError(), "moonep_ep_bias_scale_rows");
 }
 
@@ -386,14 +362,16 @@ MOONEP_EXPORT int moonep_ep_bias_scale_rows_bwd(const void* dz, const void* y, c
                                                 void* dy, void* d_rows, int64_t M, int num_sms,
                                                 void* stream) {
   if (M <= 0) return 0;
-  if (D <= 0 || D % 8 || D / 8 > INT32_MAX || G < 1) {
+  if (D <= 0 || D % 8 || G < 1) {
     return fail(cudaErrorInvalidValue, "moonep_ep_bias_scale_rows_bwd");
   }
-  bias_scale_rows_bwd_kernel<<<row_blocks(M, num_sms), kRowWarps * 32, 0,
-                               static_cast<cudaStream_t>(stream)>>>(
+  const int64_t cap = static_cast<int64_t>(num_sms > 0 ? num_sms : 132) * 8;
+  const int64_t want = (M + 7) / 8;  // 8 warps (rows) per 256-thread block
+  const int blocks = static_cast<int>(want < cap ? want : cap);
+  bias_scale_rows_bwd_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const __nv_bfloat16*>(dz), static_cast<const __nv_bfloat16*>(y),
-      static_cast<const __nv_bfloat16*>(b2), static_cast<const int*>(cu), G,
-      static_cast<int>(D / 8), static_cast<const float*>(w), static_cast<__nv_bfloat16*>(dy),
+      static_cast<const __nv_bfloat16*>(b2), static_cast<const int*>(cu), G, D,
+      static_cast<const float*>(w), static_cast<__nv_bfloat16*>(dy),
       static_cast<float*>(d_rows), M);
   return fail(cudaGetLastError(), "moonep_ep_bias_scale_rows_bwd");
 }
