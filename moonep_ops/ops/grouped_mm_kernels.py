@@ -254,13 +254,10 @@ def plain_on(dev: torch.device, *tensors) -> bool:
     return dev.type != "meta" and all(type(t) in _PLAIN for t in tensors)
 
 
-def switches() -> tuple:
-    """The environment switches a GEMM call reads (should_validate, backend_for,
-    _call_constants): part of each per-signature entry's key, so a changed switch is a new
-    entry."""
-    get = settings.get
-    return (get("MOONEP_VALIDATE"), get("MOONEP_GEMM_BACKEND"), get("MOONEP_GEMM_FAMILY"),
-            get("MOONEP_GEMM_CANDIDATES"), get("MOONEP_GEMM_PDL"))
+# The environment switches a GEMM call reads (should_validate, backend_for, _call_constants):
+# part of each per-signature entry's key, so a changed switch is a new entry.
+switches = settings.snapshot(("MOONEP_VALIDATE", "MOONEP_GEMM_BACKEND", "MOONEP_GEMM_FAMILY",
+                              "MOONEP_GEMM_CANDIDATES", "MOONEP_GEMM_PDL"))
 
 
 # Per call shape, what _launch passes besides the pointers: (kind id, tuning table, candidate
