@@ -450,9 +450,11 @@ MOONEP_EXPORT int moonep_ep_bias_scale_rows_bwd(const void* dz, const void* y, c
                                                 void* stream);
 
 /**
- * The bias grads: out[g, c] = sum over group g's rows of x[m, c], fp32, each group summed in
- * ascending row order (deterministic).  x device bf16 [M, C] (C a multiple of 8); cu device
- * int32 [G]; out device fp32 [G, C], every element written.
+ * The bias grads: out[g, c] = sum over group g's rows of x[m, c], fp32, in an order fixed by
+ * the code (64 row lanes, each ascending, then added in lane order: run to run bitwise, not
+ * torch's order).  x device bf16 [M, C] (C a multiple of 8); cu device int32 [G], 1 <= G <=
+ * 65535; out device fp32 [G, C], every element written.  num_sms is not used (the grid is one
+ * block per group and 32 columns).
  */
 MOONEP_EXPORT int moonep_ep_group_sums(const void* x, const void* cu, int G, int64_t C, void* out,
                                        int num_sms, void* stream);
