@@ -130,22 +130,25 @@ TINY = {
 }
 
 
-@pytest.mark.parametrize("model_type", sorted(TINY))
-def test_tiny_plan_is_what_a_real_conversion_allocates(model_type):
+@pytest.mark.parametrize("model_type,fp8", [(m, fp8) for m in sorted(TINY)
+                                              for fp8 in ({}, dict(precision="fp8",
+                                                                   fp8_weight_cache=True))])
+def test_tiny_plan_is_what_a_real_conversion_allocates(model_type, fp8):
     """R = 1: the plan of the meta-built model equals what the materialised model holds after
     convert_model, a backward (grads) and an AdamW step (states in the parameters' dtype, the
-    plan's --state-dtype param)."""
+    plan's --state-dtype param); in bf16, and in fp8 with the FP8 weight caches (their own part,
+    not module buffers) and the fp8 pool."""
     cfg = transformers.AutoConfig.for_model(model_type, **TINY[model_type],
                                             attn_implementation="eager",
                                             experts_implementation="eager")
     S, tp = 24, 8
     prec = memory.Precision(state_dtype=None)
-    with memory.converted(cfg, ep=1, capacity=S, token_padding=tp) as meta:
+    with memory.converted(cfg, ep=1, capacity=S, token_padding=tp, **fp8) as meta:
         plan = memory.account(meta, precision=prec)
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    hf.convert_model(model, capacity=S, token_padding=tp)
+    hf.convert_model(model, capacity=S, token_padding=tp, **fp8)
     try:
         ids = torch.randint(0, cfg.vocab_size, (2, S // 2))
         model(input_ids=ids, labels=ids).loss.backward()
@@ -156,10 +159,14 @@ def test_tiny_plan_is_what_a_real_conversion_allocates(model_type):
         experts = set(hf.expert_parameter_names(model))
         named = dict(model.named_parameters())
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        caches = [b.moe.fp8_cache for b in hf.converted_blocks(model).values()]
+        assert all(c is not None for c in caches) == bool(fp8)
+        cached = {id(t) for c in caches if c is not None for t in c.buffers()}
         real = {
             "experts": nbytes(named[n] for n in experts),
             "dense": nbytes(p for n, p in named.items() if n not in experts),
-            "module buffers": nbytes(model.buffers()),
+            "module buffers": nbytes(b for b in model.buffers() if id(b) not in cached),
+            "fp8 weight cache": sum(c.nbytes() for c in caches if c is not None),
             "grads": nbytes(p.grad for p in params),
             "optimizer": nbytes(opt.state[p][k] for p in params
                                 for k in ("exp_avg", "exp_avg_sq")),
@@ -227,3 +234,41 @@ def test_table_row_and_report_read_the_plan():
     assert row.count("|") == memory.TABLE_HEAD.splitlines()[0].count("|")
     text = memory.report(p)
     assert "30.532 B parameters" in text and "activations (not counted)" in text
+
+
+def test_fp8_weight_cache_is_its_own_part_at_deepseek_v3_ep64():
+    """DeepSeek-V3 at EP 64 in precision "fp8", with and without the FP8 weight cache: the plans
+    differ by exactly layers x cache_nbytes(E/R, F, D) (~0.33 GiB a layer), all of it in the
+    "fp8 weight cache" part; the fp8 pool holds e4m3 slot weights with their scales and bf16 slot
+    grads; the Buffer's staging is the bf16 formula (fp8 dispatch does not resize it)."""
+    from moonep_ops.ops.fp8_weight_cache import cache_nbytes
+    from moonep_ops.ops.quantize_fp8 import scale_cols
+    c = memory.CONFIGS["deepseek-v3"].fields
+    L = c["num_hidden_layers"] - c["first_k_dense_replace"]
+    E, K, D, F = c["n_routed_experts"], c["num_experts_per_tok"], c["hidden_size"], \
+        c["moe_intermediate_size"]
+    R, S, tp = 64, 8192, 128
+    B = E // R
+    fp8, cached = (memory.plan("deepseek-v3", ep=R, fsdp=R, precision=memory.Precision(
+        experts="fp8", fp8_weight_cache=cache)) for cache in (False, True))
+    assert (fp8.experts, cached.experts) == ("fp8", "fp8 + weight cache")
+    per_layer = cache_nbytes(B, F, D)
+    assert 0.32 < per_layer / memory.GiB < 0.34
+    assert cached.total - fp8.total == L * per_layer
+    assert cached.parts["fp8 weight cache"]["bytes"] == L * per_layer
+    assert fp8.parts["fp8 weight cache"]["bytes"] == 0
+    assert {k: v for k, v in cached.parts.items() if k != "fp8 weight cache"} == \
+        {k: v for k, v in fp8.parts.items() if k != "fp8 weight cache"}
+    assert cached.pool == fp8.pool == B * (3 * D * F + 12 * scale_cols(D) * scale_cols(F)) \
+        + 2 * B * 3 * D * F
+    NvS = _nvs(S, K, tp, B)
+    assert cached.buffer_symm == fp8.buffer_symm == (S + NvS) * D * 2 + 16 * NvS + 8 * R \
+        + 4 * R * (E + 3) + 7 * 8 * R + 8 + 16
+    assert memory.table_row(cached).startswith("| deepseek-v3 (fp8 + weight cache) | 64 |")
+    assert "FP8 weight cache" in memory.report(cached)
+
+
+def test_fp8_weight_cache_needs_precision_fp8(capsys):
+    with pytest.raises(SystemExit) as e:
+        memory.main(["--model", "qwen3-30b-a3b", "--ep", "8", "--fp8-weight-cache"])
+    assert e.value.code == 2 and "options of precision 'fp8'" in capsys.readouterr().err

@@ -996,3 +996,46 @@ def test_precision_fp8_passes_through():
     out["fp8"].loss.backward()
     grads = [p.grad for p in models["fp8"].parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_fp8_weight_cache_and_wgrad_pass_through():
+    """convert_model(fp8_weight_cache=, fp8_wgrad=) reach every layer's MoEArgs; with the cache
+    each layer holds an FP8WeightCache of cache_nbytes(E/R, F, D) bytes, and a forward/backward
+    step gives the uncached step's logits, loss and every grad bitwise (the cache holds the same
+    block quantisation the op computes otherwise).  Set with precision "bf16", or not bools,
+    they raise before any block is converted."""
+    from moonep_ops.ops.fp8_weight_cache import FP8WeightCache, cache_nbytes
+    model = tiny("mixtral", intermediate_size=32).to(torch.bfloat16)
+    for bad, err, match in ((dict(fp8_weight_cache=True), ValueError, "options of precision"),
+                            (dict(fp8_wgrad=True), ValueError, "options of precision"),
+                            (dict(precision="fp8", fp8_wgrad=1), TypeError, "fp8_wgrad")):
+        with pytest.raises(err, match=match):
+            hf.convert_model(model, capacity=CAP, token_padding=TP, **bad)
+        assert not hf.converted_blocks(model)
+    runs = {}
+    for opts in (dict(), dict(fp8_weight_cache=True), dict(fp8_wgrad=True)):
+        model = tiny("mixtral", intermediate_size=32).to(torch.bfloat16)
+        hf.convert_model(model, capacity=CAP, token_padding=TP, precision="fp8", **opts)
+        layers = [b.moe for b in hf.converted_blocks(model).values()]
+        assert {(m.args.fp8_weight_cache, m.args.fp8_wgrad) for m in layers} == {
+            (opts.get("fp8_weight_cache", False), opts.get("fp8_wgrad", False))}
+        for m in layers:
+            if opts.get("fp8_weight_cache"):
+                assert isinstance(m.fp8_cache, FP8WeightCache)
+                assert m.fp8_cache.nbytes() == cache_nbytes(E, 32, D)
+            else:
+                assert m.fp8_cache is None
+        ids = batch(0)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        runs[tuple(opts)] = [out.logits, out.loss] + [p.grad for p in model.parameters()
+                                                      if p.requires_grad]
+        if opts.get("fp8_weight_cache"):
+            assert all(m.fp8_cache.refreshes == {"fwd": 1, "bwd": 1} for m in layers)
+    ref = runs[()]
+    assert all(torch.equal(a, b) for a, b in zip(runs[("fp8_weight_cache",)], ref))
+    # fp8_wgrad: the same forward; the backward's expert weight grads from FP8 operands
+    wg = runs[("fp8_wgrad",)]
+    assert torch.equal(wg[0], ref[0]) and torch.equal(wg[1], ref[1])
+    assert any(not torch.equal(a, b) for a, b in zip(wg[2:], ref[2:]))
+    assert all(torch.isfinite(g).all() for g in wg[2:])

@@ -616,15 +616,20 @@ def test_training_losses_match_torchtitan_all_to_all(case):
 
 
 def test_override_carries_the_precision(monkeypatch):
-    """precision="fp8" (and fp8_pow2_scales) reach the routed experts and their pool; the
-    layer runs in FP8 on a one-rank Buffer and stays close to the bf16 one."""
+    """precision="fp8" (and fp8_pow2_scales, fp8_wgrad) reach the routed experts and their
+    pool; the layer runs in FP8 on a one-rank Buffer (its backward with FP8 weight grads) and
+    stays close to the bf16 one.  fp8_wgrad with "bf16", and fp8_weight_cache, are refused."""
+    from moonep_ops.ops import moe_experts_fp8 as m8
+    wgrads, real = [], m8._backward_fp8_wgrad
+    monkeypatch.setattr(m8, "_backward_fp8_wgrad", lambda *a, **k: wgrads.append(1) or real(*a, **k))
     outs = {}
     for prec in ("bf16", "fp8"):
+        fp8 = prec == "fp8"
         cfg = _config("qwen3", 2, moonep=True, capacity=64, token_padding=4, precision=prec,
-                      fp8_pow2_scales=prec == "fp8")
+                      fp8_pow2_scales=fp8, fp8_wgrad=fp8)
         rb = next(layer.moe.routed_experts for layer in cfg.layers
                   if getattr(layer, "moe", None) is not None)
-        assert (rb.precision, rb.fp8_pow2_scales) == (prec, prec == "fp8")
+        assert (rb.precision, rb.fp8_pow2_scales, rb.fp8_wgrad) == (prec, fp8, fp8)
 
         def one_rank(group, S, D, K, E, **kw):
             return Buffer(S, D, K, E, token_padding=kw["token_padding"], backend="single",
@@ -640,6 +645,11 @@ def test_override_carries_the_precision(monkeypatch):
         assert pool.precision == prec
         x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
         outs[prec] = layer(x)
+        outs[prec].float().square().sum().backward()
+        ie = layer.routed_experts.inner_experts
+        assert len(wgrads) == fp8                  # the FP8-wgrad backward ran (fp8 only)
+        assert all(w.grad is not None and torch.isfinite(w.grad).all() and w.grad.any()
+                   for w in (ie.w1_EFD, ie.w3_EFD, ie.w2_EDF))
         buf.destroy()
     rel = float((outs["fp8"].float() - outs["bf16"].float()).norm() / outs["bf16"].float().norm())
     assert 0 < rel < 1.2e-1, rel
@@ -647,3 +657,8 @@ def test_override_carries_the_precision(monkeypatch):
         mtt.moonep(RoutedExperts.Config(inner_experts=rb.inner_experts,
                                         token_dispatcher=rb.token_dispatcher),
                    precision="fp4").build()
+    base = dict(inner_experts=rb.inner_experts, token_dispatcher=rb.token_dispatcher)
+    with pytest.raises(ValueError, match="options of precision 'fp8'"):
+        mtt.moonep(RoutedExperts.Config(**base), fp8_wgrad=True).build()
+    with pytest.raises(ValueError, match="fp8_weight_cache=True"):
+        mtt.moonep(RoutedExperts.Config(**base), precision="fp8", fp8_weight_cache=True)

@@ -34,6 +34,14 @@ Override kwargs (all optional):
                  recipe, docs/fp8.md: tokens dispatched in e4m3 with their scales, FP8 expert
                  GEMMs and dgrads, bf16 weight grads; D and F multiples of 16).
   fp8_pow2_scales  power-of-two FP8 scales (default False).
+  fp8_wgrad      precision "fp8" only (else ValueError): the three expert weight grads in FP8 too
+                 (DeepSeek-V3's Wgrad; default False, docs/fp8.md: it does not pay yet; not with
+                 gpt-oss's biases and clamped SwiGLU).
+  fp8_weight_cache  refused (ValueError) when True: the FP8 weight cache keys its e4m3 copy on the
+                 weight tensors the expert op receives (their identity, version and storage), and
+                 here those are new tensors every forward (``DTensor.to_local``, FSDP's all-gather,
+                 the cast to bf16), so it would re-quantise on every call and hold 6·(E/R)·D·F
+                 bytes a layer for nothing.  ``hf.convert_model`` and ``MoEArgs`` have it.
 
 Where it sits in torchtitan's flow (``Trainer.__init__``)::
 
@@ -194,6 +202,7 @@ class MoonEPRoutedExperts(RoutedExperts):
         link_gbps: Optional[float] = None
         precision: str = "bf16"
         fp8_pow2_scales: bool = False
+        fp8_wgrad: bool = False
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -215,9 +224,11 @@ class MoonEPRoutedExperts(RoutedExperts):
         self.backend = config.backend
         self.slack = config.slack
         self.link_gbps = config.link_gbps
-        check_precision(config.precision, config.fp8_pow2_scales, COMPUTE_DTYPE, 16, 16)
+        check_precision(config.precision, config.fp8_pow2_scales, COMPUTE_DTYPE, 16, 16,
+                        wgrad=config.fp8_wgrad)
         self.precision = config.precision
         self.fp8_pow2_scales = config.fp8_pow2_scales
+        self.fp8_wgrad = config.fp8_wgrad
         self.ep_group: Optional[dist.ProcessGroup] = None
         self._ep_local_rank: Optional[int] = None
         self.moonep_buffer: Optional[Buffer] = None
@@ -270,9 +281,11 @@ class MoonEPRoutedExperts(RoutedExperts):
                                  f"{(buffer.D, buffer.K, buffer.E, buffer.dtype)}, the layer needs "
                                  f"{(D, K, E, COMPUTE_DTYPE)}")
             check_backend_dims(buffer.device.type, COMPUTE_DTYPE, D, F)
-            check_precision(self.precision, self.fp8_pow2_scales, COMPUTE_DTYPE, D, F)
+            check_precision(self.precision, self.fp8_pow2_scales, COMPUTE_DTYPE, D, F,
+                            wgrad=self.fp8_wgrad)
             if gpt_oss:
-                check_variant(True, "swiglu_clamped", GPT_OSS_ALPHA, ie.swiglu_limit)
+                check_variant(True, "swiglu_clamped", GPT_OSS_ALPHA, ie.swiglu_limit,
+                              self.fp8_wgrad)
             if local.shape[0] != buffer.epn:
                 raise ValueError(f"this rank holds {local.shape[0]} experts but MoonEP's group of "
                                  f"R={buffer.R} expects E/R={buffer.epn}: the experts must be "
@@ -362,7 +375,7 @@ class MoonEPRoutedExperts(RoutedExperts):
                 z_MD, _, _, _ = torch.ops.moonep.moe_experts_fp8(
                     h_MD, hs_MC, w_M, cu_G, plan.experts_to_copy, w1, w3, w2, self.pool_name,
                     x_sD, w_sK, plan.dst, plan.total_num_tokens, self.fp8_pow2_scales, "",
-                    False, *more)
+                    self.fp8_wgrad, *more)
         elif isinstance(self.inner_experts, GptOssGroupedExperts):
             h_MD, w_M, cu_G, plan = buf.dispatch(x_sD, ids_sK, w_sK)
             with maybe_set_sparse_mesh():
@@ -392,15 +405,21 @@ class MoonEPRoutedExperts(RoutedExperts):
 def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None,
            token_padding: Optional[int] = None, policy: str = "moonep",
            backend: str = "auto", slack: float = 0.0, link_gbps: Optional[float] = None,
-           precision: str = "bf16",
-           fp8_pow2_scales: bool = False) -> MoonEPRoutedExperts.Config:
+           precision: str = "bf16", fp8_pow2_scales: bool = False, fp8_wgrad: bool = False,
+           fp8_weight_cache: bool = False) -> MoonEPRoutedExperts.Config:
     """The override factory: ``RoutedExperts.Config`` -> ``MoonEPRoutedExperts.Config``, every
     field of the matched config kept (``derive``).  Exact match: a model's own subclass of
     ``RoutedExperts`` is left alone (its behaviour would be lost).  The token dispatcher becomes torchtitan's
     standard one (used only at EP = 1; DeepEP/HybridEP buffers are not allocated), and its
     ``num_max_tokens_per_rank``, when it has one, is the default capacity.  Routed experts
     whose inner experts are not exactly ``GroupedExperts`` or gpt-oss's ``GptOssGroupedExperts``
-    (``INNER_EXPERTS``) raise ``ValueError``."""
+    (``INNER_EXPERTS``) raise ``ValueError``, and so does ``fp8_weight_cache=True`` (the module
+    docstring says why)."""
+    if fp8_weight_cache is not False:
+        raise ValueError(f"moonep override: fp8_weight_cache={fp8_weight_cache!r}: the FP8 weight "
+                         "cache would re-quantise on every forward here (the experts reach the "
+                         "op as new tensors each call: to_local, FSDP all-gather, bf16 cast) and "
+                         "cost 6*(E/R)*D*F bytes a layer; use fp8_weight_cache=False")
     inner = type(cfg.inner_experts)
     if inner not in INNER_EXPERTS:
         # MoonEP runs those two's math on their parameters; another subclass would be computed
@@ -410,19 +429,22 @@ def moonep(cfg: RoutedExperts.Config, *, capacity: Optional[int] = None,
             "GroupedExperts.Config (SwiGLU over w1_EFD, w3_EFD, w2_EDF) or GptOssGroupedExperts"
             ".Config (gpt-oss); MoonEP does not run them: leave this model without the override")
     if inner is GptOssGroupedExperts.Config:
-        check_variant(True, "swiglu_clamped", GPT_OSS_ALPHA, cfg.inner_experts.swiglu_limit)
+        check_variant(True, "swiglu_clamped", GPT_OSS_ALPHA, cfg.inner_experts.swiglu_limit,
+                      fp8_wgrad and precision == "fp8")    # bf16: check_precision's message
     disp = cfg.token_dispatcher
     if capacity is None:
         capacity = getattr(disp, "num_max_tokens_per_rank", None)
     standard = AllToAllTokenDispatcher.Config(num_experts=disp.num_experts, top_k=disp.top_k)
     return derive(cfg, MoonEPRoutedExperts.Config, token_dispatcher=standard, capacity=capacity,
                   token_padding=token_padding, policy=policy, backend=backend, slack=slack,
-                  link_gbps=link_gbps, precision=precision, fp8_pow2_scales=fp8_pow2_scales)
+                  link_gbps=link_gbps, precision=precision, fp8_pow2_scales=fp8_pow2_scales,
+                  fp8_wgrad=fp8_wgrad)
 
 
 def moonep_override(**kwargs: Any):
     """The ``override.imports`` entry for ``Trainer.Config.override.imports`` (kwargs: capacity,
-    token_padding, policy, backend, slack, link_gbps, precision, fp8_pow2_scales)."""
+    token_padding, policy, backend, slack, link_gbps, precision, fp8_pow2_scales, fp8_wgrad,
+    fp8_weight_cache: the module docstring)."""
     return (OVERRIDE, dict(kwargs)) if kwargs else OVERRIDE
 
 

@@ -48,14 +48,19 @@ from ..planner import POLICIES
 from .router import Router
 
 
-def check_precision(precision: str, pow2_scales: bool, dtype: torch.dtype, D: int,
-                    F: int) -> None:
-    """The expert precision of a layer: "bf16" (any dtype: the name of the default path) or
-    "fp8" (bf16 tokens and weights, D and F multiples of 16: the FP8 kernels' 16-byte rows)."""
+def check_precision(precision: str, pow2_scales: bool, dtype: torch.dtype, D: int, F: int,
+                    weight_cache: bool = False, wgrad: bool = False) -> None:
+    """A layer's expert precision, "bf16" (any dtype) or "fp8" (bf16, D and F multiples of 16:
+    the FP8 kernels' 16-byte rows), and its FP8 options (bools; the last two need "fp8")."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if not isinstance(pow2_scales, bool):
-        raise TypeError(f"fp8_pow2_scales must be a bool, got {type(pow2_scales).__name__}")
+    for name, v in (("fp8_pow2_scales", pow2_scales), ("fp8_weight_cache", weight_cache),
+                    ("fp8_wgrad", wgrad)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    if precision != "fp8" and (weight_cache or wgrad):   # ignored, they would run another recipe
+        raise ValueError(f"fp8_weight_cache={weight_cache} and fp8_wgrad={wgrad} are options of "
+                         f"precision 'fp8', got precision={precision!r}")
     if precision != "fp8":
         return
     if dtype != torch.bfloat16:
@@ -162,22 +167,20 @@ class MoEArgs:
       them).  activation: "swiglu" (silu(gate) * up) or "swiglu_clamped", gpt-oss's:
       gate = min(gate, swiglu_limit), up = clamp(up, -swiglu_limit, swiglu_limit),
       (up + 1) * gate * sigmoid(swiglu_alpha * gate); swiglu_alpha and swiglu_limit are finite
-      and > 0 (gpt-oss: 1.702 and 7.0).  Either option runs in both precisions (not with
-      fp8_wgrad).
+      and > 0 (gpt-oss: 1.702 and 7.0); either runs in both precisions, not with fp8_wgrad.
     Expert precision (docs/fp8.md):
       precision: "bf16" (default) or "fp8", the DeepSeek-V3 recipe: tokens dispatched in e4m3
       with 1 x 128-tile scales, expert weights quantised per 128 x 128 block, the three expert
       GEMMs and their dgrads in FP8 with fp32 accumulation and bf16 outputs, weight grads in
       bf16, combine in bf16 with fp32 accumulation.  Needs a bf16 layer with D and F multiples
       of 16.  fp8_pow2_scales: round every scale up to a power of two.
-      fp8_weight_cache (fp8 only): keep the home experts' e4m3 weights of both layouts in an
-      FP8WeightCache (``layer.fp8_cache``; the size of the bf16 experts), re-quantised only when
-      the parameters change (their version counters): micro-batches between optimizer steps
-      quantise no weight (ops/fp8_weight_cache.py; under CUDA-graph capture
-      ``attach_fp8_weight_caches(model, optimizer)`` or ``layer.refresh_fp8_weights()``).
-      fp8_wgrad (fp8 only): the three weight grads in FP8 too, both operands per 1 x 128 tile
-      along each expert's tokens (DeepSeek-V3's Wgrad), bf16 out.  Their defaults: what pays,
-      measured (docs/fp8.md).
+      fp8_weight_cache: keep the home experts' e4m3 weights of both layouts in an FP8WeightCache
+      (``layer.fp8_cache``; the bf16 experts' size), re-quantised only when the parameters
+      change (version counters): micro-batches between optimizer steps quantise no weight
+      (ops/fp8_weight_cache.py; CUDA-graph capture: ``attach_fp8_weight_caches(model,
+      optimizer)`` or ``layer.refresh_fp8_weights()``).  fp8_wgrad: the three weight grads in
+      FP8 too, both operands per 1 x 128 tile along each expert's tokens (DeepSeek-V3's Wgrad),
+      bf16 out.  Both need precision "fp8" (else ValueError); defaults: what pays (docs/fp8.md).
     """
 
     num_experts: int = 8
@@ -265,9 +268,10 @@ class MoonEPMoE(nn.Module):
             raise ValueError(f"slack is a setting of policy 'cost', the layer's policy is "
                              f"{args.policy!r}")
         dtype = dtype if dtype is not None else torch.get_default_dtype()
-        check_precision(args.precision, args.fp8_pow2_scales, dtype, dim, hidden_dim)
+        check_precision(args.precision, args.fp8_pow2_scales, dtype, dim, hidden_dim,
+                        args.fp8_weight_cache, args.fp8_wgrad)
         check_variant(args.expert_bias, args.activation, args.swiglu_alpha, args.swiglu_limit,
-                      args.precision == "fp8" and args.fp8_wgrad)
+                      args.fp8_wgrad)
         self.args = args
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, E, K
         self.dtype = dtype
@@ -290,10 +294,6 @@ class MoonEPMoE(nn.Module):
                 self.shared_gate = nn.Linear(dim, 1, bias=False, dtype=dtype, device=device)
         elif args.shared_gate:
             raise ValueError("shared_gate needs num_shared_experts >= 1")
-        for name in ("fp8_weight_cache", "fp8_wgrad"):
-            if not isinstance(getattr(args, name), bool):
-                raise TypeError(f"MoEArgs.{name} must be a bool, got "
-                                f"{type(getattr(args, name)).__name__}")
         # EP state, set by bind (plain attributes, not submodules: traced through, not lifted)
         self.buffer: Optional[Buffer] = None
         self.fp8_cache: Optional[FP8WeightCache] = None   # bind: precision "fp8" with the cache
@@ -422,7 +422,8 @@ class MoonEPMoE(nn.Module):
             if mine != theirs:
                 raise ValueError(f"the Buffer has (D, K, E, dtype) = {theirs}, the layer {mine}")
             check_backend_dims(buffer.device.type, self.dtype, self.dim, self.hidden_dim)
-            check_precision(a.precision, a.fp8_pow2_scales, self.dtype, self.dim, self.hidden_dim)
+            check_precision(a.precision, a.fp8_pow2_scales, self.dtype, self.dim, self.hidden_dim,
+                            a.fp8_weight_cache, a.fp8_wgrad)
         except (TypeError, ValueError) as e:
             buffer.reject_expert_pool(e)     # collective: the peers are in expert_pool below
             raise
@@ -500,14 +501,13 @@ class MoonEPMoE(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared_out = self._shared(x_sD)
+        a = self.args                 # fp8_wgrad only with "fp8" (check_precision)
         out = routed_experts(buf, self.pool_name, x_sD, ids_sK, w_sK, self.w1, self.w3, self.w2,
-                             precision=self.args.precision,
-                             pow2_scales=self.args.fp8_pow2_scales,
-                             total_num_tokens=total_num_tokens,
+                             precision=a.precision, pow2_scales=a.fp8_pow2_scales,
+                             total_num_tokens=total_num_tokens, fp8_wgrad=a.fp8_wgrad,
                              weight_cache=self.fp8_cache.name if self.fp8_cache is not None else "",
-                             fp8_wgrad=self.args.precision == "fp8" and self.args.fp8_wgrad,
-                             biases=self.biases(), activation=self.args.activation,
-                             alpha=self.args.swiglu_alpha, limit=self.args.swiglu_limit)
+                             biases=self.biases(), activation=a.activation,
+                             alpha=a.swiglu_alpha, limit=a.swiglu_limit)
         if self.shared is not None:
             if side is not None:
                 main.wait_stream(side)

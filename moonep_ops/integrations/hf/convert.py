@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from transformers.utils import output_capturing as _capture
 
 from ...geometry import slack_to_ppm
-from ...nn.moe import MoEArgs, MoonEPMoE, bind_moe
+from ...nn.moe import MoEArgs, MoonEPMoE, bind_moe, check_precision
 from ...ops.swiglu import check_activation
 from ...planner import POLICIES
 from .families import FAMILIES, Family, family_of, router_args
@@ -339,14 +339,14 @@ class MoonEPBlock(nn.Module):
 
 
 def _build(c: _Conversion, capacity: int, token_padding: int, policy: str, slack: float,
-           link_gbps: Optional[float], precision: str, fp8_pow2_scales: bool) -> MoonEPBlock:
-    """An unbound MoonEPBlock on the meta device (no memory until bind)."""
+           link_gbps: Optional[float], fp8: dict) -> MoonEPBlock:
+    """An unbound MoonEPBlock on the meta device (no memory until bind); ``fp8``: precision and
+    the FP8 options, MoEArgs' names."""
     fam = c.family
     args = MoEArgs(**router_args(c.config), num_shared_experts=1 if fam.shared else 0,
                    shared_hidden_dim=c.Fs, shared_gate=fam.shared_gate is not None,
                    capacity=capacity, token_padding=token_padding, policy=policy, slack=slack,
-                   link_gbps=link_gbps, precision=precision, fp8_pow2_scales=fp8_pow2_scales,
-                   **fam.expert_args(c.config, c.block.experts))
+                   link_gbps=link_gbps, **fp8, **fam.expert_args(c.config, c.block.experts))
     moe = MoonEPMoE(args, c.D, c.F, dtype=c.dtype, device="meta")
     layout = tuple((k, tuple(t.shape), t.dtype) for k, t in c.block.state_dict().items())
     return MoonEPBlock(moe, fam, layout)
@@ -373,7 +373,8 @@ def _load_block(layer: MoonEPBlock, block: nn.Module) -> None:
 def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None, capacity: int,
                   token_padding: int = 128, policy: str = "moonep", slack: float = 0.0,
                   link_gbps: Optional[float] = None, precision: str = "bf16",
-                  fp8_pow2_scales: bool = False, device=None) -> nn.Module:
+                  fp8_pow2_scales: bool = False, fp8_weight_cache: bool = False,
+                  fp8_wgrad: bool = False, device=None) -> nn.Module:
     """Replace every supported sparse-MoE block of ``model`` by a ``MoonEPBlock``, in place.
 
     Collective over ``group`` (None: the default group when torch.distributed is initialised,
@@ -401,6 +402,18 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
       precision: the routed experts' precision, "bf16" (default) or "fp8" (the DeepSeek-V3 FP8
         recipe, docs/fp8.md: a bf16 model whose hidden and expert FFN sizes are multiples of
         16); fp8_pow2_scales: power-of-two FP8 scales.
+      fp8_weight_cache (precision "fp8" only, like fp8_wgrad; ValueError otherwise): each layer
+        keeps its home experts' e4m3 weights in both layouts (``block.moe.fp8_cache``, an
+        FP8WeightCache of ``cache_nbytes(E/R, F, D)`` bytes: the bf16 experts' size again,
+        6 (E/R) D F), re-quantised only when a parameter changes (its version counter), so the
+        micro-batches of an accumulated step quantise no weight.  Eager and compiled steps need
+        nothing more; a CUDA-graph replay reads the cache only when it is refreshed after each
+        update: ``moonep_ops.nn.moe.attach_fp8_weight_caches(model, optimizer)`` (a step
+        post-hook per layer), else the graph re-quantises on every replay (docs/fp8.md).
+      fp8_wgrad: the three expert weight grads in FP8 too (DeepSeek-V3's Wgrad; not with
+        gpt-oss's biases and clamped SwiGLU).  Both off by default: what pays, docs/fp8.md.
+        Every rank of the group passes the same precision and FP8 options (bind compares
+        precision and fp8_pow2_scales over the group).
       device: where a meta-built model's kept parts are allocated (None: the Buffer's default,
         the current GPU for an NCCL group, else the CPU).  A materialised model's blocks stay
         on their device; a different ``device`` is refused.
@@ -418,6 +431,12 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
         raise ValueError(f"slack is a setting of policy 'cost', got policy {policy!r}")
     if link_gbps is not None and policy != "cost":
         raise ValueError(f"link_gbps is a setting of policy 'cost', got policy {policy!r}")
+    # the layers' own check (again when each is built, with its dtype and sizes): bad options
+    # raise here, before any block is validated or built
+    check_precision(precision, fp8_pow2_scales, torch.bfloat16, 16, 16, fp8_weight_cache,
+                    fp8_wgrad)
+    fp8 = dict(precision=precision, fp8_pow2_scales=fp8_pow2_scales,
+               fp8_weight_cache=fp8_weight_cache, fp8_wgrad=fp8_wgrad)
     if family_of(model) is not None or isinstance(model, MoonEPBlock):
         raise ValueError(f"convert_model takes the model that contains the sparse-MoE blocks, "
                          f"not a block ({type(model).__name__})")
@@ -450,8 +469,7 @@ def convert_model(model: nn.Module, *, group: Optional[dist.ProcessGroup] = None
                              f"on {here}; move the model, or build it on the meta device")
         device = here
 
-    layers = [_build(c, capacity, token_padding, policy, slack, link_gbps, precision,
-                     fp8_pow2_scales) for c in todo]
+    layers = [_build(c, capacity, token_padding, policy, slack, link_gbps, fp8) for c in todo]
     try:
         bind_moe(nn.ModuleList(layers), group=group, device=device)   # collective
         for layer, c in zip(layers, todo):

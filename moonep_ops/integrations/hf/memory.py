@@ -5,13 +5,14 @@
     python -m moonep_ops.integrations.hf.memory --table        # the table of docs/integrations.md
     python -m moonep_ops.integrations.hf.memory --list         # the embedded configs
 
-How.  The family's real config (``CONFIGS``: the published config.json's fields) is built on the
-meta device, so a 1T-parameter model costs no memory and a fraction of a second.  A process group
-of torch's ``fake`` backend (every collective a no-op) makes this one process rank r of an R-rank
-job, and ``convert_model(..., device="meta")`` converts the model as rank r would: its E/R home
-experts per sparse block, the Buffer and its ExpertPool, all on the meta device.  What rank r
-holds is then read off the converted model: the parameters' and module buffers' shapes and
-dtypes, the ExpertPool's tensors (``ExpertPool.nbytes``), the Buffer's backend tensors.
+How.  The family's real config (``CONFIGS``, model_configs.py: the published config.json's
+fields) is built on the meta device, so a 1T-parameter model costs no memory and a fraction of a
+second.  A process group of torch's ``fake`` backend (every collective a no-op) makes this one
+process rank r of an R-rank job, and ``convert_model(..., device="meta")`` converts the model as
+rank r would (with the plan's expert precision and FP8 weight cache): its E/R home experts per
+sparse block, the Buffer and its ExpertPool, all on the meta device.  What rank r holds is then
+read off the converted model: the parameters' and module buffers' shapes and dtypes, the
+ExpertPool's tensors (``ExpertPool.nbytes``), the Buffer's backend tensors.
 
 What is counted, per rank (``plan``), in ``hf.fully_shard_dense``'s layout (``--fsdp N``: the
 dense part sharded over N data-parallel ranks that contain the EP group, N a multiple of R; N = 1:
@@ -22,7 +23,12 @@ replicated):
   dense       every other parameter (attention, embeddings, norms, dense MLPs, routers, shared
               experts), each as FSDP2 shards dim 0 over the N ranks: ceil(dim0 / N) rows stored
               on every rank (FSDP2 pads the shards to that size); and the module buffers (not
-              sharded)
+              sharded; the FP8 weight caches apart)
+  fp8 weight cache
+              precision "fp8" with ``fp8_weight_cache``: each sparse block's FP8WeightCache (its
+              home experts' e4m3 weights in both layouts and their block scales),
+              ``cache_nbytes(E/R, F, D)``, about 6 (E/R) D F bytes: the bf16 experts' size again
+              (measured: the cache's buffers, which the meta conversion builds)
   grads       one per trainable parameter, as large as its (sharded) storage, in ``grad_dtype``
               (default: the parameter's own dtype, which is what autograd, FSDP2 without a
               mixed-precision policy and MoonEP's expert backward write)
@@ -38,7 +44,9 @@ replicated):
               ``SymmBackend._allocate``).  The torch.distributed backend that the conversion here
               builds is measured from its tensors and reported beside it.
   pool        the ExpertPool: E/R slot weights and E/R slot grads of one expert shape, once per
-              process whatever the number of layers (measured: ``ExpertPool.nbytes``)
+              process whatever the number of layers (measured: ``ExpertPool.nbytes``; precision
+              "fp8": e4m3 slot weights with their scales, bf16 slot grads).  The Buffer's staging
+              is the same in both precisions (sized for the model's dtype, docs/fp8.md "Bytes")
 
 Not counted: activations (everything whose size depends on the batch beyond the Buffer's
 capacity S: the routed rows, the expert GEMMs' intermediates, attention, the loss's logits),
@@ -65,6 +73,7 @@ from ...ops.moe_experts import ExpertPool
 from ... import registry
 from .convert import converted_blocks, convert_model, expert_parameter_names
 from .fsdp import _decoder_layers     # the FSDP units below the root that fully_shard_dense makes
+from .model_configs import CONFIGS, build_meta, experts_of
 
 GiB = 1 << 30
 
@@ -72,87 +81,8 @@ GiB = 1 << 30
 # once the CUDA context exists (about 78 GiB of an 80 GB H100, about 139 GiB of a 141 GB H200).
 CARDS = {"80GB": 78 * GiB, "141GB": 139 * GiB}
 
-# ---------------------------------------------------------------------------------------------
-# The real configs: the published config.json's fields that set a tensor's shape or dtype, or the
-# routing.  Rope scaling, token ids, norm epsilons, dropout and cache settings change no tensor and
-# are left at transformers' defaults.
-# ---------------------------------------------------------------------------------------------
-
-_QWEN3_MOE = dict(model_type="qwen3_moe", hidden_act="silu", attention_bias=False,
-                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-                  num_experts=128, num_experts_per_tok=8, head_dim=128,
-                  num_key_value_heads=4, vocab_size=151936, tie_word_embeddings=False)
-
-_DEEPSEEK_V3 = dict(model_type="deepseek_v3", hidden_act="silu", attention_bias=False,
-                    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-                    num_hidden_layers=61, num_experts_per_tok=8, n_shared_experts=1,
-                    norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512,
-                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                    tie_word_embeddings=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """One model's published config and parameter count."""
-    name: str
-    hf_id: str
-    fields: dict                 # transformers config kwargs, model_type included
-    published: float             # total parameters the model card states
-    published_note: str
-
-
-CONFIGS = {c.name: c for c in (
-    ModelConfig("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B",
-                dict(_QWEN3_MOE, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-                     intermediate_size=6144, moe_intermediate_size=768),
-                30.5e9, "model card: 30.5B in total"),
-    ModelConfig("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B",
-                dict(_QWEN3_MOE, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
-                     intermediate_size=12288, moe_intermediate_size=1536),
-                235e9, "model card: 235B in total"),
-    ModelConfig("deepseek-v3", "deepseek-ai/DeepSeek-V3",
-                dict(_DEEPSEEK_V3, num_attention_heads=128, num_key_value_heads=128,
-                     n_routed_experts=256, n_group=8, topk_group=4, first_k_dense_replace=3,
-                     routed_scaling_factor=2.5, vocab_size=129280, num_nextn_predict_layers=1),
-                671e9, "model card: 671B main model, besides its 14B multi-token-prediction "
-                       "module, which transformers does not build"),
-    ModelConfig("kimi-k2", "moonshotai/Kimi-K2-Instruct",
-                dict(_DEEPSEEK_V3, num_attention_heads=64, num_key_value_heads=64,
-                     n_routed_experts=384, n_group=1, topk_group=1, first_k_dense_replace=1,
-                     routed_scaling_factor=2.827, vocab_size=163840, num_nextn_predict_layers=0),
-                1.04e12, "technical report: 1.04T total (model card: 1T)"),
-    ModelConfig("gpt-oss-120b", "openai/gpt-oss-120b", dict(
-        model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
-        num_local_experts=128, num_experts_per_tok=4, num_attention_heads=64, head_dim=64,
-        num_key_value_heads=8, sliding_window=128, swiglu_limit=7.0, vocab_size=201088,
-        tie_word_embeddings=False), 116.8e9, "model card: 117B in total"),
-)}
-
 TABLE_MODELS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
 TABLE_EPS = (8, 16, 64)
-
-
-def experts_of(name: str) -> int:
-    f = CONFIGS[name].fields
-    return f.get("num_experts") or f.get("num_local_experts") or f["n_routed_experts"]
-
-
-def hf_config(name: str):
-    """The transformers config object of ``CONFIGS[name]``."""
-    from transformers import AutoConfig
-    fields = dict(CONFIGS[name].fields)
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
-
-
-def build_meta(config, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """``AutoModelForCausalLM.from_config`` on the meta device (no memory; the dtypes
-    ``from_pretrained`` gives, e.g. DeepSeek-V3's fp32 router).  ``config``: a transformers config
-    or a ``CONFIGS`` name."""
-    from transformers import AutoModelForCausalLM
-    if isinstance(config, str):
-        config = hf_config(config)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,11 +115,14 @@ def fake_rank(rank: int, world_size: int):
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """The training state's dtypes.  ``grad_dtype`` / ``state_dtype`` None: the parameter's."""
+    """The training state's dtypes.  ``grad_dtype`` / ``state_dtype`` None: the parameter's.
+    ``experts``, ``fp8_weight_cache``: convert_model's ``precision`` and ``fp8_weight_cache``."""
     grad_dtype: Optional[torch.dtype] = None
     optimizer: str = "adamw"                 # "adamw" (2 states), "sgd" (momentum: 1), "none"
     state_dtype: Optional[torch.dtype] = torch.float32
     master: bool = False                     # an fp32 copy of every parameter
+    experts: str = "bf16"                    # the routed experts' precision, "bf16" or "fp8"
+    fp8_weight_cache: bool = False
 
     @property
     def n_states(self) -> int:
@@ -246,6 +179,7 @@ class Plan:
     token_padding: int
     dtype: str
     precision: str
+    experts: str                   # their precision, "bf16", "fp8" or "fp8 + weight cache"
     total_params: int              # the unconverted model's parameter count
     expert_params_total: int       # all experts of all blocks (elements)
     parts: dict                    # name -> {"numel", "bytes"}
@@ -319,8 +253,8 @@ def account(model: nn.Module, *, fsdp: int = 1, rank: int = 0, shard_experts: bo
         raise ValueError(f"rank {rank} is outside [0, {max(N, R)})")
     replicas = N // R if shard_experts else 1
     experts = set(expert_parameter_names(model))
-    parts = {k: Part() for k in ("experts", "dense", "module buffers", "grads", "optimizer",
-                                 "master", "fsdp in flight")}
+    parts = {k: Part() for k in ("experts", "dense", "module buffers", "fp8 weight cache",
+                                 "grads", "optimizer", "master", "fsdp in flight")}
     for name, p in model.named_parameters():
         if name in experts:
             stored, unpadded = _shard(p, replicas, rank // R)
@@ -334,8 +268,11 @@ def account(model: nn.Module, *, fsdp: int = 1, rank: int = 0, shard_experts: bo
                                    (precision.state_dtype or p.dtype).itemsize)
             if precision.master:
                 parts["master"].add(unpadded, 4)
+    caches = {id(t) for b in blocks.values() if b.moe.fp8_cache is not None
+              for t in b.moe.fp8_cache.buffers()}
     for _, b in model.named_buffers():
-        parts["module buffers"].add(b.numel(), b.element_size())
+        parts["fp8 weight cache" if id(b) in caches else "module buffers"].add(b.numel(),
+                                                                               b.element_size())
     if N > 1:
         # FSDP2 all-gathers a unit's parameters for its forward and backward and reduce-
         # scatters its unsharded grads: the root unit (embeddings, lm_head, final norm) stays
@@ -372,14 +309,16 @@ def account(model: nn.Module, *, fsdp: int = 1, rank: int = 0, shard_experts: bo
 
 @contextlib.contextmanager
 def converted(config, *, ep: int, rank: int = 0, capacity: int = 8192, token_padding: int = 128,
-              dtype: torch.dtype = torch.bfloat16):
+              dtype: torch.dtype = torch.bfloat16, precision: str = "bf16",
+              fp8_weight_cache: bool = False):
     """The model of ``config`` (a transformers config, a ``CONFIGS`` name, or a model already
     built on the meta device) converted as rank ``rank`` of ``ep`` would convert it (a fake
-    process group unless ep is 1; ``convert_model(device="meta")``); its Buffers are destroyed
-    on exit.  Allocates nothing."""
+    process group unless ep is 1; ``convert_model(device="meta")`` with these arguments); its
+    Buffers are destroyed on exit.  Allocates nothing."""
     model = config if isinstance(config, nn.Module) else build_meta(config, dtype)
     with (fake_rank(rank, ep) if ep > 1 else contextlib.nullcontext()):
-        convert_model(model, capacity=capacity, token_padding=token_padding, device="meta")
+        convert_model(model, capacity=capacity, token_padding=token_padding, device="meta",
+                      precision=precision, fp8_weight_cache=fp8_weight_cache)
         try:
             yield model
         finally:
@@ -404,14 +343,15 @@ def plan(name: str, *, ep: int, rank: int = 0, fsdp: int = 1, shard_experts: boo
     t0 = time.perf_counter()
     model = build_meta(name, dtype)
     total = sum(p.numel() for p in model.parameters())
-    with converted(model, ep=ep, rank=rank % ep, capacity=capacity,
-                   token_padding=token_padding) as m:
+    with converted(model, ep=ep, rank=rank % ep, capacity=capacity, token_padding=token_padding,
+                   precision=precision.experts, fp8_weight_cache=precision.fp8_weight_cache) as m:
         t1 = time.perf_counter()
         acc = account(m, fsdp=fsdp, rank=rank, shard_experts=shard_experts, precision=precision)
         e_total = ep * sum(m.get_parameter(n).numel() for n in expert_parameter_names(m))
     return Plan(model=name, R=ep, rank=rank, fsdp=fsdp, shard_experts=shard_experts,
                 capacity=capacity, token_padding=token_padding,
                 dtype=str(dtype).replace("torch.", ""), precision=precision.describe(),
+                experts=precision.experts + " + weight cache" * precision.fp8_weight_cache,
                 total_params=total, expert_params_total=e_total,
                 parts={k: dataclasses.asdict(v) for k, v in acc["parts"].items()},
                 buffer_symm=acc["buffer_symm"], buffer_torch=acc["buffer_torch"],
@@ -430,7 +370,8 @@ def _gib(n: int) -> str:
 
 
 _LABELS = {"experts": "params: routed experts", "dense": "params: dense part",
-           "module buffers": "module buffers", "grads": "grads", "optimizer": "optimizer states",
+           "module buffers": "module buffers", "fp8 weight cache": "FP8 weight cache",
+           "grads": "grads", "optimizer": "optimizer states",
            "master": "fp32 master copy", "fsdp in flight": "FSDP2 units in flight"}
 
 
@@ -447,8 +388,8 @@ def report(p: Plan) -> str:
         f"({c.published_note}: {100 * (p.total_params / c.published - 1):+.2f} %)",
         f"EP rank {p.rank % p.R} of {p.R}: routed experts {p.expert_params_total / 1e9:.3f} B in "
         f"all, {ex}; dense part {dense}",
-        f"{p.dtype} parameters, {p.precision}; capacity S = {p.capacity} tokens per rank, "
-        f"token_padding {p.token_padding}; {p.n_buffers} Buffer(s)",
+        f"{p.dtype} parameters, expert precision {p.experts}, {p.precision}; capacity S = "
+        f"{p.capacity} tokens per rank, token_padding {p.token_padding}; {p.n_buffers} Buffer(s)",
         "",
         f"{'per rank':38}{'elements':>16}{'GiB':>10}",
     ]
@@ -478,14 +419,15 @@ def table_row(p: Plan) -> str:
     """One row of the docs table: GiB per rank, and whether (and with how many GiB left for
     activations) the total fits each card."""
     b = {k: v["bytes"] for k, v in p.parts.items()}
-    params = b["experts"] + b["dense"] + b["module buffers"]
+    params = b["experts"] + b["dense"] + b["module buffers"] + b["fp8 weight cache"]
     left = p.fits()
 
     def fit(card):
         return f"yes ({_gib(left[card])})" if left[card] >= 0 else "no"
 
     dense = "replicated" if p.fsdp == 1 else f"FSDP {p.fsdp}"
-    return (f"| {p.model} | {p.R} | {dense} | {_gib(params)} | {_gib(b['grads'])} | "
+    model = p.model if p.experts == "bf16" else f"{p.model} ({p.experts})"
+    return (f"| {model} | {p.R} | {dense} | {_gib(params)} | {_gib(b['grads'])} | "
             f"{_gib(b['optimizer'] + b['master'])} | {_gib(b['fsdp in flight'])} | "
             f"{_gib(p.buffer_symm + p.pool)} | {_gib(p.total)} | {fit('80GB')} | "
             f"{fit('141GB')} |")
@@ -553,6 +495,10 @@ def main(argv=None) -> int:
     ap.add_argument("--state-dtype", type=_dtype_arg, default=torch.float32,
                     help="optimizer states' dtype (default float32; 'param': the parameter's)")
     ap.add_argument("--master", action="store_true", help="count an fp32 master copy")
+    ap.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                    help="the routed experts' precision (convert_model's; default bf16)")
+    ap.add_argument("--fp8-weight-cache", action="store_true",
+                    help="with --precision fp8: each layer's FP8 weight cache (convert_model's)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--table", action="store_true",
                     help=f"the docs table: {', '.join(TABLE_MODELS)} at EP "
@@ -561,7 +507,7 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print the embedded configs")
     a = ap.parse_args(argv)
     prec = Precision(grad_dtype=a.grad_dtype, optimizer=a.optimizer, state_dtype=a.state_dtype,
-                     master=a.master)
+                     master=a.master, experts=a.precision, fp8_weight_cache=a.fp8_weight_cache)
     kw = dict(capacity=a.capacity, token_padding=a.token_padding, dtype=a.dtype, precision=prec)
     if a.list:
         for c in CONFIGS.values():
