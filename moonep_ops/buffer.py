@@ -192,15 +192,17 @@ class Buffer:
         return self.backend.symmetric_zeros(shape, dtype)
 
     def expert_pool(self, D: int, F: int, dtype: torch.dtype, precision: str = "bf16",
-                    pow2_scales: bool = False) -> ExpertPool:
+                    pow2_scales: bool = False, expert_settings: tuple = ()) -> ExpertPool:
         """Collective, every call (every rank calls it in the same order with the same
         arguments, as its layers bind): this Buffer's redundant-slot pool for experts of model
         dim D and FFN dim F (built once per (D, F, dtype, precision), shared by every layer of
         that shape, freed by ``destroy``).  ``precision`` "fp8": the slots hold e4m3 weights and
         their 128 x 128 block scales (moonep_ops/ops/moe_experts_fp8.py); the slot grads stay
         in ``dtype``.  ``pow2_scales``: the layer's FP8 scale rounding (fp8_pow2_scales).
+        ``expert_settings``: the layer's (expert_bias, activation, swiglu_alpha, swiglu_limit,
+        fp8_wgrad), compared only (geometry.EXPERT_SETTINGS says why).
 
-        The ranks' (D, F, dtype, precision, pow2_scales) are compared first (one host exchange,
+        The ranks' (D, F, dtype, precision, pow2_scales, expert_settings) are compared first (one host exchange,
         set-up only): ranks whose layers differ (one misconfigured launch) raise the same
         ValueError, naming the field and every rank's value, instead of moving rows and slot
         weights of different bytes later (gloo aborts the process on such an all-to-all; the
@@ -223,7 +225,7 @@ class Buffer:
             self.reject_expert_pool(e)
             raise type(e)(f"{e} (rank {self.rank})").with_traceback(e.__traceback__) from None
         check_pool_fingerprints(self.backend.exchange_fingerprints(
-            pool_fingerprint(D, F, dtype, precision, pow2_scales)))
+            pool_fingerprint(D, F, dtype, precision, pow2_scales, expert_settings)))
         key = (D, F, dtype, precision)
         pool = self._pools.get(key)
         if pool is None:

@@ -227,14 +227,20 @@ def check_fingerprints(fingerprints: Sequence[Sequence]) -> None:
 # (layers of several precisions may share one Buffer), but they change the bytes of every
 # dispatched row and the tensors prefetch_weight / reduce_grad move: every rank's layers must
 # agree on them, or the all-to-alls would move rows of different sizes.
-POOL_FINGERPRINT_FIELDS = ("what", "D", "F", "dtype", "precision", "pow2_scales")
+# The layer's expert settings beside them (EXPERT_SETTINGS, in that order): expert biases change
+# the tensors prefetch_weight / reduce_grad move (a rank without them would hang or abort the
+# exchange), the activation and fp8_wgrad change the math of the slot experts' grads that
+# reduce_grad adds into their owners' (silently mixed results otherwise).
+EXPERT_SETTINGS = "(expert_bias, activation, swiglu_alpha, swiglu_limit, fp8_wgrad)"
+POOL_FINGERPRINT_FIELDS = ("what", "D", "F", "dtype", "precision", "pow2_scales",
+                           "expert settings " + EXPERT_SETTINGS)
 _POOL = "moonep expert pool"
 
 
 def pool_fingerprint(D: int, F: int, dtype: torch.dtype, precision: str,
-                     pow2_scales: bool) -> tuple:
+                     pow2_scales: bool, expert_settings: tuple = ()) -> tuple:
     """What every rank must share for one ``Buffer.expert_pool`` call, as plain values."""
-    return (_POOL, D, F, str(dtype), precision, pow2_scales)
+    return (_POOL, D, F, str(dtype), precision, pow2_scales, tuple(expert_settings))
 
 
 def check_pool_fingerprints(fingerprints: Sequence[Sequence]) -> None:
@@ -249,4 +255,4 @@ def check_pool_fingerprints(fingerprints: Sequence[Sequence]) -> None:
             f"is not building an expert pool (it sent {f!r}): every rank binds the same layers "
             "in the same order"),
         "every rank of an EP group builds the same expert pools: its MoE layers' D, F, dtype, "
-        "precision and fp8_pow2_scales must match across the group")
+        "precision, fp8_pow2_scales and expert settings must match across the group")

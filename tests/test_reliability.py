@@ -50,8 +50,8 @@ def _inputs(rank, s=S, seed=0, device="cpu"):
     return x.to(device), ids.to(device), w.to(device)
 
 
-def _layer(buf, precision, pow2=False, seed=3):
-    layer = MoonEPMoE.for_buffer(buf, F, precision=precision, fp8_pow2_scales=pow2)
+def _layer(buf, precision, pow2=False, seed=3, **settings):
+    layer = MoonEPMoE.for_buffer(buf, F, precision=precision, fp8_pow2_scales=pow2, **settings)
     g = torch.Generator().manual_seed(seed)
     B, r = buf.epn, buf.rank
     with torch.no_grad():
@@ -359,6 +359,29 @@ def case_layers_differ_in_precision(ctx):
     with pytest.raises(ValueError, match=r"disagree on pow2_scales \(rank 0: True, rank 1: False"):
         _layer(buf, "fp8", pow2=ctx.rank == 0)
     layer = _layer(buf, "fp8")                         # agreeing layers bind and run
+    x, ids, w = _inputs(ctx.rank, device=ctx.device)
+    with torch.no_grad():
+        assert layer(x, topk_ids=ids, topk_weights=w).shape == x.shape
+    _round_trip(ctx)
+
+
+def case_layers_differ_in_expert_settings(ctx):
+    """Expert biases on rank 0 only (its prefetch_weight would move 3 more tensors: the exchange
+    hangs or aborts), fp8_wgrad or the clamp on one rank (slot grads of other math summed into
+    their owners'): every rank raises the same ValueError when the layer binds."""
+    buf = _buffer(ctx.group, backend="torch", device=ctx.device)
+    want = r"the ranks disagree on expert settings \(expert_bias, activation, swiglu_alpha, " \
+           r"swiglu_limit, fp8_wgrad\) \(rank 0: \(%s"
+    with pytest.raises(ValueError, match=want % r"True, 'swiglu', None, None, False\), rank 1: "
+                       r"\(False, 'swiglu'"):
+        _layer(buf, "bf16", expert_bias=ctx.rank == 0)
+    with pytest.raises(ValueError, match=want % r"False, 'swiglu', None, None, True\)"):
+        _layer(buf, "fp8", fp8_wgrad=ctx.rank == 0)
+    clamped = dict(activation="swiglu_clamped", swiglu_limit=7.0 if ctx.rank == 0 else 5.0)
+    with pytest.raises(ValueError, match=want % r"False, 'swiglu_clamped', 1.702, 7.0, False"):
+        _layer(buf, "bf16", **clamped)
+    # an alpha the plain SwiGLU does not read is no disagreement
+    layer = _layer(buf, "bf16", swiglu_alpha=1.0 if ctx.rank == 0 else 2.0)
     x, ids, w = _inputs(ctx.rank, device=ctx.device)
     with torch.no_grad():
         assert layer(x, topk_ids=ids, topk_weights=w).shape == x.shape

@@ -298,7 +298,10 @@ class MoonEPRoutedExperts(RoutedExperts):
             raise
         # collective: the ranks' layers agree on precision and pow2 scales, or all raise
         pool = buffer.expert_pool(D, F, COMPUTE_DTYPE, precision=self.precision,
-                                  pow2_scales=self.fp8_pow2_scales)
+                                  pow2_scales=self.fp8_pow2_scales, expert_settings=(
+                                      (True, "swiglu_clamped", GPT_OSS_ALPHA, ie.swiglu_limit)
+                                      if gpt_oss else (False, "swiglu", None, None))
+                                  + (self.fp8_wgrad,))
         if gpt_oss:
             pool.add_bias_slots()        # collective: every rank's layers bind alike
         self.pool_name = pool.name

@@ -427,14 +427,14 @@ class MoonEPMoE(nn.Module):
         except (TypeError, ValueError) as e:
             buffer.reject_expert_pool(e)     # collective: the peers are in expert_pool below
             raise
-        # Collective, before anything of the layer changes: the ranks' layers must agree on
-        # their pool (precision and pow2 scales included), else every rank raises here.
+        # Collective, before anything changes: the ranks' layers agree on their pool, or all raise
+        clamp = (a.swiglu_alpha, a.swiglu_limit) if a.activation == "swiglu_clamped" else (None,) * 2
         pool = buffer.expert_pool(self.dim, self.hidden_dim, self.dtype, precision=a.precision,
-                                  pow2_scales=a.fp8_pow2_scales)
+                                  pow2_scales=a.fp8_pow2_scales, expert_settings=(
+                                      a.expert_bias, a.activation, *clamp, a.fp8_wgrad))
         if a.expert_bias:
             pool.add_bias_slots()            # collective: every rank's layers bind alike
-        B, r = buffer.epn, buffer.rank
-        dev = buffer.device
+        B, r, dev = buffer.epn, buffer.rank, buffer.device
         with torch.no_grad():
             for name in self.expert_params:
                 w = getattr(self, name)
