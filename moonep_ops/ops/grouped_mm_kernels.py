@@ -486,18 +486,21 @@ def run_grads(work: tuple, run, dy, x, cu, grad_local, grad_slot, config: int) -
            grad_slot.data_ptr(), cu.data_ptr(), 2 * epn, epn, M, O, I)
 
 
-def run_fwd(a, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
-    """moonep::grouped_mm without its checks (the caller made them)."""
-    key = ("fwd", zero_tail, switches(), type(a), a.shape, a.dtype, a.device, w_local.shape)
-    work = WORK.get(key) or remember(key, rows_work("fwd", a, w_local, zero_tail), WORK)
-    return run_rows(work, "fwd", a, w_local, w_slot, cu, config, zero_tail)
+def _run_rows_of(kind: str, op: str):
+    """run_fwd / run_dgrad: the op ``op`` (``kind``) without its checks (the caller made them),
+    its work kept per the properties rows_work reads (WORK)."""
+    def run(a, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
+        key = (kind, zero_tail, switches(), type(a), a.shape, a.dtype, a.device, w_local.shape)
+        work = WORK.get(key) or remember(key, rows_work(kind, a, w_local, zero_tail), WORK)
+        return run_rows(work, kind, a, w_local, w_slot, cu, config, zero_tail)
+
+    run.__name__ = run.__qualname__ = f"run_{kind}"
+    run.__doc__ = f"moonep::{op} without its checks (the caller made them)."
+    return run
 
 
-def run_dgrad(a, w_local, w_slot, cu, config: int = -1, zero_tail: bool = True):
-    """moonep::grouped_mm_dgrad without its checks (the caller made them)."""
-    key = ("dgrad", zero_tail, switches(), type(a), a.shape, a.dtype, a.device, w_local.shape)
-    work = WORK.get(key) or remember(key, rows_work("dgrad", a, w_local, zero_tail), WORK)
-    return run_rows(work, "dgrad", a, w_local, w_slot, cu, config, zero_tail)
+run_fwd = _run_rows_of("fwd", "grouped_mm")
+run_dgrad = _run_rows_of("dgrad", "grouped_mm_dgrad")
 
 
 def run_wgrad_into(dy, x, cu, grad_local, grad_slot, config: int = -1) -> None:
