@@ -383,7 +383,7 @@ class SymmBackend(Backend):
         """Barrier ``before``, the kernel over every (home tensor, slot tensor) pair, barrier
         ``after``.  The kernel takes at most _MAX_TENSORS pairs (csrc/ep_kernels.cu kMaxT: an
         FP8 expert with biases has 9), so longer lists are launched in groups between the same
-        two barriers.  Returns [(n, slot pointers, row bytes)] per group and the stream, for
+        two barriers.  Returns [(n, slot tensors, row bytes)] per group and the stream, for
         a follow-up launch."""
         stream = self._stream()
         self.barrier(before, stream)
@@ -396,7 +396,7 @@ class SymmBackend(Backend):
             rb = (ctypes.c_int64 * n)(*[_row_bytes(t) for t in lo])
             _call(kernel, n, lp, pp, rb, etc_RB.data_ptr(), self.spec.R, self.spec.epn,
                   self.rank, self.err.data_ptr(), self.num_sms, *dtype, stream)
-            groups.append((n, _ptrs([t.data_ptr() for t in sl]), rb))
+            groups.append((n, sl, rb))
         self.barrier(after, stream)
         return groups, stream
 
@@ -415,6 +415,6 @@ class SymmBackend(Backend):
         groups, stream = self._slot_exchange("reduce_grad", "reduce_grads", "grads_complete",
                                              "grads_read", etc_RB, local, slots,
                                              _DTYPE_CODE[local[0].dtype])
-        for n, sp, rb in groups:
-            _call("zero_slots", n, sp, rb, etc_RB.data_ptr(), self.spec.epn, self.rank,
-                  self.num_sms, stream)
+        for n, sl, rb in groups:
+            _call("zero_slots", n, _ptrs([t.data_ptr() for t in sl]), rb, etc_RB.data_ptr(),
+                  self.spec.epn, self.rank, self.num_sms, stream)
