@@ -237,6 +237,14 @@ POOL_FINGERPRINT_FIELDS = ("what", "D", "F", "dtype", "precision", "pow2_scales"
 _POOL = "moonep expert pool"
 
 
+def expert_settings(expert_bias: bool, activation: str, swiglu_alpha: float,
+                    swiglu_limit: float, fp8_wgrad: bool) -> tuple:
+    """A layer's EXPERT_SETTINGS as the ranks compare them: alpha and limit only where the
+    activation reads them (the clamped SwiGLU), so an unread value is no disagreement."""
+    clamp = (swiglu_alpha, swiglu_limit) if activation == "swiglu_clamped" else (None, None)
+    return (expert_bias, activation, *clamp, fp8_wgrad)
+
+
 def pool_fingerprint(D: int, F: int, dtype: torch.dtype, precision: str,
                      pow2_scales: bool, expert_settings: tuple = ()) -> tuple:
     """What every rank must share for one ``Buffer.expert_pool`` call, as plain values."""

@@ -139,7 +139,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
 from ..buffer import Buffer
-from ..geometry import slack_to_ppm
+from ..geometry import expert_settings, slack_to_ppm
 from ..nn.moe import check_backend_dims, check_precision
 from ..ops import moe_experts as _moe_experts_ops  # noqa: F401  (registers moonep::moe_experts)
 from ..ops.moe_experts_ext import check_variant, moe_experts_ext
@@ -299,9 +299,10 @@ class MoonEPRoutedExperts(RoutedExperts):
         # collective: the ranks' layers agree on precision and pow2 scales, or all raise
         pool = buffer.expert_pool(D, F, COMPUTE_DTYPE, precision=self.precision,
                                   pow2_scales=self.fp8_pow2_scales, expert_settings=(
-                                      (True, "swiglu_clamped", GPT_OSS_ALPHA, ie.swiglu_limit)
-                                      if gpt_oss else (False, "swiglu", None, None))
-                                  + (self.fp8_wgrad,))
+                                      expert_settings(True, "swiglu_clamped", GPT_OSS_ALPHA,
+                                                      ie.swiglu_limit, self.fp8_wgrad)
+                                      if gpt_oss else expert_settings(False, "swiglu", None,
+                                                                      None, self.fp8_wgrad)))
         if gpt_oss:
             pool.add_bias_slots()        # collective: every rank's layers bind alike
         self.pool_name = pool.name

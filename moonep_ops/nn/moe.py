@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.nn.functional import silu
 
 from ..buffer import Buffer
-from ..geometry import slack_to_ppm
+from ..geometry import expert_settings, slack_to_ppm
 from ..ops import moe_experts as _moe_experts  # registers moonep::moe_experts; its eager entry
 from ..ops import moe_experts_fp8 as _moe_experts_fp8  # noqa: F401  (moonep::moe_experts_fp8)
 from ..ops.fp8_weight_cache import FP8WeightCache
@@ -428,10 +428,10 @@ class MoonEPMoE(nn.Module):
             buffer.reject_expert_pool(e)     # collective: the peers are in expert_pool below
             raise
         # Collective, before anything changes: the ranks' layers agree on their pool, or all raise
-        clamp = (a.swiglu_alpha, a.swiglu_limit) if a.activation == "swiglu_clamped" else (None,) * 2
         pool = buffer.expert_pool(self.dim, self.hidden_dim, self.dtype, precision=a.precision,
-                                  pow2_scales=a.fp8_pow2_scales, expert_settings=(
-                                      a.expert_bias, a.activation, *clamp, a.fp8_wgrad))
+                                  pow2_scales=a.fp8_pow2_scales, expert_settings=expert_settings(
+                                      a.expert_bias, a.activation, a.swiglu_alpha,
+                                      a.swiglu_limit, a.fp8_wgrad))
         if a.expert_bias:
             pool.add_bias_slots()            # collective: every rank's layers bind alike
         B, r, dev = buffer.epn, buffer.rank, buffer.device
