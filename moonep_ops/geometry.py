@@ -12,7 +12,7 @@ there (and ceil(T/R) becomes slack_cap(ceil(T/R)) in nvs_s); eps = 0 leaves both
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
