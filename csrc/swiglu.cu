@@ -61,30 +61,51 @@ struct OutPtrs {
   __nv_bfloat16* p[N];
 };
 
-// Elementwise over n bf16 elements of every tensor: a grid-stride loop over packs of 8 (16-byte
-// loads and stores), then the n % 8 tail one element per thread.  fp32 math in Op.
+// Elementwise over n bf16 elements of every tensor: a persistent grid (kBlocksPerSm blocks of
+// 256 threads per SM) striding over packs of 8 (16-byte loads and stores), each thread loading
+// kUnroll packs of every input before computing any, then the n % 8 tail one element per thread.
+// fp32 math in Op.  Why this shape (diagnostics/swiglu_probe.py, H100, five [M, F] from
+// [4096, 512] to [49024, 768] and [36864, 2880]): with one pack in flight per thread the
+// backward reached 0.95-1.08 TB/s whatever the grid; four packs in flight and two blocks per SM
+// 1.23-1.80 TB/s (torch's bf16 add on the same tensors: 2.1-3.0), the forward 1.88-2.47 against
+// 1.45-1.99; eight packs or more blocks per SM were slower at the larger shapes.
+constexpr int kUnroll = 4, kBlocksPerSm = 2;
+
 template <class Op>
-__global__ void swiglu_kernel(Ptrs<Op::kIn> in, OutPtrs<Op::kOut> out, int64_t n) {
+__global__ void __launch_bounds__(256, kBlocksPerSm)
+swiglu_kernel(Ptrs<Op::kIn> in, OutPtrs<Op::kOut> out, int64_t n) {
   constexpr int I = Op::kIn, O = Op::kOut;
   const Op op;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t n8 = n / 8;
-  for (int64_t i = first; i < n8; i += stride) {
-    Pack8 pin[I], pout[O];
+  for (int64_t base = first; base < n8; base += stride * kUnroll) {
+    Pack8 pin[kUnroll][I];
 #pragma unroll
-    for (int k = 0; k < I; ++k) pin[k] = reinterpret_cast<const Pack8*>(in.p[k])[i];
+    for (int r = 0; r < kUnroll; ++r) {
+      const int64_t i = base + r * stride;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float x[I], y[O];
-#pragma unroll
-      for (int k = 0; k < I; ++k) x[k] = __bfloat162float(pin[k].v[j]);
-      op(x, y);
-#pragma unroll
-      for (int k = 0; k < O; ++k) pout[k].v[j] = __float2bfloat16_rn(y[k]);
+      for (int k = 0; k < I; ++k) {
+        if (i < n8) pin[r][k] = reinterpret_cast<const Pack8*>(in.p[k])[i];
+      }
     }
 #pragma unroll
-    for (int k = 0; k < O; ++k) reinterpret_cast<Pack8*>(out.p[k])[i] = pout[k];
+    for (int r = 0; r < kUnroll; ++r) {
+      const int64_t i = base + r * stride;
+      if (i >= n8) break;
+      Pack8 pout[O];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float x[I], y[O];
+#pragma unroll
+        for (int k = 0; k < I; ++k) x[k] = __bfloat162float(pin[r][k].v[j]);
+        op(x, y);
+#pragma unroll
+        for (int k = 0; k < O; ++k) pout[k].v[j] = __float2bfloat16_rn(y[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < O; ++k) reinterpret_cast<Pack8*>(out.p[k])[i] = pout[k];
+    }
   }
   for (int64_t i = n8 * 8 + first; i < n; i += stride) {
     float x[I], y[O];
@@ -94,6 +115,14 @@ __global__ void swiglu_kernel(Ptrs<Op::kIn> in, OutPtrs<Op::kOut> out, int64_t n
 #pragma unroll
     for (int k = 0; k < O; ++k) out.p[k][i] = __float2bfloat16_rn(y[k]);
   }
+}
+
+// swiglu_kernel's grid: enough blocks for every thread to have kUnroll packs, at most
+// kBlocksPerSm per SM.
+int swiglu_blocks(int64_t n, int num_sms) {
+  const int64_t want = (n / 8 + 256 * kUnroll - 1) / (256 * kUnroll);
+  const int64_t cap = static_cast<int64_t>(num_sms > 0 ? num_sms : 132) * kBlocksPerSm;
+  return static_cast<int>(want < 1 ? 1 : (want > cap ? cap : want));
 }
 
 int blocks_for(int64_t n, int num_sms) {
@@ -304,7 +333,7 @@ MOONEP_EXPORT int moonep_ep_swiglu_fwd(const void* g, const void* u, void* a, in
   if (n <= 0) return 0;
   const Ptrs<2> in{{static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(u)}};
   const OutPtrs<1> out{{static_cast<__nv_bfloat16*>(a)}};
-  swiglu_kernel<FwdOp><<<blocks_for(n, num_sms), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  swiglu_kernel<FwdOp><<<swiglu_blocks(n, num_sms), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       in, out, n);
   return fail(cudaGetLastError(), "moonep_ep_swiglu_fwd");
 }
@@ -316,7 +345,7 @@ MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void*
                     static_cast<const __nv_bfloat16*>(da)}};
   const OutPtrs<3> out{{static_cast<__nv_bfloat16*>(dg), static_cast<__nv_bfloat16*>(du),
                         static_cast<__nv_bfloat16*>(a)}};
-  swiglu_kernel<BwdOp><<<blocks_for(n, num_sms), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  swiglu_kernel<BwdOp><<<swiglu_blocks(n, num_sms), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       in, out, n);
   return fail(cudaGetLastError(), "moonep_ep_swiglu_bwd");
 }
