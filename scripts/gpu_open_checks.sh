@@ -9,6 +9,12 @@
 #     | tar -x -C build/planner_base, then its libmoonep_ep.so (python -m moonep_ops.build --lib ep
 #     in a checkout of f374fbe^) into build/planner_base/moonep_ops/lib/).
 # Steps (STEPS=a,b to run some; EXPERT_PRECISIONS, LAYER_MODES narrow the two benchmarks):
+#   tests     the CUDA tests of the data plane, the SwiGLU kernels, the MoE layer (bf16, gated,
+#             virtual ranks) and the transformers model on CUDA
+#   probe     diagnostics/swiglu_probe.py (carry diagnostics/swiglu_probe.so): the SwiGLU
+#             kernels' variants and the library's own exports, side by side
+#   hostops   diagnostics/layer_host_profile.py on the small shape, compiled: host us of each
+#             custom op's body as the compiled graph calls it
 #   planner   the device planner's CUDA tests, then bench_plan_device on the split planner and on
 #             build/planner_base, three alternating rounds (the latency A/B)
 #   symm      the symmetric backend's prefetch_weight / reduce_grad tests (more tensors than one
@@ -22,7 +28,7 @@
 #   gemm      the rest of the CUDA tests of the GEMMs and the MoE layer
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-STEPS=${STEPS:-symm,experts,layer,host,fp8,gemm}
+STEPS=${STEPS:-tests,probe,hostops,experts,layer,host,fp8,gemm}
 ROOT=$PWD
 $PY scripts/check_abi.py | tail -3
 T0=$SECONDS
@@ -46,7 +52,6 @@ planner() {
   done
 }
 experts() {
-  $PY -m pytest -q -rs -p no:cacheprovider tests/test_moe_ext_cuda.py tests/test_swiglu_cuda.py
   $PY -m pytest -q -rs -p no:cacheprovider tests/test_hf_gpt_oss.py -k cuda
   $PY benchmarks/bench_expert_variants.py --precisions "${EXPERT_PRECISIONS:-bf16,fp8}" \
     --rounds 3 --steps 4 --profile \
@@ -54,6 +59,13 @@ experts() {
 }
 export -f planner experts
 export PY ROOT
+step tests 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_swiglu_cuda.py \
+  tests/test_moe_ext_cuda.py tests/test_data_plane_cuda.py tests/test_symm_cuda.py \
+  tests/test_async_cuda.py tests/test_moe_symm_cuda.py tests/test_virtual_ranks_fresh_cuda.py \
+  tests/test_lifetimes_cuda.py tests/test_integrations_hf_cuda.py ${EXTRA_TESTS:-}
+step probe 60 $PY diagnostics/swiglu_probe.py --reps 11
+step hostops 120 $PY diagnostics/layer_host_profile.py --shape small --modes compiled --steps 20 \
+  --top 25
 step planner 200 bash -c planner
 step symm 120 $PY -m pytest -q -rs -p no:cacheprovider tests/test_symm_cuda.py \
   tests/test_async_cuda.py -k prefetch
@@ -67,6 +79,7 @@ step gemm 150 $PY -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_cuda.
   tests/test_moe_symm_cuda.py tests/test_fp8_quant_cuda.py tests/test_fp8_wgrad_cuda.py \
   tests/test_grouped_mm_fp8_cuda.py
 echo "==== done ($((SECONDS - T0)) s)"
+grep -E "^\[|op bodies|calls/step" "$OUT/probe.log" "$OUT/hostops.log" 2>/dev/null | head -90
 for f in layer experts fp8; do
   [ -f "$OUT/$f.log" ] && grep -E "^\| |captured|eager|compiled|ratio|MET|MISSED|^gpt" "$OUT/$f.log" | head -60
 done

@@ -69,19 +69,25 @@ def _prime_device(device: torch.device) -> None:
 
 
 def _prime_libraries(device: torch.device) -> None:
-    """Load libmoonep_ep.so and libmoonep_gemm.so and run one small grouped GEMM to completion.
+    """Load libmoonep_ep.so and libmoonep_gemm.so and run one small grouped GEMM and the
+    route-weight kernels to completion.
     Loading a library registers its kernels with the context, and that waits for the whole
     device: in fresh processes on the H200 the layer case's rank threads blocked in the GEMM
     library's first load (and every other rank thread's launch behind it) while peers spun in
     dispatch's barrier, until it timed out (4 of 4 runs; diagnostics/virtual_rank_timeouts.py
-    fresh, thread stacks)."""
+    fresh, thread stacks).  The bf16 layer's route-weight kernels are Triton's, whose first
+    call compiles and loads a module the same way (the R = 8 layer case of
+    tests/test_virtual_ranks_fresh_cuda.py timed out in combine on the H100 without them)."""
     native.ep()
-    if native.gemm() is None:
-        return
-    x = torch.zeros(256, 128, dtype=torch.bfloat16, device=device)
-    w = torch.zeros(1, 128, 128, dtype=torch.bfloat16, device=device)
-    cu = torch.tensor([128, 256], dtype=torch.int32, device=device)
-    grouped_mm(x, w, w.clone(), cu)
+    rows = torch.zeros(16, 128, dtype=torch.bfloat16, device=device)
+    w_M = torch.zeros(16, dtype=torch.float32, device=device)
+    torch.ops.moonep.scale_rows(rows, w_M)
+    torch.ops.moonep.scale_rows_backward(rows, w_M, rows)
+    if native.gemm() is not None:
+        x = torch.zeros(256, 128, dtype=torch.bfloat16, device=device)
+        w = torch.zeros(1, 128, 128, dtype=torch.bfloat16, device=device)
+        cu = torch.tensor([128, 256], dtype=torch.int32, device=device)
+        grouped_mm(x, w, w.clone(), cu)
     torch.cuda.current_stream(device).synchronize()
 
 
