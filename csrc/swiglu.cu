@@ -102,6 +102,13 @@ int blocks_for(int64_t n, int num_sms) {
   return static_cast<int>(want < 1 ? 1 : (want > cap ? cap : want));
 }
 
+// The gated variant's pack of 8 bf16, 16-byte aligned: one 16-byte access each (ld.global.v4,
+// st.global.v4), where a 2-byte aligned struct compiles to eight 2-byte accesses (Pack8 does).
+// Its pointers are 16-byte aligned: bases checked by the callers, offsets multiples of 8.
+struct alignas(16) AlignedPack8 {
+  __nv_bfloat16 v[8];
+};
+
 // The gated variant: every pack of 8 lies in one row (F % 8 == 0), whose group g (the number of
 // inclusive ends cu[0..G-1] <= row, G for rows past the last group: bias 0, output unread) picks
 // the bias rows.
@@ -127,10 +134,10 @@ __device__ __forceinline__ int group_of_row(const int* cu, int G, int64_t row) {
 // (glu_kernel, glu_kernel_row_tiles): their a, dg and du are bitwise equal.  pda, pb1, pb3 are
 // read only when kBwd, has_b1, has_b3.
 template <bool kBwd>
-__device__ __forceinline__ void glu_pack(const GluParams& p, const Pack8& pg, const Pack8& pu,
-                                         const Pack8& pda, bool has_b1, const Pack8& pb1,
-                                         bool has_b3, const Pack8& pb3, Pack8& pa, Pack8& pdg,
-                                         Pack8& pdu) {
+__device__ __forceinline__ void glu_pack(const GluParams& p, const AlignedPack8& pg, const AlignedPack8& pu,
+                                         const AlignedPack8& pda, bool has_b1, const AlignedPack8& pb1,
+                                         bool has_b3, const AlignedPack8& pb3, AlignedPack8& pa, AlignedPack8& pdg,
+                                         AlignedPack8& pdu) {
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     float gv = __bfloat162float(pg.v[j]), uv = __bfloat162float(pu.v[j]);
@@ -162,17 +169,17 @@ __global__ void glu_kernel(const __nv_bfloat16* __restrict__ g, const __nv_bfloa
        i += stride) {
     const int64_t row = (i * 8) / p.F, col = (i * 8) % p.F;
     const int grp = group_of_row(p.cu, p.G, row);
-    Pack8 pg = reinterpret_cast<const Pack8*>(g)[i], pu = reinterpret_cast<const Pack8*>(u)[i];
-    Pack8 pb1, pb3, pda, pa, pdg, pdu;
+    AlignedPack8 pg = reinterpret_cast<const AlignedPack8*>(g)[i], pu = reinterpret_cast<const AlignedPack8*>(u)[i];
+    AlignedPack8 pb1, pb3, pda, pa, pdg, pdu;
     const bool has_b1 = p.b1 != nullptr && grp < p.G, has_b3 = p.b3 != nullptr && grp < p.G;
-    if (has_b1) pb1 = *reinterpret_cast<const Pack8*>(p.b1 + grp * p.F + col);
-    if (has_b3) pb3 = *reinterpret_cast<const Pack8*>(p.b3 + grp * p.F + col);
-    if (kBwd) pda = reinterpret_cast<const Pack8*>(da)[i];
+    if (has_b1) pb1 = *reinterpret_cast<const AlignedPack8*>(p.b1 + grp * p.F + col);
+    if (has_b3) pb3 = *reinterpret_cast<const AlignedPack8*>(p.b3 + grp * p.F + col);
+    if (kBwd) pda = reinterpret_cast<const AlignedPack8*>(da)[i];
     glu_pack<kBwd>(p, pg, pu, pda, has_b1, pb1, has_b3, pb3, pa, pdg, pdu);
-    reinterpret_cast<Pack8*>(a)[i] = pa;
+    reinterpret_cast<AlignedPack8*>(a)[i] = pa;
     if (kBwd) {
-      reinterpret_cast<Pack8*>(dg)[i] = pdg;
-      reinterpret_cast<Pack8*>(du)[i] = pdu;
+      reinterpret_cast<AlignedPack8*>(dg)[i] = pdg;
+      reinterpret_cast<AlignedPack8*>(du)[i] = pdu;
     }
   }
 }
@@ -207,10 +214,10 @@ __global__ void bias_scale_rows_kernel(const __nv_bfloat16* __restrict__ y,
        i += stride) {
     const int64_t row = (i * 8) / D, col = (i * 8) % D;
     const int grp = group_of_row(cu, G, row);
-    const Pack8 py = reinterpret_cast<const Pack8*>(y)[i];
-    Pack8 pb, pz;
+    const AlignedPack8 py = reinterpret_cast<const AlignedPack8*>(y)[i];
+    AlignedPack8 pb, pz;
     const bool has_b = b2 != nullptr && grp < G;
-    if (has_b) pb = *reinterpret_cast<const Pack8*>(b2 + grp * D + col);
+    if (has_b) pb = *reinterpret_cast<const AlignedPack8*>(b2 + grp * D + col);
     const float wr = w[row];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -218,7 +225,7 @@ __global__ void bias_scale_rows_kernel(const __nv_bfloat16* __restrict__ y,
       if (has_b) v = v + __bfloat162float(pb.v[j]);
       pz.v[j] = __float2bfloat16_rn(v * wr);
     }
-    reinterpret_cast<Pack8*>(z)[i] = pz;
+    reinterpret_cast<AlignedPack8*>(z)[i] = pz;
   }
 }
 
@@ -331,9 +338,9 @@ glu_kernel_row_tiles(const __nv_bfloat16* __restrict__ g, const __nv_bfloat16* _
   const int lane = threadIdx.x % 32, r = threadIdx.x / 32;
   const int64_t packs = p.F / 8, T = (packs + kColPacks - 1) / kColPacks;
   const int64_t items = (M / kTileRows + p.G + 1) * T;
-  const auto* g8 = reinterpret_cast<const Pack8*>(g);
-  const auto* u8 = reinterpret_cast<const Pack8*>(u);
-  const auto* da8 = reinterpret_cast<const Pack8*>(da);
+  const auto* g8 = reinterpret_cast<const AlignedPack8*>(g);
+  const auto* u8 = reinterpret_cast<const AlignedPack8*>(u);
+  const auto* da8 = reinterpret_cast<const AlignedPack8*>(da);
   float* const parts[2] = {part1, part3};
   for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
     const int64_t slot = w / T, ct = w % T;
@@ -344,11 +351,11 @@ glu_kernel_row_tiles(const __nv_bfloat16* __restrict__ g, const __nv_bfloat16* _
     float acc[2][8] = {};
     if (pk < packs) {
       const bool has_b1 = p.b1 != nullptr && sums, has_b3 = p.b3 != nullptr && sums;
-      Pack8 pb1, pb3;
-      if (has_b1) pb1 = *reinterpret_cast<const Pack8*>(p.b1 + t.grp * p.F + pk * 8);
-      if (has_b3) pb3 = *reinterpret_cast<const Pack8*>(p.b3 + t.grp * p.F + pk * 8);
+      AlignedPack8 pb1, pb3;
+      if (has_b1) pb1 = *reinterpret_cast<const AlignedPack8*>(p.b1 + t.grp * p.F + pk * 8);
+      if (has_b3) pb3 = *reinterpret_cast<const AlignedPack8*>(p.b3 + t.grp * p.F + pk * 8);
       for (int64_t m0 = t.lo + r; m0 < t.hi; m0 += kRowLanes * kBatch) {
-        Pack8 pg[kBatch], pu[kBatch], pda[kBatch];
+        AlignedPack8 pg[kBatch], pu[kBatch], pda[kBatch];
 #pragma unroll
         for (int k = 0; k < kBatch; ++k) {
           const int64_t m = m0 + k * kRowLanes;
@@ -362,11 +369,11 @@ glu_kernel_row_tiles(const __nv_bfloat16* __restrict__ g, const __nv_bfloat16* _
         for (int k = 0; k < kBatch; ++k) {
           const int64_t m = m0 + k * kRowLanes;
           if (m < t.hi) {
-            Pack8 pa, pdg, pdu;
+            AlignedPack8 pa, pdg, pdu;
             glu_pack<true>(p, pg[k], pu[k], pda[k], has_b1, pb1, has_b3, pb3, pa, pdg, pdu);
-            reinterpret_cast<Pack8*>(a)[m * packs + pk] = pa;
-            reinterpret_cast<Pack8*>(dg)[m * packs + pk] = pdg;
-            reinterpret_cast<Pack8*>(du)[m * packs + pk] = pdu;
+            reinterpret_cast<AlignedPack8*>(a)[m * packs + pk] = pa;
+            reinterpret_cast<AlignedPack8*>(dg)[m * packs + pk] = pdg;
+            reinterpret_cast<AlignedPack8*>(du)[m * packs + pk] = pdu;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
               acc[0][j] += __bfloat162float(pdg.v[j]);
@@ -395,8 +402,8 @@ bias_scale_rows_bwd_kernel(const __nv_bfloat16* __restrict__ dz,
   const int lane = threadIdx.x % 32, r = threadIdx.x / 32;
   const int64_t packs = D / 8, T = (packs + kColPacks - 1) / kColPacks;
   const int64_t items = (M / kTileRows + G + 1) * T;
-  const auto* dz8 = reinterpret_cast<const Pack8*>(dz);
-  const auto* y8 = reinterpret_cast<const Pack8*>(y);
+  const auto* dz8 = reinterpret_cast<const AlignedPack8*>(dz);
+  const auto* y8 = reinterpret_cast<const AlignedPack8*>(y);
   float* const parts[1] = {part2};
   for (int64_t wi = blockIdx.x; wi < items; wi += gridDim.x) {
     const int64_t slot = wi / T, ct = wi % T;
@@ -406,11 +413,11 @@ bias_scale_rows_bwd_kernel(const __nv_bfloat16* __restrict__ dz,
     const bool has_b = b2 != nullptr && t.grp < G;
     const int64_t pk = ct * kColPacks + lane;
     const bool live = pk < packs;  // the lane has a pack (the warp's rows are the same anyway)
-    Pack8 pb;
-    if (has_b && live) pb = *reinterpret_cast<const Pack8*>(b2 + t.grp * D + pk * 8);
+    AlignedPack8 pb;
+    if (has_b && live) pb = *reinterpret_cast<const AlignedPack8*>(b2 + t.grp * D + pk * 8);
     float acc[1][8] = {};
     for (int64_t m0 = t.lo + r; m0 < t.hi; m0 += kRowLanes * kBatch) {
-      Pack8 pdz[kBatch], py[kBatch];
+      AlignedPack8 pdz[kBatch], py[kBatch];
       float wr[kBatch];
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
@@ -429,7 +436,7 @@ bias_scale_rows_bwd_kernel(const __nv_bfloat16* __restrict__ dz,
         if (m >= t.hi) continue;  // (the same for the whole warp)
         float dot = 0.f;
         if (live) {
-          Pack8 pdy;
+          AlignedPack8 pdy;
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             const float d = __bfloat162float(pdz[k].v[j]);
@@ -439,7 +446,7 @@ bias_scale_rows_bwd_kernel(const __nv_bfloat16* __restrict__ dz,
             pdy.v[j] = __float2bfloat16_rn(d * wr[k]);
             acc[0][j] += __bfloat162float(pdy.v[j]);
           }
-          reinterpret_cast<Pack8*>(dy)[m * packs + pk] = pdy;
+          reinterpret_cast<AlignedPack8*>(dy)[m * packs + pk] = pdy;
         }
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) dot += __shfl_down_sync(0xffffffffu, dot, off);
