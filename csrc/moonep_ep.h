@@ -447,7 +447,8 @@ MOONEP_EXPORT int64_t moonep_ep_row_tile_work(int64_t M, int G, int64_t C, int n
  * columns, in a tile 8 row lanes (lane r: rows r, r + 8, ... ascending) added in lane order,
  * then a group's tiles ascending (run to run bitwise and for any num_sms; no atomics; not
  * torch's order).  Rows past cu[G-1] are not summed (their values may be anything, NaN too).
- * Two kernels: the row tiles, then the sums over each group's tiles.
+ * Two kernels: the row tiles (a block of 256 threads per tile and 256 columns, at most
+ * 32*num_sms blocks, taking the rest grid-stride), then the sums over each group's tiles.
  *
  * @param g, u, da    device bf16 [M, F]: as moonep_ep_glu_bwd.
  * @param b1, b3      device bf16 [G, F] per-group gate / up biases, or null (no bias).
@@ -492,7 +493,7 @@ MOONEP_EXPORT int moonep_ep_bias_scale_rows(const void* y, const void* b2, const
  * thread's 8, then a shuffle tree over the warp; then the 256-column sums ascending: not
  * torch's order), every row of [M, D]; with db2, db2[g] = sum of dy's rows of group g in fp32,
  * in the order of moonep_ep_glu_bwd_bias_grads's sums (rows past cu[G-1] not summed).  Two
- * kernels: the row tiles, then the sums over the tiles.
+ * kernels, as there: the row tiles, then the sums over the tiles.
  *
  * @param dz       device bf16 [M, D]: the grad of z.
  * @param y, b2, cu, G, D, w  as moonep_ep_bias_scale_rows (cu ascending, cu[G-1] <= M).
