@@ -38,7 +38,7 @@
 #include <cuda_runtime_api.h>  // cudaStream_t
 
 // Bumped whenever an exported signature changes (moonep_ops/native.py checks it at load).
-#define MOONEP_EP_ABI_VERSION 6
+#define MOONEP_EP_ABI_VERSION 7
 
 #ifdef __cplusplus
 #define MOONEP_EXPORT extern "C" __attribute__((visibility("default")))
@@ -424,6 +424,54 @@ MOONEP_EXPORT int moonep_ep_glu_bwd(const void* g, const void* u, const void* da
                                     float offset, int num_sms, void* stream);
 
 /**
+ * The fp32 elements of the workspace (`work`) that moonep_ep_glu_bwd_bias_grads (num_sums 2,
+ * row_dots 0) or moonep_ep_bias_scale_rows_bwd (num_sums 1 with db2 else 0, row_dots 1) needs:
+ * num_sums tile-sum arrays [M / 128 + G + 1, C] (one row per tile of up to 128 rows of one
+ * group), then with row_dots the row sums per 256 columns [ceil(C / 256), M].  Host only;
+ * -1 for M < 0, G < 1, C <= 0 or num_sums < 0.
+ *
+ * @param M         rows of the tensors.
+ * @param G         groups (the length of cu).
+ * @param C         columns: F or D.
+ * @param num_sums  tensors whose group sums the call makes.
+ * @param row_dots  non-zero: the call also sums each row (d_rows).
+ */
+MOONEP_EXPORT int64_t moonep_ep_row_tile_work(int64_t M, int G, int64_t C, int num_sums,
+                                              int row_dots);
+
+/**
+ * moonep_ep_glu_bwd with the bias grads in the same pass (the experts with biases): dg, du, a
+ * bitwise moonep_ep_glu_bwd's, for every row of [M, F] (rows past cu[G-1] included, with no
+ * bias), and db1[g] = sum of dg's rows of group g, db3[g] = the same of du, in fp32 over the
+ * bf16 values, in an order fixed by the code: tiles of up to 128 rows of one group by 256
+ * columns, in a tile 8 row lanes (lane r: rows r, r + 8, ... ascending) added in lane order,
+ * then a group's tiles ascending (run to run bitwise and for any num_sms; no atomics; not
+ * torch's order).  Rows past cu[G-1] are not summed (their values may be anything, NaN too).
+ * Two kernels: the row tiles (a block of 256 threads per tile and 256 columns, at most
+ * 32*num_sms blocks, taking the rest grid-stride), then the sums over each group's tiles.
+ *
+ * @param g, u, da    device bf16 [M, F]: as moonep_ep_glu_bwd.
+ * @param b1, b3      device bf16 [G, F] per-group gate / up biases, or null (no bias).
+ * @param cu          device int32 [G]: inclusive end rows of the groups, ascending, cu[G-1] <= M.
+ * @param G           groups, >= 1.
+ * @param F           columns, a multiple of 8 (else cudaErrorInvalidValue).
+ * @param dg, du, a   device bf16 [M, F], outputs.
+ * @param db1, db3    device fp32 [G, F], outputs, every element written (an empty group: 0).
+ * @param work        device fp32 workspace of moonep_ep_row_tile_work(M, G, F, 2, 0) elements
+ *                    (its contents on entry are not read).
+ * @param M           rows, >= 0 (M = 0: db1, db3 zero).
+ * @param alpha, limit, offset  the activation's parameters.
+ * @param num_sms     SMs of the device (sizes the grids, not the results; <= 0: 132).
+ * @param stream      cudaStream_t to launch on.
+ */
+MOONEP_EXPORT int moonep_ep_glu_bwd_bias_grads(const void* g, const void* u, const void* da,
+                                               const void* b1, const void* b3, const void* cu,
+                                               int G, int64_t F, void* dg, void* du, void* a,
+                                               void* db1, void* db3, void* work, int64_t M,
+                                               float alpha, float limit, float offset,
+                                               int num_sms, void* stream);
+
+/**
  * The route-weight pass of moonep::moe_experts_ext with the down bias:
  * z[m] = bf16((y[m] + b2[grp(m)]) * w[m]), fp32 math (bitwise the torch formula).
  *
@@ -440,24 +488,29 @@ MOONEP_EXPORT int moonep_ep_bias_scale_rows(const void* y, const void* b2, const
                                             int num_sms, void* stream);
 
 /**
- * Its backward: dy[m] = bf16(dz[m] * w[m]) and d_rows[m] = sum_D dz * (y + b2[grp(m)]) in fp32
- * (one warp per row: another summation order than torch's).  Arguments as above; dz device bf16
- * [M, D]; dy device bf16 [M, D] and d_rows device fp32 [M] are written.
+ * Its backward, with the down bias's grad in the same pass: dy[m] = bf16(dz[m] * w[m]) (bitwise
+ * the torch formula), d_rows[m] = sum_D dz * (y + b2[grp(m)]) in fp32 (per 256 columns: each
+ * thread's 8, then a shuffle tree over the warp; then the 256-column sums ascending: not
+ * torch's order), every row of [M, D]; with db2, db2[g] = sum of dy's rows of group g in fp32,
+ * in the order of moonep_ep_glu_bwd_bias_grads's sums (rows past cu[G-1] not summed).  Two
+ * kernels, as there: the row tiles, then the sums over the tiles.
+ *
+ * @param dz       device bf16 [M, D]: the grad of z.
+ * @param y, b2, cu, G, D, w  as moonep_ep_bias_scale_rows (cu ascending, cu[G-1] <= M).
+ * @param dy       device bf16 [M, D], output.
+ * @param d_rows   device fp32 [M], output.
+ * @param db2      device fp32 [G, D], output (every element written; an empty group: 0), or
+ *                 null (no sums).
+ * @param work     device fp32 workspace of moonep_ep_row_tile_work(M, G, D, db2 ? 1 : 0, 1)
+ *                 elements (its contents on entry are not read).
+ * @param M        rows, >= 0.
+ * @param num_sms  SMs of the device (sizes the grids, not the results; <= 0: 132).
+ * @param stream   cudaStream_t to launch on.
  */
 MOONEP_EXPORT int moonep_ep_bias_scale_rows_bwd(const void* dz, const void* y, const void* b2,
                                                 const void* cu, int G, int64_t D, const void* w,
-                                                void* dy, void* d_rows, int64_t M, int num_sms,
-                                                void* stream);
-
-/**
- * The bias grads: out[g, c] = sum over group g's rows of x[m, c], fp32, in an order fixed by
- * the code (64 row lanes, each ascending, then added in lane order: run to run bitwise, not
- * torch's order).  x device bf16 [M, C] (C a multiple of 8); cu device int32 [G], 1 <= G <=
- * 65535; out device fp32 [G, C], every element written.  num_sms is not used (the grid is one
- * block per group and 32 columns).
- */
-MOONEP_EXPORT int moonep_ep_group_sums(const void* x, const void* cu, int G, int64_t C, void* out,
-                                       int num_sms, void* stream);
+                                                void* dy, void* d_rows, void* db2, void* work,
+                                                int64_t M, int num_sms, void* stream);
 
 // =============================================================================================
 // Device planner (plan_kernels.cu): the planner of policies "moonep" and "cost" on the device,

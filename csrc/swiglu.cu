@@ -131,6 +131,13 @@ int blocks_for(int64_t n, int num_sms) {
   return static_cast<int>(want < 1 ? 1 : (want > cap ? cap : want));
 }
 
+// The gated variant's pack of 8 bf16, 16-byte aligned: one 16-byte access each (ld.global.v4,
+// st.global.v4), where a 2-byte aligned struct compiles to eight 2-byte accesses (Pack8 does).
+// Its pointers are 16-byte aligned: bases checked by the callers, offsets multiples of 8.
+struct alignas(16) AlignedPack8 {
+  __nv_bfloat16 v[8];
+};
+
 // The gated variant: every pack of 8 lies in one row (F % 8 == 0), whose group g (the number of
 // inclusive ends cu[0..G-1] <= row, G for rows past the last group: bias 0, output unread) picks
 // the bias rows.
@@ -152,6 +159,35 @@ __device__ __forceinline__ int group_of_row(const int* cu, int G, int64_t row) {
   return lo;
 }
 
+// One pack of the gated variant (the formulas at the top), shared by both traversals
+// (glu_kernel, glu_kernel_row_tiles): their a, dg and du are bitwise equal.  pda, pb1, pb3 are
+// read only when kBwd, has_b1, has_b3.
+template <bool kBwd>
+__device__ __forceinline__ void glu_pack(const GluParams& p, const AlignedPack8& pg, const AlignedPack8& pu,
+                                         const AlignedPack8& pda, bool has_b1, const AlignedPack8& pb1,
+                                         bool has_b3, const AlignedPack8& pb3, AlignedPack8& pa, AlignedPack8& pdg,
+                                         AlignedPack8& pdu) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float gv = __bfloat162float(pg.v[j]), uv = __bfloat162float(pu.v[j]);
+    if (has_b1) gv = gv + __bfloat162float(pb1.v[j]);
+    if (has_b3) uv = uv + __bfloat162float(pb3.v[j]);
+    const float gc = fminf(gv, p.limit), uc = fminf(fmaxf(uv, -p.limit), p.limit);
+    const float sig = sigmoidf_(p.alpha * gc);
+    const float s = gc * sig;
+    const float up = uc + p.offset;
+    pa.v[j] = __float2bfloat16_rn(s * up);
+    if (kBwd) {
+      const float d = __bfloat162float(pda.v[j]);
+      const float dgv = d * up * (sig * (1.f + p.alpha * gc * (1.f - sig)));
+      const float duv = d * s;
+      pdg.v[j] = __float2bfloat16_rn(gv <= p.limit ? dgv : 0.f);
+      pdu.v[j] = __float2bfloat16_rn(uv >= -p.limit && uv <= p.limit ? duv : 0.f);
+    }
+  }
+}
+
+// The forward, and the backward without biases: a grid-stride loop over the packs of [M, F].
 template <bool kBwd>
 __global__ void glu_kernel(const __nv_bfloat16* __restrict__ g, const __nv_bfloat16* __restrict__ u,
                            const __nv_bfloat16* __restrict__ da, __nv_bfloat16* __restrict__ a,
@@ -162,34 +198,17 @@ __global__ void glu_kernel(const __nv_bfloat16* __restrict__ g, const __nv_bfloa
        i += stride) {
     const int64_t row = (i * 8) / p.F, col = (i * 8) % p.F;
     const int grp = group_of_row(p.cu, p.G, row);
-    Pack8 pg = reinterpret_cast<const Pack8*>(g)[i], pu = reinterpret_cast<const Pack8*>(u)[i];
-    Pack8 pb1, pb3, pda, pa, pdg, pdu;
+    AlignedPack8 pg = reinterpret_cast<const AlignedPack8*>(g)[i], pu = reinterpret_cast<const AlignedPack8*>(u)[i];
+    AlignedPack8 pb1, pb3, pda, pa, pdg, pdu;
     const bool has_b1 = p.b1 != nullptr && grp < p.G, has_b3 = p.b3 != nullptr && grp < p.G;
-    if (has_b1) pb1 = *reinterpret_cast<const Pack8*>(p.b1 + grp * p.F + col);
-    if (has_b3) pb3 = *reinterpret_cast<const Pack8*>(p.b3 + grp * p.F + col);
-    if (kBwd) pda = reinterpret_cast<const Pack8*>(da)[i];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float gv = __bfloat162float(pg.v[j]), uv = __bfloat162float(pu.v[j]);
-      if (has_b1) gv = gv + __bfloat162float(pb1.v[j]);
-      if (has_b3) uv = uv + __bfloat162float(pb3.v[j]);
-      const float gc = fminf(gv, p.limit), uc = fminf(fmaxf(uv, -p.limit), p.limit);
-      const float sig = sigmoidf_(p.alpha * gc);
-      const float s = gc * sig;
-      const float up = uc + p.offset;
-      pa.v[j] = __float2bfloat16_rn(s * up);
-      if (kBwd) {
-        const float d = __bfloat162float(pda.v[j]);
-        const float dgv = d * up * (sig * (1.f + p.alpha * gc * (1.f - sig)));
-        const float duv = d * s;
-        pdg.v[j] = __float2bfloat16_rn(gv <= p.limit ? dgv : 0.f);
-        pdu.v[j] = __float2bfloat16_rn(uv >= -p.limit && uv <= p.limit ? duv : 0.f);
-      }
-    }
-    reinterpret_cast<Pack8*>(a)[i] = pa;
+    if (has_b1) pb1 = *reinterpret_cast<const AlignedPack8*>(p.b1 + grp * p.F + col);
+    if (has_b3) pb3 = *reinterpret_cast<const AlignedPack8*>(p.b3 + grp * p.F + col);
+    if (kBwd) pda = reinterpret_cast<const AlignedPack8*>(da)[i];
+    glu_pack<kBwd>(p, pg, pu, pda, has_b1, pb1, has_b3, pb3, pa, pdg, pdu);
+    reinterpret_cast<AlignedPack8*>(a)[i] = pa;
     if (kBwd) {
-      reinterpret_cast<Pack8*>(dg)[i] = pdg;
-      reinterpret_cast<Pack8*>(du)[i] = pdu;
+      reinterpret_cast<AlignedPack8*>(dg)[i] = pdg;
+      reinterpret_cast<AlignedPack8*>(du)[i] = pdu;
     }
   }
 }
@@ -224,10 +243,10 @@ __global__ void bias_scale_rows_kernel(const __nv_bfloat16* __restrict__ y,
        i += stride) {
     const int64_t row = (i * 8) / D, col = (i * 8) % D;
     const int grp = group_of_row(cu, G, row);
-    const Pack8 py = reinterpret_cast<const Pack8*>(y)[i];
-    Pack8 pb, pz;
+    const AlignedPack8 py = reinterpret_cast<const AlignedPack8*>(y)[i];
+    AlignedPack8 pb, pz;
     const bool has_b = b2 != nullptr && grp < G;
-    if (has_b) pb = *reinterpret_cast<const Pack8*>(b2 + grp * D + col);
+    if (has_b) pb = *reinterpret_cast<const AlignedPack8*>(b2 + grp * D + col);
     const float wr = w[row];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -235,92 +254,280 @@ __global__ void bias_scale_rows_kernel(const __nv_bfloat16* __restrict__ y,
       if (has_b) v = v + __bfloat162float(pb.v[j]);
       pz.v[j] = __float2bfloat16_rn(v * wr);
     }
-    reinterpret_cast<Pack8*>(z)[i] = pz;
+    reinterpret_cast<AlignedPack8*>(z)[i] = pz;
   }
 }
 
-// Its backward, one warp per row: dy[m] = bf16(dz[m] * w[m]) and
-// d_rows[m] = sum_D dz[m] * (y[m] + b2[grp(m)]) in fp32 (lanes strided over the row's packs,
-// then a shuffle reduction: fp32 sums in another order than torch's, not bitwise).
-__global__ void bias_scale_rows_bwd_kernel(const __nv_bfloat16* __restrict__ dz,
-                                           const __nv_bfloat16* __restrict__ y,
-                                           const __nv_bfloat16* __restrict__ b2,
-                                           const int* __restrict__ cu, int G, int64_t D,
-                                           const float* __restrict__ w,
-                                           __nv_bfloat16* __restrict__ dy,
-                                           float* __restrict__ d_rows, int64_t M) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  const int64_t packs = D / 8;
-  for (int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
-       row < M; row += warps) {
-    const int grp = group_of_row(cu, G, row);
-    const bool has_b = b2 != nullptr && grp < G;
-    const float wr = w[row];
-    float acc = 0.f;
-    for (int64_t p = lane; p < packs; p += 32) {
-      const int64_t i = row * packs + p;
-      const Pack8 pdz = reinterpret_cast<const Pack8*>(dz)[i];
-      const Pack8 py = reinterpret_cast<const Pack8*>(y)[i];
-      Pack8 pb, pdy;
-      if (has_b) pb = *reinterpret_cast<const Pack8*>(b2 + grp * D + p * 8);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float d = __bfloat162float(pdz.v[j]);
-        float v = __bfloat162float(py.v[j]);
-        if (has_b) v = v + __bfloat162float(pb.v[j]);
-        acc += d * v;
-        pdy.v[j] = __float2bfloat16_rn(d * wr);
-      }
-      reinterpret_cast<Pack8*>(dy)[i] = pdy;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
-    if (lane == 0) d_rows[row] = acc;
-  }
+// ---------------------------------------------------------------------------------------------
+// Row tiles: the bias grads summed inside the backward passes that write dg, du and dy, so no
+// pass re-reads them.  db1, db3, db2 [G, C] are each group's column sums of dg's, du's and dy's
+// bf16 values, in fp32.
+//
+// The two backward kernels below walk [M, C] in tiles of up to kTileRows consecutive rows of
+// one group by kTileCols columns.  A group's tiles start at its first row and the last one is
+// cut short at its end, so no tile mixes two groups whatever their sizes (the Buffer's
+// token_padding aligns nothing here).  Group g (rows [lo_g, hi_g), lo_g = cu[g-1]) owns the
+// partial-sum rows ("slots") base(g) .. base(g) + ceil((hi_g - lo_g) / kTileRows) - 1 with
+// base(g) = floor(lo_g / kTileRows) + g, which end before base(g + 1); the rows past cu[G-1]
+// (the tail, g = G, to M) follow, processed like the others but summed into nothing.  So
+// M / kTileRows + G + 1 slots cover every row, at most one unused after each group's tiles and
+// one after the tail's (their blocks return at once).  The FP8 wgrad's token tiles are laid out
+// the same way (docs/fp8.md).
+//
+// Summation order, fixed by the code alone (run to run and for any grid or SM count bitwise, no
+// atomics): in a tile, row lane r (warp r) adds rows lo + r, lo + r + kRowLanes, ... in
+// ascending order; the row lanes are added in lane order into the tile's slot row of `part`
+// [slots, C]; group_sums_finish_kernel adds a group's slot rows in ascending order into
+// [G, C] (an empty group: 0).  Work items: (slot, column tile), slot-major.
+// ---------------------------------------------------------------------------------------------
+constexpr int kTileRows = 128;
+constexpr int kColPacks = 32;  // a warp's lanes along the row: one pack each, 512 bytes a row
+constexpr int kTileCols = kColPacks * 8;
+constexpr int kRowLanes = 8;   // warps of a block, each its own rows of the tile
+constexpr int kTileThreads = kColPacks * kRowLanes;
+constexpr int kBatch = 2;      // rows a thread loads before it uses the first: 96 (glu) / 64
+                               // bytes in flight a thread; 4 costs registers (glu: 188, one
+                               // block an SM) for no more bytes in flight an SM
+constexpr int kSumStride = kColPacks * 9;  // a row lane's sums in shared memory: lane's 8 at
+                                           // lane * 9 (the odd stride: conflict-free banks)
+static_assert(kTileThreads == kTileCols, "the tile's sums: one column per thread");
+
+int64_t tile_slots(int64_t M, int G) { return M / kTileRows + G + 1; }
+int64_t col_tiles(int64_t C) { return (C + kTileCols - 1) / kTileCols; }
+
+// A block per work item up to 32 per SM (the hardware's block scheduler balances the tiles;
+// beyond that the blocks take the items grid-stride).
+int tile_blocks(int64_t items, int num_sms) {
+  const int64_t cap = static_cast<int64_t>(num_sms > 0 ? num_sms : 132) * 32;
+  return static_cast<int>(items < 1 ? 1 : (items > cap ? cap : items));
 }
 
-// The bias grads: out[g, c] = sum of x[m, c] over group g's rows, fp32, in an order fixed by
-// the code (not by the grid or the SM count: run to run bitwise, no atomics); rows past cu[G-1]
-// are not read.  Block (t, g) sums the kSumPacks * 8 columns of tile t over group g's rows with
-// kSumLanes row lanes: lane r adds rows lo + r, lo + r + kSumLanes, ... in ascending order, then
-// the lanes' sums are added in lane order.  Why blocks of row lanes, not one thread per
-// (group, 8 columns) walking all its group's rows: at gpt-oss-120b's sizes (16 non-empty groups
-// of ~2k rows, C = 2880) that is 5760 threads, 23 blocks on 23 SMs, a fraction of the memory
-// bandwidth (~1 ms per call, estimated, against ~70 us to read the [32k, 2880] bf16 input
-// once); here each group has ceil(C / 32) blocks of 256 threads (1440 blocks in all).
-constexpr int kSumPacks = 4;   // 32 columns (64 bytes of a row) per block
-constexpr int kSumLanes = 64;  // row lanes per block
-constexpr int kSumThreads = kSumPacks * kSumLanes;
+__device__ __forceinline__ int64_t group_first_row(const int* cu, int g) {
+  return g == 0 ? 0 : static_cast<int64_t>(cu[g - 1]);
+}
 
-__global__ void __launch_bounds__(kSumThreads)
-group_sums_kernel(const __nv_bfloat16* __restrict__ x, const int* __restrict__ cu, int64_t C,
-                  float* __restrict__ out) {
-  __shared__ float part[kSumLanes][kSumPacks * 8];
-  const int g = blockIdx.y;
-  const int pl = threadIdx.x % kSumPacks, lane = threadIdx.x / kSumPacks;
-  const int64_t packs = C / 8;
-  const int64_t p = static_cast<int64_t>(blockIdx.x) * kSumPacks + pl;
-  const int64_t lo = g == 0 ? 0 : cu[g - 1], hi = cu[g];
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (p < packs) {
-#pragma unroll 4
-    for (int64_t m = lo + lane; m < hi; m += kSumLanes) {
-      const Pack8 px = reinterpret_cast<const Pack8*>(x)[m * packs + p];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] += __bfloat162float(px.v[j]);
-    }
+__device__ __forceinline__ int64_t slot_base(const int* cu, int g) {
+  return group_first_row(cu, g) / kTileRows + g;
+}
+
+struct RowTile {
+  int64_t lo, hi;  // rows [lo, hi); empty for an unused slot
+  int grp;         // their group, G for the tail
+};
+
+__device__ __forceinline__ RowTile row_tile(const int* cu, int G, int64_t M, int64_t slot) {
+  int lo = 0, hi = G;  // the last g in [0, G] with base(g) <= slot (base(0) = 0)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (slot_base(cu, mid) <= slot) lo = mid; else hi = mid - 1;
   }
+  const int64_t first = group_first_row(cu, lo) + (slot - slot_base(cu, lo)) * kTileRows;
+  const int64_t end = lo < G ? static_cast<int64_t>(cu[lo]) : M;
+  return {first, first + kTileRows < end ? first + kTileRows : end, lo};
+}
+
+// The tile's sums into its slot row of each part[q] [slots, C]: thread (lane, row lane r) holds
+// acc[q][j], its rows' sum at column lane * 8 + j of the column tile starting at col0; the row
+// lanes are added in lane order.  Called by every thread of the block.
+template <int N>
+__device__ __forceinline__ void store_tile_sums(const float (&acc)[N][8], float* sm,
+                                                float* const (&part)[N], int64_t slot,
+                                                int64_t col0, int64_t C) {
+  const int lane = threadIdx.x % 32, r = threadIdx.x / 32;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) part[lane][pl * 8 + j] = acc[j];
+  for (int q = 0; q < N; ++q) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sm[(q * kRowLanes + r) * kSumStride + lane * 9 + j] = acc[q][j];
+  }
   __syncthreads();
   const int c = threadIdx.x;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * (kSumPacks * 8) + c;
-  if (c < kSumPacks * 8 && col < C) {
-    float s = 0.f;
-    for (int r = 0; r < kSumLanes; ++r) s += part[r][c];
-    out[g * C + col] = s;
+  if (col0 + c < C) {
+#pragma unroll
+    for (int q = 0; q < N; ++q) {
+      float s = 0.f;
+#pragma unroll
+      for (int rl = 0; rl < kRowLanes; ++rl) {
+        s += sm[(q * kRowLanes + rl) * kSumStride + (c / 8) * 9 + c % 8];
+      }
+      part[q][slot * C + col0 + c] = s;
+    }
   }
+  __syncthreads();  // sm is the next tile's
+}
+
+// The gated variant's backward with the bias grads' tile sums: a, dg, du as glu_kernel<true>
+// writes them (glu_pack: bitwise), every row of [M, F] included; part1, part3 [slots, F]: the
+// tile sums of dg's and du's bf16 values (the tail's tiles write none).
+__global__ void __launch_bounds__(kTileThreads)
+glu_kernel_row_tiles(const __nv_bfloat16* __restrict__ g, const __nv_bfloat16* __restrict__ u,
+                     const __nv_bfloat16* __restrict__ da, __nv_bfloat16* __restrict__ a,
+                     __nv_bfloat16* __restrict__ dg, __nv_bfloat16* __restrict__ du, GluParams p,
+                     int64_t M, float* __restrict__ part1, float* __restrict__ part3) {
+  __shared__ float sm[2 * kRowLanes * kSumStride];
+  const int lane = threadIdx.x % 32, r = threadIdx.x / 32;
+  const int64_t packs = p.F / 8, T = (packs + kColPacks - 1) / kColPacks;
+  const int64_t items = (M / kTileRows + p.G + 1) * T;
+  const auto* g8 = reinterpret_cast<const AlignedPack8*>(g);
+  const auto* u8 = reinterpret_cast<const AlignedPack8*>(u);
+  const auto* da8 = reinterpret_cast<const AlignedPack8*>(da);
+  float* const parts[2] = {part1, part3};
+  for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
+    const int64_t slot = w / T, ct = w % T;
+    const RowTile t = row_tile(p.cu, p.G, M, slot);
+    if (t.lo >= t.hi) continue;  // an unused slot (the whole block)
+    const bool sums = t.grp < p.G;
+    const int64_t pk = ct * kColPacks + lane;
+    float acc[2][8] = {};
+    if (pk < packs) {
+      const bool has_b1 = p.b1 != nullptr && sums, has_b3 = p.b3 != nullptr && sums;
+      AlignedPack8 pb1, pb3;
+      if (has_b1) pb1 = *reinterpret_cast<const AlignedPack8*>(p.b1 + t.grp * p.F + pk * 8);
+      if (has_b3) pb3 = *reinterpret_cast<const AlignedPack8*>(p.b3 + t.grp * p.F + pk * 8);
+      for (int64_t m0 = t.lo + r; m0 < t.hi; m0 += kRowLanes * kBatch) {
+        AlignedPack8 pg[kBatch], pu[kBatch], pda[kBatch];
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          const int64_t m = m0 + k * kRowLanes;
+          if (m < t.hi) {
+            pg[k] = g8[m * packs + pk];
+            pu[k] = u8[m * packs + pk];
+            pda[k] = da8[m * packs + pk];
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          const int64_t m = m0 + k * kRowLanes;
+          if (m < t.hi) {
+            AlignedPack8 pa, pdg, pdu;
+            glu_pack<true>(p, pg[k], pu[k], pda[k], has_b1, pb1, has_b3, pb3, pa, pdg, pdu);
+            reinterpret_cast<AlignedPack8*>(a)[m * packs + pk] = pa;
+            reinterpret_cast<AlignedPack8*>(dg)[m * packs + pk] = pdg;
+            reinterpret_cast<AlignedPack8*>(du)[m * packs + pk] = pdu;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              acc[0][j] += __bfloat162float(pdg.v[j]);
+              acc[1][j] += __bfloat162float(pdu.v[j]);
+            }
+          }
+        }
+      }
+    }
+    if (sums) store_tile_sums<2>(acc, sm, parts, slot, ct * kTileCols, p.F);
+  }
+}
+
+// The route-weight pass's backward, in row tiles: dy[m] = bf16(dz[m] * w[m]); d_part [T, M]:
+// row m's sum over column tile ct of dz * (y + b2[grp(m)]) in fp32 (each lane its 8 columns,
+// then a shuffle tree over the warp), summed over the tiles by group_sums_finish_kernel; with
+// part2 [slots, D] the tile sums of dy's bf16 values (null: none).
+__global__ void __launch_bounds__(kTileThreads)
+bias_scale_rows_bwd_kernel(const __nv_bfloat16* __restrict__ dz,
+                           const __nv_bfloat16* __restrict__ y,
+                           const __nv_bfloat16* __restrict__ b2, const int* __restrict__ cu,
+                           int G, int64_t D, const float* __restrict__ w,
+                           __nv_bfloat16* __restrict__ dy, float* __restrict__ d_part,
+                           float* __restrict__ part2, int64_t M) {
+  __shared__ float sm[kRowLanes * kSumStride];
+  const int lane = threadIdx.x % 32, r = threadIdx.x / 32;
+  const int64_t packs = D / 8, T = (packs + kColPacks - 1) / kColPacks;
+  const int64_t items = (M / kTileRows + G + 1) * T;
+  const auto* dz8 = reinterpret_cast<const AlignedPack8*>(dz);
+  const auto* y8 = reinterpret_cast<const AlignedPack8*>(y);
+  float* const parts[1] = {part2};
+  for (int64_t wi = blockIdx.x; wi < items; wi += gridDim.x) {
+    const int64_t slot = wi / T, ct = wi % T;
+    const RowTile t = row_tile(cu, G, M, slot);
+    if (t.lo >= t.hi) continue;  // an unused slot (the whole block)
+    const bool sums = part2 != nullptr && t.grp < G;
+    const bool has_b = b2 != nullptr && t.grp < G;
+    const int64_t pk = ct * kColPacks + lane;
+    const bool live = pk < packs;  // the lane has a pack (the warp's rows are the same anyway)
+    AlignedPack8 pb;
+    if (has_b && live) pb = *reinterpret_cast<const AlignedPack8*>(b2 + t.grp * D + pk * 8);
+    float acc[1][8] = {};
+    for (int64_t m0 = t.lo + r; m0 < t.hi; m0 += kRowLanes * kBatch) {
+      AlignedPack8 pdz[kBatch], py[kBatch];
+      float wr[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int64_t m = m0 + k * kRowLanes;
+        if (m < t.hi) {
+          wr[k] = w[m];
+          if (live) {
+            pdz[k] = dz8[m * packs + pk];
+            py[k] = y8[m * packs + pk];
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int64_t m = m0 + k * kRowLanes;
+        if (m >= t.hi) continue;  // (the same for the whole warp)
+        float dot = 0.f;
+        if (live) {
+          AlignedPack8 pdy;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float d = __bfloat162float(pdz[k].v[j]);
+            float v = __bfloat162float(py[k].v[j]);
+            if (has_b) v = v + __bfloat162float(pb.v[j]);
+            dot += d * v;
+            pdy.v[j] = __float2bfloat16_rn(d * wr[k]);
+            acc[0][j] += __bfloat162float(pdy.v[j]);
+          }
+          reinterpret_cast<AlignedPack8*>(dy)[m * packs + pk] = pdy;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) dot += __shfl_down_sync(0xffffffffu, dot, off);
+        if (lane == 0) d_part[ct * M + m] = dot;
+      }
+    }
+    if (sums) store_tile_sums<1>(acc, sm, parts, slot, ct * kTileCols, D);
+  }
+}
+
+// The sums over the tiles: out[q][g, c] = sum of group g's slot rows of part[q] (ascending);
+// with d_rows, d_rows[m] = sum over the column tiles of d_part[ct, m] (ascending).
+struct FinishParams {
+  const float* part[2];  // [slots, C]
+  float* out[2];         // [G, C] fp32
+  int nsums;             // how many of part / out are used
+  const int* cu;
+  int G;
+  int64_t C;
+  const float* d_part;  // [T, M], or null (then d_rows too)
+  float* d_rows;        // [M]
+  int64_t T, M;
+};
+
+__global__ void group_sums_finish_kernel(FinishParams f) {
+  const int64_t GC = f.G * f.C, n_sums = f.nsums * GC;
+  const int64_t n = n_sums + (f.d_rows != nullptr ? f.M : 0);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += stride) {
+    float s = 0.f;
+    if (i < n_sums) {
+      const int q = static_cast<int>(i / GC);
+      const int g = static_cast<int>((i % GC) / f.C);
+      const int64_t c = i % f.C;
+      const int64_t lo = g == 0 ? 0 : f.cu[g - 1], hi = f.cu[g];
+      const int64_t tiles = hi > lo ? (hi - lo + kTileRows - 1) / kTileRows : 0;
+      const float* part = (q == 0 ? f.part[0] : f.part[1]) + (lo / kTileRows + g) * f.C + c;
+#pragma unroll 4
+      for (int64_t k = 0; k < tiles; ++k) s += part[k * f.C];
+      (q == 0 ? f.out[0] : f.out[1])[i % GC] = s;
+    } else {
+      const int64_t m = i - n_sums;
+      for (int64_t ct = 0; ct < f.T; ++ct) s += f.d_part[ct * f.M + m];
+      f.d_rows[m] = s;
+    }
+  }
+}
+
+void finish_launch(const FinishParams& f, int num_sms, cudaStream_t s) {
+  const int64_t n = f.nsums * f.G * f.C + (f.d_rows != nullptr ? f.M : 0);
+  group_sums_finish_kernel<<<tile_blocks((n + 255) / 256, num_sms), 256, 0, s>>>(f);
 }
 
 }  // namespace
@@ -373,6 +580,37 @@ MOONEP_EXPORT int moonep_ep_glu_bwd(const void* g, const void* u, const void* da
   return fail(cudaGetLastError(), "moonep_ep_glu_bwd");
 }
 
+MOONEP_EXPORT int64_t moonep_ep_row_tile_work(int64_t M, int G, int64_t C, int num_sums,
+                                              int row_dots) {
+  if (M < 0 || G < 1 || C <= 0 || num_sums < 0) return -1;
+  return num_sums * tile_slots(M, G) * C + (row_dots ? col_tiles(C) * M : 0);
+}
+
+MOONEP_EXPORT int moonep_ep_glu_bwd_bias_grads(const void* g, const void* u, const void* da,
+                                               const void* b1, const void* b3, const void* cu,
+                                               int G, int64_t F, void* dg, void* du, void* a,
+                                               void* db1, void* db3, void* work, int64_t M,
+                                               float alpha, float limit, float offset,
+                                               int num_sms, void* stream) {
+  if (M < 0 || F <= 0 || F % 8 || G < 1) {
+    return fail(cudaErrorInvalidValue, "moonep_ep_glu_bwd_bias_grads");
+  }
+  const GluParams p{static_cast<const __nv_bfloat16*>(b1), static_cast<const __nv_bfloat16*>(b3),
+                    static_cast<const int*>(cu), G, F, alpha, limit, offset};
+  auto* part1 = static_cast<float*>(work);
+  auto* part3 = part1 + tile_slots(M, G) * F;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t items = tile_slots(M, G) * col_tiles(F);
+  glu_kernel_row_tiles<<<tile_blocks(items, num_sms), kTileThreads, 0, s>>>(
+      static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(u),
+      static_cast<const __nv_bfloat16*>(da), static_cast<__nv_bfloat16*>(a),
+      static_cast<__nv_bfloat16*>(dg), static_cast<__nv_bfloat16*>(du), p, M, part1, part3);
+  const FinishParams f{{part1, part3}, {static_cast<float*>(db1), static_cast<float*>(db3)}, 2,
+                       p.cu, G, F, nullptr, nullptr, 0, M};
+  finish_launch(f, num_sms, s);
+  return fail(cudaGetLastError(), "moonep_ep_glu_bwd_bias_grads");
+}
+
 MOONEP_EXPORT int moonep_ep_bias_scale_rows(const void* y, const void* b2, const void* cu, int G,
                                             int64_t D, const void* w, void* z, int64_t M,
                                             int num_sms, void* stream) {
@@ -388,33 +626,22 @@ MOONEP_EXPORT int moonep_ep_bias_scale_rows(const void* y, const void* b2, const
 
 MOONEP_EXPORT int moonep_ep_bias_scale_rows_bwd(const void* dz, const void* y, const void* b2,
                                                 const void* cu, int G, int64_t D, const void* w,
-                                                void* dy, void* d_rows, int64_t M, int num_sms,
-                                                void* stream) {
-  if (M <= 0) return 0;
-  if (D <= 0 || D % 8 || G < 1) {
+                                                void* dy, void* d_rows, void* db2, void* work,
+                                                int64_t M, int num_sms, void* stream) {
+  if (M < 0 || D <= 0 || D % 8 || G < 1) {
     return fail(cudaErrorInvalidValue, "moonep_ep_bias_scale_rows_bwd");
   }
-  const int64_t cap = static_cast<int64_t>(num_sms > 0 ? num_sms : 132) * 8;
-  const int64_t want = (M + 7) / 8;  // 8 warps (rows) per 256-thread block
-  const int blocks = static_cast<int>(want < cap ? want : cap);
-  bias_scale_rows_bwd_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  auto* part2 = db2 != nullptr ? static_cast<float*>(work) : nullptr;
+  auto* d_part = static_cast<float*>(work) + (db2 != nullptr ? tile_slots(M, G) * D : 0);
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t items = tile_slots(M, G) * col_tiles(D);
+  bias_scale_rows_bwd_kernel<<<tile_blocks(items, num_sms), kTileThreads, 0, s>>>(
       static_cast<const __nv_bfloat16*>(dz), static_cast<const __nv_bfloat16*>(y),
       static_cast<const __nv_bfloat16*>(b2), static_cast<const int*>(cu), G, D,
-      static_cast<const float*>(w), static_cast<__nv_bfloat16*>(dy),
-      static_cast<float*>(d_rows), M);
+      static_cast<const float*>(w), static_cast<__nv_bfloat16*>(dy), d_part, part2, M);
+  const FinishParams f{{part2, nullptr}, {static_cast<float*>(db2), nullptr},
+                       db2 != nullptr ? 1 : 0, static_cast<const int*>(cu), G, D, d_part,
+                       static_cast<float*>(d_rows), col_tiles(D), M};
+  finish_launch(f, num_sms, s);
   return fail(cudaGetLastError(), "moonep_ep_bias_scale_rows_bwd");
-}
-
-MOONEP_EXPORT int moonep_ep_group_sums(const void* x, const void* cu, int G, int64_t C, void* out,
-                                       int num_sms, void* stream) {
-  (void)num_sms;  // the grid is one block per (group, 32 columns), whatever the SM count
-  if (G < 1 || G > 65535 || C <= 0 || C % 8) {
-    return fail(cudaErrorInvalidValue, "moonep_ep_group_sums");
-  }
-  const int64_t tiles = (C / 8 + kSumPacks - 1) / kSumPacks;
-  group_sums_kernel<<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(G)), kSumThreads, 0,
-                      static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const __nv_bfloat16*>(x), static_cast<const int*>(cu), C,
-      static_cast<float*>(out));
-  return fail(cudaGetLastError(), "moonep_ep_group_sums");
 }

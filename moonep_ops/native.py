@@ -32,7 +32,7 @@ from . import settings
 # Bumped with every exported signature change; the library reports its own value, and a mismatch
 # makes the library "not loadable" rather than risking a call with the wrong arguments.
 GEMM_ABI_VERSION = 8       # cutlass_kernels/moonep_gemm.h (the bf16 exports' ABI)
-EP_ABI_VERSION = 6         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
+EP_ABI_VERSION = 7         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 
 # The FP8 grouped GEMM (moonep_ops/ops/grouped_mm_fp8.py) is a later ABI of libmoonep_gemm.so:
 # ABI 10 = every ABI 8 export unchanged plus GEMM_FP8_PROTOTYPES (ABI 9 had a one-config FP8
@@ -154,10 +154,13 @@ EP_PROTOTYPES: dict[str, tuple] = {
     "moonep_ep_bias_scale_rows": (c_int, [c_void_p, c_void_p, c_void_p, c_int, c_int64, c_void_p,
                                           c_void_p, c_int64, c_int, c_void_p]),
     "moonep_ep_bias_scale_rows_bwd": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int,
-                                              c_int64, c_void_p, c_void_p, c_void_p, c_int64,
-                                              c_int, c_void_p]),
-    "moonep_ep_group_sums": (c_int, [c_void_p, c_void_p, c_int, c_int64, c_void_p, c_int,
-                                     c_void_p]),
+                                              c_int64, c_void_p, c_void_p, c_void_p, c_void_p,
+                                              c_void_p, c_int64, c_int, c_void_p]),
+    "moonep_ep_row_tile_work": (c_int64, [c_int64, c_int, c_int64, c_int, c_int]),
+    "moonep_ep_glu_bwd_bias_grads": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
+                                             c_void_p, c_int, c_int64, c_void_p, c_void_p,
+                                             c_void_p, c_void_p, c_void_p, c_void_p, c_int64,
+                                             c_float, c_float, c_float, c_int, c_void_p]),
     # device planner (csrc/plan_kernels.cu)
     "moonep_plan_prepare": (c_int, []),
     "moonep_plan_workspace_bytes": (c_size_t, [c_int, c_int, c_int, c_int]),

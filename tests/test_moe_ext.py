@@ -91,18 +91,40 @@ def test_glu_swiglu_without_bias_is_swiglu_bitwise(dtype):
         assert torch.equal(x, y)
 
 
-def test_group_sums_fixed_order_and_tail_ignored():
+def test_bias_grad_sums_cpu_and_tail_ignored():
+    """The bias grads off CUDA: reference_group_sums (each group's row sums; rows past the last
+    group, NaN here, not read), which the two backward passes return beside their outputs:
+    scale_rows_biased_backward's db2 (None without b2) and glu_backward_sums's [db1, db3] ([]
+    without biases, the outputs those of run_glu_backward)."""
+    from moonep_ops.ops import moe_experts_ext as mx
     M, G = 25, 5
     cu = _groups(M, G, 5)
-    x = torch.randn(M, 7)
-    x[int(cu[-1]):] = float("nan")                      # unwritten tail rows
-    got = sw.group_sums(x, cu)
+    end = int(cu[-1])
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(M, F, generator=gen)
+    x[end:] = float("nan")                              # unwritten tail rows
+    got = sw.reference_group_sums(x, cu)
     lo = 0
     for g, hi in enumerate(cu.tolist()):
         torch.testing.assert_close(got[g], x[lo:hi].sum(0), rtol=1e-6, atol=1e-6)
         lo = hi
-    assert torch.equal(sw.group_sums(x, cu), got)
-    assert torch.equal(sw.group_sums(x.bfloat16(), cu), sw.group_sums(x.bfloat16().float(), cu))
+    xb = x.bfloat16()
+    assert torch.equal(sw.reference_group_sums(xb, cu), sw.reference_group_sums(xb.float(), cu))
+
+    g, u, da, y, dz = (torch.randn(M, F, generator=gen).bfloat16() for _ in range(5))
+    b1, b3, b2 = (torch.randn(G, F, generator=gen).bfloat16() for _ in range(3))
+    w = torch.rand(M, generator=gen)
+    dy, d_rows, db2 = mx.scale_rows_biased_backward(dz, y, b2, cu, w)
+    assert torch.equal(db2, sw.reference_group_sums(dy, cu))
+    plain = mx.scale_rows_biased_backward(dz, y, None, cu, w)
+    assert plain[2] is None and torch.equal(plain[0], dy)
+    p = sw.glu_params("swiglu_clamped", ALPHA, LIMIT)
+    dg, du, a, sums = mx.glu_backward_sums(g, u, da, b1, b3, cu, *p)
+    assert all(torch.equal(t, r) for t, r in
+               zip((dg, du, a), sw.run_glu_backward(g, u, da, b1, b3, cu, *p)))
+    assert torch.equal(sums[0], sw.reference_group_sums(dg, cu))
+    assert torch.equal(sums[1], sw.reference_group_sums(du, cu))
+    assert mx.glu_backward_sums(g, u, da, None, None, cu, *p)[3] == []
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,9 +12,12 @@ weights applied inside (so the down bias is added in that pass, not in one of it
     dh, dw_M, dw1, dw3, dw2, dbiases = moe_experts_ext_backward(dz, h, w_M, g, u, y, ...)
         dy = dtype(fp32(dz) * w_M), dw_M = sum_D fp32(dz) * (fp32(y) + b2[grp])
         then the bf16 op's backward with the gated activation's, and the bias grads: each
-        group's row sums of dg, du and dy in fp32 (ops/swiglu.py ``group_sums``, a fixed order),
-        rounded once to the biases' dtype; the slot groups' sums land in the pool's gb1, gb3,
-        gb2, and reduce_grad adds them into their owners' with the weight grads.
+        group's row sums of dg, du and dy in fp32, rounded once to the biases' dtype; the slot
+        groups' sums land in the pool's gb1, gb3, gb2, and reduce_grad adds them into their
+        owners' with the weight grads.  CUDA bf16: summed inside the passes that write dy
+        (moonep_ep_bias_scale_rows_bwd) and dg, du (moonep_ep_glu_bwd_bias_grads), in an order
+        fixed by the code (csrc/swiglu.cu "Row tiles": run to run bitwise); elsewhere
+        ops/swiglu.py ``reference_group_sums``.
 
 ``biases``: [] (no biases) or [b1 [B, F] (gate), b3 [B, F] (up), b2 [B, D] (down)], this rank's
 home experts' biases in the weights' dtype; grp = a row's group (``cu_seqlens``): home experts
@@ -26,6 +29,8 @@ this op only when a variant is on.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -34,8 +39,8 @@ from .moe_experts import (ExpertPool, _backend, _call, _check_expert_args, _pool
                           expert_grads)
 from .. import native
 from ..runtime import call_on
-from .swiglu import (_launch_args, _native_ok, _row_bias, check_activation, glu_params, group_sums,
-                     rows_group, run_glu, run_glu_backward)
+from .swiglu import (_glu_native_ok, _launch_args, _native_ok, _ptr, _row_bias, check_activation,
+                     glu_params, reference_group_sums, rows_group, run_glu, run_glu_backward)
 from . import expert_weights as _ew
 
 
@@ -122,30 +127,67 @@ def scale_rows_biased(y: Tensor, b2_G, cu: Tensor, w_M: Tensor) -> Tensor:
     z = torch.empty_like(y)
     sms, stream = _launch_args(y)
     rc = call_on(y.device, native.ep().ep_bias_scale_rows,
-                 y.data_ptr(), b2_G.data_ptr() if b2_G is not None else None, cu.data_ptr(),
-                 cu.shape[0], y.shape[1], w_M.data_ptr(), z.data_ptr(), y.shape[0], sms, stream)
+                 y.data_ptr(), _ptr(b2_G), cu.data_ptr(), cu.shape[0], y.shape[1],
+                 w_M.data_ptr(), z.data_ptr(), y.shape[0], sms, stream)
     if rc:
         native.ep_check(rc, "moonep bias scale rows")
     return z
 
 
+def _row_tile_work(M: int, G: int, C: int, num_sums: int, row_dots: bool, device) -> Tensor:
+    """The fp32 workspace of the row-tile kernels (csrc/swiglu.cu "Row tiles")."""
+    n = native.ep().ep_row_tile_work(M, G, C, num_sums, int(row_dots))
+    return torch.empty(n, dtype=torch.float32, device=device)
+
+
 def scale_rows_biased_backward(dz: Tensor, y: Tensor, b2_G, cu: Tensor, w_M: Tensor
-                               ) -> tuple[Tensor, Tensor]:
-    """(dy = dtype(fp32(dz) * w_M), d_rows = sum_D fp32(dz) * (fp32(y) + b2[grp]) fp32); CUDA
-    bf16: one kernel (moonep_ep_bias_scale_rows_bwd: d_rows summed in another order)."""
+                               ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(dy = dtype(fp32(dz) * w_M), d_rows = sum_D fp32(dz) * (fp32(y) + b2[grp]) fp32, db2):
+    db2 [G, D] fp32 each group's row sums of dy with b2 (the down bias's grad, not rounded),
+    None without.  CUDA bf16: one pass (moonep_ep_bias_scale_rows_bwd: dy bitwise; d_rows and
+    db2 summed in other orders than torch's, fixed ones)."""
     if not _rows_native(y, b2_G, cu, dz) or not w_M.is_contiguous():
         dzf = dz.float()
-        return (dzf * w_M[:, None]).to(dz.dtype), (dzf * biased_y(y, b2_G, cu)).sum(dim=1)
+        dy = (dzf * w_M[:, None]).to(dz.dtype)
+        return (dy, (dzf * biased_y(y, b2_G, cu)).sum(dim=1),
+                reference_group_sums(dy, cu) if b2_G is not None else None)
+    M, D, G = y.shape[0], y.shape[1], cu.shape[0]
     dy = torch.empty_like(dz)
-    d_rows = torch.empty(dz.shape[0], dtype=torch.float32, device=dz.device)
+    d_rows = torch.empty(M, dtype=torch.float32, device=dz.device)
+    db2 = torch.empty(G, D, dtype=torch.float32, device=dz.device) if b2_G is not None else None
+    work = _row_tile_work(M, G, D, int(b2_G is not None), True, dz.device)
     sms, stream = _launch_args(y)
     rc = call_on(y.device, native.ep().ep_bias_scale_rows_bwd,
-                 dz.data_ptr(), y.data_ptr(), b2_G.data_ptr() if b2_G is not None else None,
-                 cu.data_ptr(), cu.shape[0], y.shape[1], w_M.data_ptr(), dy.data_ptr(),
-                 d_rows.data_ptr(), y.shape[0], sms, stream)
+                 dz.data_ptr(), y.data_ptr(), _ptr(b2_G), cu.data_ptr(), G, D, w_M.data_ptr(),
+                 dy.data_ptr(), d_rows.data_ptr(), _ptr(db2), work.data_ptr(), M, sms, stream)
     if rc:
         native.ep_check(rc, "moonep bias scale rows backward")
-    return dy, d_rows
+    return dy, d_rows, db2
+
+
+def glu_backward_sums(g: Tensor, u: Tensor, da: Tensor, b1_G, b3_G, cu: Tensor, alpha: float,
+                      limit: float, offset: float) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """(dg, du, a, sums): the gated variant's backward (ops/swiglu.py ``run_glu_backward``'s
+    values) and, with the biases b1_G, b3_G (both or neither), sums = [db1, db3] [G, F] fp32,
+    each group's row sums of dg and du (the biases' grads, not rounded); [] without.  CUDA bf16:
+    one pass (moonep_ep_glu_bwd_bias_grads: dg, du, a bitwise moonep_ep_glu_bwd's)."""
+    if b1_G is None:
+        return (*run_glu_backward(g, u, da, None, None, cu, alpha, limit, offset), [])
+    if not _glu_native_ok(g, u, b1_G, b3_G, cu, da):
+        dg, du, a = run_glu_backward(g, u, da, b1_G, b3_G, cu, alpha, limit, offset)
+        return dg, du, a, [reference_group_sums(dg, cu), reference_group_sums(du, cu)]
+    M, F, G = g.shape[0], g.shape[1], cu.shape[0]
+    dg, du, a = (torch.empty_like(g) for _ in range(3))
+    db1, db3 = (torch.empty(G, F, dtype=torch.float32, device=g.device) for _ in range(2))
+    work = _row_tile_work(M, G, F, 2, False, g.device)
+    sms, stream = _launch_args(g)
+    rc = call_on(g.device, native.ep().ep_glu_bwd_bias_grads,
+                 g.data_ptr(), u.data_ptr(), da.data_ptr(), b1_G.data_ptr(), b3_G.data_ptr(),
+                 cu.data_ptr(), G, F, dg.data_ptr(), du.data_ptr(), a.data_ptr(), db1.data_ptr(),
+                 db3.data_ptr(), work.data_ptr(), M, alpha, limit, offset, sms, stream)
+    if rc:
+        native.ep_check(rc, "moonep glu backward with bias grads")
+    return dg, du, a, [db1, db3]
 
 
 def moe_experts_ext_body(h: Tensor, row_weights: Tensor, cu_seqlens: Tensor,
@@ -191,14 +233,20 @@ def moe_experts_ext_backward_body(dz: Tensor, h: Tensor, row_weights: Tensor, g:
     _prefetch(p, experts_to_copy, w1, w3, w2, biases)   # slots may hold another layer by now
     cu, B = cu_seqlens, w1.shape[0]
     b1, b3, b2 = group_biases(p, biases)
-    dy, dw_M = _call("moonep::bias_scale_rows_backward", scale_rows_biased_backward,
-                     dz.contiguous(), y, b2, cu, row_weights)
+    dy, dw_M, db2 = _call("moonep::bias_scale_rows_backward", scale_rows_biased_backward,
+                          dz.contiguous(), y, b2, cu, row_weights)
     params = glu_params(activation, alpha, limit)
-    dh, dg, du, d1, d3, d2 = expert_grads(
-        p, dy, h, cu, w1, w3, w2, lambda da: run_glu_backward(g, u, da, b1, b3, cu, *params),
-        need_dh)
+    sums = []                       # [db1, db3] from the activation's backward
+
+    def act_backward(da):
+        dg, du, a, s = glu_backward_sums(g, u, da, b1, b3, cu, *params)
+        sums.extend(s)
+        return dg, du, a
+
+    dh, dg, du, d1, d3, d2 = expert_grads(p, dy, h, cu, w1, w3, w2, act_backward, need_dh)
     local, slots = [d1, d3, d2], [p.g1, p.g3, p.g2]
-    dbiases = _call("moonep::bias_grads", bias_grads, p, dg, du, dy, cu, B) if biases else []
+    dbiases = _call("moonep::bias_grads", bias_grads, p, sums + [db2], B, dy.dtype) \
+        if biases else []
     if biases:
         local, slots = local + dbiases, slots + [p.gb1, p.gb3, p.gb2]
     if d1.dtype in _ew.GRAD_DTYPES:
@@ -225,15 +273,14 @@ def _(dz, h, row_weights, g, u, y, cu_seqlens, experts_to_copy, w1, w3, w2, bias
             [b.new_empty(b.shape) for b in biases])
 
 
-def bias_grads(p: ExpertPool, dg: Tensor, du: Tensor, dy: Tensor, cu: Tensor, B: int
-               ) -> list[Tensor]:
-    """The home experts' bias grads [db1, db3, db2] (each group's row sums of dg, du, dy in
-    fp32, rounded once); the slot groups' sums land in the pool's gb1, gb3, gb2.  Every slot row
-    is written: an empty slot group sums to 0, so the slots stay zero outside a backward, as
-    reduce_grad expects."""
+def bias_grads(p: ExpertPool, sums: list[Tensor], B: int, dtype: torch.dtype) -> list[Tensor]:
+    """The home experts' bias grads [db1, db3, db2] from ``sums``, the fp32 group sums [G, F],
+    [G, F], [G, D] of dg, du, dy, each rounded once to ``dtype``; the slot groups' land in the
+    pool's gb1, gb3, gb2.  Every slot row is written: an empty slot group sums to 0, so the slots
+    stay zero outside a backward, as reduce_grad expects."""
     out = []
-    for x, land in ((dg, p.gb1), (du, p.gb3), (dy, p.gb2)):
-        s = group_sums(x, cu).to(x.dtype)
+    for s, land in zip(sums, (p.gb1, p.gb3, p.gb2)):
+        s = s.to(dtype)
         land.copy_(s[B:])
         out.append(s[:B])                   # (the first rows of a contiguous [G, C])
     return out

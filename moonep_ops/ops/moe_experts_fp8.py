@@ -81,9 +81,9 @@ from . import quantize_fp8_tokens as _qt  # noqa: F401  (registers the token qua
 from .fp8_weight_cache import FP8WeightCache
 from .checks import call_device, check_no_overlap, device_error, on_device
 from .moe_experts import ExpertPool, check_expert_weights, checked
-from .moe_experts_ext import (bias_grads, check_biases, group_biases, scale_rows_biased,
-                              scale_rows_biased_backward)
-from .swiglu import check_activation, glu_fp32, glu_params, run_glu_backward, swiglu_backward
+from .moe_experts_ext import (bias_grads, check_biases, glu_backward_sums, group_biases,
+                              scale_rows_biased, scale_rows_biased_backward)
+from .swiglu import check_activation, glu_fp32, glu_params, swiglu_backward
 
 DTYPE = torch.bfloat16        # the recipe's activations, outputs and weights
 
@@ -317,7 +317,7 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     mm = torch.ops.moonep.grouped_mm_fp8
     if variant:                 # the forward's formulas (b2 in d_rows), torch passes
         b1, b3, b2 = group_biases(p, biases)
-        dy, d_rows = scale_rows_biased_backward(dz, y, b2, cu, row_weights)
+        dy, d_rows, db2 = scale_rows_biased_backward(dz, y, b2, cu, row_weights)
         dyq, dys = quant(dy, pow2_scales)
     else:
         # One pass over dz and y: dy = bf16(fp32(dz) * w_M), its 1 x 128 tiles, and the grad
@@ -327,7 +327,9 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     # zero_tail=False: da and dh are read at the plan's rows only (dh by the combine below)
     da = mm(dyq, dys, q2, s2, t2, ts2, cu, False)               # dy @ w2_g  [M, F]
     if variant:
-        dg, du, a = run_glu_backward(g, u, da, b1, b3, cu, *glu_params(activation, alpha, limit))
+        # with the biases, their grads db1, db3 summed in the same pass (as the bf16 op)
+        dg, du, a, sums = glu_backward_sums(g, u, da, b1, b3, cu,
+                                            *glu_params(activation, alpha, limit))
     else:
         dg, du, a = swiglu_backward(g, u, da)
     # [M, D]; x needs no grad: zeros (the combine below still gathers the route weights' grad)
@@ -340,7 +342,7 @@ def _moe_experts_fp8_backward(dz, h, h_scale, row_weights, y, g, u, cu_seqlens, 
     torch.ops.moonep.grouped_mm_wgrad_into(dg, h_bf, cu, d1, p.g1)
     torch.ops.moonep.grouped_mm_wgrad_into(du, h_bf, cu, d3, p.g3)
     torch.ops.moonep.grouped_mm_wgrad_into(dy, a, cu, d2, p.g2)
-    dbiases = bias_grads(p, dg, du, dy, cu, w1.shape[0]) if biases else []
+    dbiases = bias_grads(p, sums + [db2], w1.shape[0], dy.dtype) if biases else []
     torch.ops.moonep.reduce_grad(experts_to_copy, [d1, d3, d2] + dbiases,
                                  [p.g1, p.g3, p.g2] + ([p.gb1, p.gb3, p.gb2] if biases else []),
                                  p.backend_name)
