@@ -357,7 +357,8 @@ MOONEP_EXPORT int moonep_ep_zero_slots(int n, const void* const* slots, const in
 // =============================================================================================
 // SwiGLU of the routed experts (swiglu.cu): bf16 in and out, fp32 math, elementwise over
 // n = M*F elements of each tensor (any shape, contiguous).  Pointers 16-byte aligned.  n <= 0
-// launches nothing and returns 0.  Grid min(n/2048, 8*num_sms) blocks of 256 threads.
+// launches nothing and returns 0.  The plain kernels: a thread per 8 elements (n/2048 blocks of
+// 256 threads); the gated ones below say their grids.
 // =============================================================================================
 
 /**
@@ -367,7 +368,7 @@ MOONEP_EXPORT int moonep_ep_zero_slots(int n, const void* const* slots, const in
  * @param u        device bf16 [M, F]: up projection.
  * @param a        device bf16 [M, F], output.
  * @param n        elements of each tensor: M*F.
- * @param num_sms  SMs of the device (sizes the grid; <= 0: 132).
+ * @param num_sms  unused (the grid covers every pack; kept in the ABI).
  * @param stream   cudaStream_t to launch on.
  */
 MOONEP_EXPORT int moonep_ep_swiglu_fwd(const void* g, const void* u, void* a, int64_t n,
@@ -384,7 +385,7 @@ MOONEP_EXPORT int moonep_ep_swiglu_fwd(const void* g, const void* u, void* a, in
  * @param du       device bf16 [M, F], output: grad of u.
  * @param a        device bf16 [M, F], output: the forward output, recomputed.
  * @param n        elements of each tensor: M*F.
- * @param num_sms  SMs of the device (sizes the grid; <= 0: 132).
+ * @param num_sms  unused (the grid covers every pack; kept in the ABI).
  * @param stream   cudaStream_t to launch on.
  */
 MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void* da, void* dg,

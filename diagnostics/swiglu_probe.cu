@@ -5,7 +5,8 @@
 #include <cstdint>
 
 namespace {
-struct Pack8 { __nv_bfloat16 v[8]; };
+struct Pack8 { __nv_bfloat16 v[8]; };                 // 2-byte aligned: eight 2-byte accesses
+struct alignas(16) Pack8A { __nv_bfloat16 v[8]; };    // one 16-byte access
 __device__ __forceinline__ float sig_precise(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float sig_fast(float x) { return __frcp_rn(1.f + __expf(-x)); }
 
@@ -59,14 +60,14 @@ __global__ void v0_fwd(Ptrs<2> in, OutPtrs<1> out, int64_t n) {
 }
 
 // v1..: restrict pointers, kU packs per thread (strided by the grid), one pass, no loop
-template <bool kFast, int kU, int kMinBlocks = 1>
-__global__ void __launch_bounds__(256, kMinBlocks) vr_bwd(const Pack8* __restrict__ g, const Pack8* __restrict__ u,
-                       const Pack8* __restrict__ da, Pack8* __restrict__ dg, Pack8* __restrict__ du,
-                       Pack8* __restrict__ a, int64_t n8) {
+template <bool kFast, int kU, int kMinBlocks = 1, class P = Pack8>
+__global__ void __launch_bounds__(256, kMinBlocks) vr_bwd(const P* __restrict__ g, const P* __restrict__ u,
+                       const P* __restrict__ da, P* __restrict__ dg, P* __restrict__ du,
+                       P* __restrict__ a, int64_t n8) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   for (int64_t base = first; base < n8; base += stride * kU) {
-    Pack8 pg[kU], pu[kU], pd[kU];
+    P pg[kU], pu[kU], pd[kU];
 #pragma unroll
     for (int r = 0; r < kU; ++r) {
       const int64_t i = base + r * stride;
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(256, kMinBlocks) vr_bwd(const Pack8* __restric
     for (int r = 0; r < kU; ++r) {
       const int64_t i = base + r * stride;
       if (i >= n8) break;
-      Pack8 o0, o1, o2;
+      P o0, o1, o2;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         float y0, y1, y2;
@@ -90,13 +91,13 @@ __global__ void __launch_bounds__(256, kMinBlocks) vr_bwd(const Pack8* __restric
     }
   }
 }
-template <bool kFast, int kU, int kMinBlocks = 1>
-__global__ void __launch_bounds__(256, kMinBlocks) vr_fwd(const Pack8* __restrict__ g, const Pack8* __restrict__ u,
-                       Pack8* __restrict__ a, int64_t n8) {
+template <bool kFast, int kU, int kMinBlocks = 1, class P = Pack8>
+__global__ void __launch_bounds__(256, kMinBlocks) vr_fwd(const P* __restrict__ g, const P* __restrict__ u,
+                       P* __restrict__ a, int64_t n8) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   for (int64_t base = first; base < n8; base += stride * kU) {
-    Pack8 pg[kU], pu[kU];
+    P pg[kU], pu[kU];
 #pragma unroll
     for (int r = 0; r < kU; ++r) {
       const int64_t i = base + r * stride;
@@ -106,7 +107,7 @@ __global__ void __launch_bounds__(256, kMinBlocks) vr_fwd(const Pack8* __restric
     for (int r = 0; r < kU; ++r) {
       const int64_t i = base + r * stride;
       if (i >= n8) break;
-      Pack8 o;
+      P o;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         o.v[j] = __float2bfloat16_rn(fwd_math<kFast>(__bfloat162float(pg[r].v[j]), __bfloat162float(pu[r].v[j])));
@@ -130,6 +131,9 @@ extern "C" int probe_bwd(int variant, const void* g, const void* u, const void* 
   auto G = static_cast<const Pack8*>(g); auto U = static_cast<const Pack8*>(u);
   auto D = static_cast<const Pack8*>(da);
   auto DG = static_cast<Pack8*>(dg); auto DU = static_cast<Pack8*>(du); auto A = static_cast<Pack8*>(a);
+  auto GA = static_cast<const Pack8A*>(g); auto UA = static_cast<const Pack8A*>(u);
+  auto DA = static_cast<const Pack8A*>(da);
+  auto DGA = static_cast<Pack8A*>(dg); auto DUA = static_cast<Pack8A*>(du); auto AA = static_cast<Pack8A*>(a);
   switch (variant) {
     case 0: {
       Ptrs<3> in{{static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(u), static_cast<const __nv_bfloat16*>(da)}};
@@ -145,6 +149,11 @@ extern "C" int probe_bwd(int variant, const void* g, const void* u, const void* 
     case 8: vr_bwd<false, 8, 1><<<cap_blocks(n8, 8, 0), 256, 0, s>>>(G, U, D, DG, DU, A, n8); break;
     case 9: vr_bwd<false, 4, 2><<<cap_blocks(n8, 4, num_sms * 2), 256, 0, s>>>(G, U, D, DG, DU, A, n8); break;
     case 10: vr_bwd<false, 2, 3><<<cap_blocks(n8, 2, 0), 256, 0, s>>>(G, U, D, DG, DU, A, n8); break;
+    case 11: vr_bwd<false, 1, 1, Pack8A><<<cap_blocks(n8, 1, 0), 256, 0, s>>>(GA, UA, DA, DGA, DUA, AA, n8); break;
+    case 12: vr_bwd<false, 2, 4, Pack8A><<<cap_blocks(n8, 2, num_sms * 4), 256, 0, s>>>(GA, UA, DA, DGA, DUA, AA, n8); break;
+    case 13: vr_bwd<false, 4, 2, Pack8A><<<cap_blocks(n8, 4, num_sms * 2), 256, 0, s>>>(GA, UA, DA, DGA, DUA, AA, n8); break;
+    case 14: vr_bwd<false, 2, 1, Pack8A><<<cap_blocks(n8, 2, 0), 256, 0, s>>>(GA, UA, DA, DGA, DUA, AA, n8); break;
+    case 15: vr_bwd<false, 1, 1, Pack8A><<<cap_blocks(n8, 1, num_sms * 8), 256, 0, s>>>(GA, UA, DA, DGA, DUA, AA, n8); break;
     default: return 1;
   }
   return static_cast<int>(cudaGetLastError());
@@ -154,6 +163,7 @@ extern "C" int probe_fwd(int variant, const void* g, const void* u, void* a, int
   auto s = static_cast<cudaStream_t>(stream);
   const int64_t n8 = n / 8;
   auto G = static_cast<const Pack8*>(g); auto U = static_cast<const Pack8*>(u); auto A = static_cast<Pack8*>(a);
+  auto GA = static_cast<const Pack8A*>(g); auto UA = static_cast<const Pack8A*>(u); auto AA = static_cast<Pack8A*>(a);
   switch (variant) {
     case 0: {
       Ptrs<2> in{{static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(u)}};
@@ -169,6 +179,11 @@ extern "C" int probe_fwd(int variant, const void* g, const void* u, void* a, int
     case 8: vr_fwd<false, 8, 1><<<cap_blocks(n8, 8, 0), 256, 0, s>>>(G, U, A, n8); break;
     case 9: vr_fwd<false, 4, 2><<<cap_blocks(n8, 4, num_sms * 2), 256, 0, s>>>(G, U, A, n8); break;
     case 10: vr_fwd<false, 2, 3><<<cap_blocks(n8, 2, 0), 256, 0, s>>>(G, U, A, n8); break;
+    case 11: vr_fwd<false, 1, 1, Pack8A><<<cap_blocks(n8, 1, 0), 256, 0, s>>>(GA, UA, AA, n8); break;
+    case 12: vr_fwd<false, 2, 4, Pack8A><<<cap_blocks(n8, 2, num_sms * 4), 256, 0, s>>>(GA, UA, AA, n8); break;
+    case 13: vr_fwd<false, 4, 2, Pack8A><<<cap_blocks(n8, 4, num_sms * 2), 256, 0, s>>>(GA, UA, AA, n8); break;
+    case 14: vr_fwd<false, 2, 1, Pack8A><<<cap_blocks(n8, 2, 0), 256, 0, s>>>(GA, UA, AA, n8); break;
+    case 15: vr_fwd<false, 1, 1, Pack8A><<<cap_blocks(n8, 1, num_sms * 8), 256, 0, s>>>(GA, UA, AA, n8); break;
     default: return 1;
   }
   return static_cast<int>(cudaGetLastError());

@@ -15,7 +15,8 @@ import torch
 SHAPES = [(49024, 768), (32768, 2048), (36864, 2880), (16384, 1024), (4096, 512)]
 NAMES = {0: "library", 1: "restrict U1", 2: "restrict U2", 3: "restrict U4", 4: "restrict U1 capped",
          5: "U2 fast sigmoid", 6: "U1 fast sigmoid", 7: "U4 lb2", 8: "U8", 9: "U4 lb2 capped 2/SM",
-         10: "U2 lb3"}
+         10: "U2 lb3", 11: "aligned U1", 12: "aligned U2 4/SM", 13: "aligned U4 2/SM",
+         14: "aligned U2", 15: "aligned U1 8/SM"}
 
 
 def main():

@@ -209,26 +209,10 @@ def rows_group(cu_G: Tensor, M: int) -> Tensor:
     return torch.searchsorted(cu_G, rows, right=True)
 
 
-def group_sums(x_MF: Tensor, cu_G: Tensor) -> Tensor:
-    """fp32 [G, F] (fp64 for fp64 x): the sum of each group's rows (the bias grads), in a fixed
-    order (no atomics); rows past the last group, whose values are unwritten, are not read.
-    CUDA bf16: one kernel (csrc/swiglu.cu moonep_ep_group_sums: 64 row lanes per 32 columns of a
-    group, each lane's rows in ascending order, then the lanes in order; run to run bitwise);
-    else the reference below (an fp32 GEMM of the groups' 0/1 row masks): equal to fp32
-    reassociation, not bitwise."""
-    G, C = cu_G.shape[0], x_MF.shape[1]
-    if not (C % 8 == 0 and _native_ok(x_MF) and cu_G.is_contiguous()):
-        return reference_group_sums(x_MF, cu_G)
-    out = torch.empty(G, C, dtype=torch.float32, device=x_MF.device)
-    sms, stream = _launch_args(x_MF)
-    rc = call_on(x_MF.device, native.ep().ep_group_sums, x_MF.data_ptr(), cu_G.data_ptr(), G, C,
-                 out.data_ptr(), sms, stream)
-    if rc:
-        native.ep_check(rc, "moonep group sums")
-    return out
-
-
 def reference_group_sums(x_MF: Tensor, cu_G: Tensor) -> Tensor:
+    """fp32 [G, F] (fp64 for fp64 x): the sum of each group's rows (the bias grads' reference;
+    on CUDA the backward passes sum them as they write the rows, moe_experts_ext.py); rows past
+    the last group are not counted.  An fp32 GEMM of the groups' 0/1 row masks."""
     G, M = cu_G.shape[0], x_MF.shape[0]
     grp = rows_group(cu_G, M)
     x = torch.where((grp < G)[:, None], _acc(x_MF), 0.0)
