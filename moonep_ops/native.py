@@ -32,7 +32,7 @@ from . import settings
 # Bumped with every exported signature change; the library reports its own value, and a mismatch
 # makes the library "not loadable" rather than risking a call with the wrong arguments.
 GEMM_ABI_VERSION = 8       # cutlass_kernels/moonep_gemm.h (the bf16 exports' ABI)
-EP_ABI_VERSION = 6         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
+EP_ABI_VERSION = 7         # csrc/moonep_ep.h: MOONEP_EP_ABI_VERSION
 
 # The FP8 grouped GEMM (moonep_ops/ops/grouped_mm_fp8.py) is a later ABI of libmoonep_gemm.so:
 # ABI 10 = every ABI 8 export unchanged plus GEMM_FP8_PROTOTYPES (ABI 9 had a one-config FP8
@@ -132,9 +132,9 @@ EP_PROTOTYPES: dict[str, tuple] = {
                                         c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_void_p]),
     "moonep_ep_combine_stage": (c_int, [c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_void_p,
                                         c_void_p]),
-    "moonep_ep_combine_recv": (c_int, [c_void_p, c_void_p, c_int, c_int, c_int, c_int, c_void_p,
-                                       c_int, c_int, c_void_p, c_void_p, c_void_p, c_int, c_void_p,
-                                       c_void_p]),
+    "moonep_ep_combine_recv": (c_int, [c_void_p, c_void_p, c_int, c_int, c_int, c_int, c_int,
+                                       c_void_p, c_int, c_int, c_void_p, c_void_p, c_void_p, c_int,
+                                       c_void_p, c_void_p]),
     "moonep_ep_publish_ptrs": (c_int, [c_void_p, c_int, c_int, c_void_p, c_void_p, c_int64,
                                        c_void_p]),
     "moonep_ep_push_weights": (c_int, [c_int, _vpp, _vpp, _i64p, c_void_p, c_int, c_int, c_int,
