@@ -255,7 +255,7 @@ def _save_plan(ctx, dst, rw, buffer: str, total: int, rw_at: int, *more: Tensor)
 def _scatter_backward(ctx, grad_h, grad_w, *_plan_grads):
     """The backward of dispatch and dispatch_with_plan: combine with the saved plan, their
     exact transpose; x's grad, and route_weights' at its position."""
-    dst = ctx.saved_tensors[0]
+    (dst,) = ctx.saved_tensors
     has_w = ctx.rw_at is not None
     gx, gw = combine(grad_h.contiguous(), grad_w.contiguous() if has_w else None, dst,
                      ctx.buffer, ctx.total)
@@ -387,12 +387,12 @@ def _weighting_backward(dz: Tensor, w: Tensor, h: Tensor) -> tuple[Tensor, Tenso
 
 
 def _combine_backward(ctx, grad_y, grad_w):
-    dst = ctx.saved_tensors[0]
+    dst, *hw = ctx.saved_tensors           # (read once: activation checkpointing's contract)
     has_w = ctx.rw_at is not None
     gh, gw = dispatch_with_plan(grad_y.contiguous(), grad_w.contiguous() if has_w else None,
                                 dst, ctx.buffer, ctx.total)
     if ctx.weighted:                       # y = sum of h * w: then the weighting's grads
-        _, h, w = ctx.saved_tensors
+        h, w = hw
         n = gh.shape[0]
         gh, d_rows = _weighting_backward(gh, w[:n], h[:n])
         gw = gw + d_rows
