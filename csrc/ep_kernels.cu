@@ -226,8 +226,10 @@ __global__ void dispatch_dups_kernel(char* h, int nvs_s, int64_t row_bytes, cons
 }
 
 // ------------------------------------------------------------------------------------------
-// Combine, source side: y[t] = sum_{k=0..K-1} row(t, k) in Acc, in that order, rounded once.
-// The first term initialises the sum (0 + -0.0 would turn -0.0 into +0.0).
+// Combine, source side: y[t] = sum_{k=0..K-1} row(t, k) in Acc, in that order, rounded once;
+// weighted: the terms are row(t, k) * w(t, k) in Acc.  The first term initialises the sum
+// (0 + -0.0 would turn -0.0 into +0.0).  The product and the sum are separate roundings
+// (mul_rn / add_rn: never contracted into an FMA), as the CPU reference computes them.
 // ------------------------------------------------------------------------------------------
 template <typename T> struct AccOf { using type = float; };
 template <> struct AccOf<double> { using type = double; };
@@ -237,10 +239,14 @@ template <> __device__ __forceinline__ float to_acc<__half>(__half v) { return _
 template <typename T> __device__ __forceinline__ T from_acc(typename AccOf<T>::type v) { return static_cast<T>(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
 template <typename T, int VEC>
-__global__ void combine_recv_kernel(T* y, float* w_out, int s, int K, int H, const int32_t* dst,
-                                    int NvS, int n_rows, const int64_t* rows_of,
+__global__ void combine_recv_kernel(T* y, float* w_out, int s, int K, int H, bool weighted,
+                                    const int32_t* dst, int NvS, int n_rows, const int64_t* rows_of,
                                     const T* const* ystage_peers,
                                     const float* const* wstage_peers, int R, int32_t* err) {
   using Acc = typename AccOf<T>::type;
@@ -262,7 +268,9 @@ __global__ void combine_recv_kernel(T* y, float* w_out, int s, int K, int H, con
     Decoded e = decode(dst[t * K + k], NvS);
     const bool ok = !broken && e.d < R && e.loff < rows(e.d);
     T v[VEC];
+    Acc wk = Acc(1);
     if (ok) {
+      if (weighted) wk = static_cast<Acc>(wstage_peers[e.d][e.loff]);
       const T* row = ystage_peers[e.d] + static_cast<int64_t>(e.loff) * H + c0;
       if constexpr (VEC * sizeof(T) == 16) {
         *reinterpret_cast<int4*>(v) = *reinterpret_cast<const int4*>(row);
@@ -276,7 +284,10 @@ __global__ void combine_recv_kernel(T* y, float* w_out, int s, int K, int H, con
       if (!broken && threadIdx.x == 0 && blockIdx.y == 0) atomicOr(err, MOONEP_ERR_PLAN);
     }
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = k == 0 ? to_acc<T>(v[j]) : acc[j] + to_acc<T>(v[j]);
+    for (int j = 0; j < VEC; ++j) {
+      const Acc term = weighted ? mul_rn(to_acc<T>(v[j]), wk) : to_acc<T>(v[j]);
+      acc[j] = k == 0 ? term : add_rn(acc[j], term);
+    }
   }
   T* out = y + static_cast<int64_t>(t) * H + c0;
 #pragma unroll
@@ -566,7 +577,7 @@ MOONEP_EXPORT int moonep_ep_publish_ptrs(void* table_peers, int rank, int R, con
 }
 
 MOONEP_EXPORT int moonep_ep_combine_recv(void* y, void* w_out, int s, int K, int D, int dtype,
-                                         const void* dst, int NvS, int n_rows,
+                                         int weighted, const void* dst, int NvS, int n_rows,
                                          const void* rows_of, const void* ystage_peers,
                                          const void* wstage_peers, int R, void* err,
                                          void* stream) {
@@ -576,6 +587,7 @@ MOONEP_EXPORT int moonep_ep_combine_recv(void* y, void* w_out, int s, int K, int
   auto wo = static_cast<float*>(w_out);
   auto ws = static_cast<const float* const*>(wstage_peers);
   auto er = static_cast<int32_t*>(err);
+  const bool wt = weighted != 0;
   constexpr int TPB = 128;
 #define MOONEP_COMBINE(T, VEC)                                                                \
   do {                                                                                        \
@@ -583,11 +595,11 @@ MOONEP_EXPORT int moonep_ep_combine_recv(void* y, void* w_out, int s, int K, int
     const int vec = vec_ok ? VEC : 1;                                                         \
     dim3 grid(s, (D + TPB * vec - 1) / (TPB * vec));                                          \
     if (vec_ok)                                                                               \
-      combine_recv_kernel<T, VEC><<<grid, TPB, 0, st>>>(static_cast<T*>(y), wo, s, K, D, d,   \
-          NvS, n_rows, ro, static_cast<const T* const*>(ystage_peers), ws, R, er);            \
+      combine_recv_kernel<T, VEC><<<grid, TPB, 0, st>>>(static_cast<T*>(y), wo, s, K, D, wt,  \
+          d, NvS, n_rows, ro, static_cast<const T* const*>(ystage_peers), ws, R, er);         \
     else                                                                                      \
-      combine_recv_kernel<T, 1><<<grid, TPB, 0, st>>>(static_cast<T*>(y), wo, s, K, D, d,     \
-          NvS, n_rows, ro, static_cast<const T* const*>(ystage_peers), ws, R, er);            \
+      combine_recv_kernel<T, 1><<<grid, TPB, 0, st>>>(static_cast<T*>(y), wo, s, K, D, wt,    \
+          d, NvS, n_rows, ro, static_cast<const T* const*>(ystage_peers), ws, R, er);         \
   } while (0)
   switch (dtype) {
     case 0: MOONEP_COMBINE(__nv_bfloat16, 8); break;

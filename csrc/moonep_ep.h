@@ -246,7 +246,9 @@ MOONEP_EXPORT int moonep_ep_publish_ptrs(void* table_peers, int rank, int R, con
 
 /**
  * Combine, source half (after the barrier): y[t] = sum over k = 0..K-1 of the row entry (t, k)
- * was sent to, accumulated in fp32 (fp64 for MOONEP_DTYPE_F64) in k order and rounded once.
+ * was sent to, accumulated in fp32 (fp64 for MOONEP_DTYPE_F64) in k order and rounded once;
+ * with `weighted`, of that row times its route weight (the product in the accumulation type,
+ * rounded, then added: no FMA, so bitwise the CPU reference).
  * Grid (s, ceil(D / (128 * V))) blocks of 128 threads, V = 16 bytes / element size when
  * D % V == 0 (16-byte loads; the staged rows must then be 16-byte aligned), else 1.  An entry
  * whose rank is >= R or whose row is past that rank's rows contributes 0 and sets
@@ -260,6 +262,9 @@ MOONEP_EXPORT int moonep_ep_publish_ptrs(void* table_peers, int rank, int R, con
  * @param D             model dim: elements per row.
  * @param dtype         element type of y and the staged rows (MoonepEpDtype: 0 bf16, 1 f16,
  *                      2 f32, 3 f64); another value returns cudaErrorInvalidValue.
+ * @param weighted      non-zero: multiply every row by its route weight (read from
+ *                      wstage_peers, which must then be given: the rows' weights were staged or
+ *                      published with them) before adding it; 0: add the rows as they are.
  * @param dst           device int32 dst_N [s*K]: the dispatch's plan (moonep_plan).
  * @param NvS           receive rows at capacity (the divisor of the dst encoding).
  * @param n_rows        staged mode: rows each peer's y_stage holds (bounds every entry's row).
@@ -270,13 +275,13 @@ MOONEP_EXPORT int moonep_ep_publish_ptrs(void* table_peers, int rank, int R, con
  *                      (staged: the y_stage peer table; direct: row 0 of the pointer table).
  * @param wstage_peers  device array [R] of const float*: each rank's route weights [rows]
  *                      (staged: the w_stage peer table; direct: row 1 of the pointer table);
- *                      read only when w_out is not NULL.
+ *                      read only when w_out is not NULL or `weighted` is non-zero.
  * @param R             ranks of the group.
  * @param err           device int32 [1]: error word.
  * @param stream        cudaStream_t to launch on.
  */
 MOONEP_EXPORT int moonep_ep_combine_recv(void* y, void* w_out, int s, int K, int D, int dtype,
-                                         const void* dst, int NvS, int n_rows,
+                                         int weighted, const void* dst, int NvS, int n_rows,
                                          const void* rows_of, const void* ystage_peers,
                                          const void* wstage_peers, int R, void* err,
                                          void* stream);

@@ -424,12 +424,15 @@ class Buffer:
                            previous_event)
 
     def combine(self, plan: Plan, h_MD: Tensor, w_M: Optional[Tensor] = None, *,
-                async_op: bool = False, previous_event=None):
+                weighted: bool = False, async_op: bool = False, previous_event=None):
         """Sum every token's K expert outputs back on its source rank (collective).
 
         ``h`` has the rows dispatch returned for ``plan`` (nvs_s, or NvS).  Returns
         ``(y [s, D] in h's dtype, w [s, K] fp32 or None)``; the K rows are added in fp32 in the
-        order k = 0..K-1 and rounded once.  Route weights are not applied.  Differentiable.
+        order k = 0..K-1 and rounded once.  ``weighted=True`` (``w_M`` required) applies the
+        route weights: each row is multiplied by its weight in fp32 before it is added, so
+        ``y[t] = dtype(sum_k fp32(h[slot]) * w[slot])`` (the MoE layer's route-weight step);
+        otherwise they are not applied.  Differentiable (in h and w_M).
         ``async_op=True``: as in ``dispatch``, ``(y, w, EventHandle)``.
         """
         self._check_live("combine")
@@ -441,7 +444,8 @@ class Buffer:
             raise self._refuse("combine", "combine", e) from None
 
         def launch():
-            return _dispatch_ops.combine(h_MD, w_M, plan.dst, self.name, plan.total_num_tokens)
+            return _dispatch_ops.combine(h_MD, w_M, plan.dst, self.name, plan.total_num_tokens,
+                                         weighted)
 
         (y, w), ev = self._run(launch, (h_MD, w_M, plan.dst), async_op, previous_event)
         out = (y, (w if w_M is not None else None))

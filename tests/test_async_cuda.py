@@ -63,8 +63,10 @@ def rank_ops_async(c, buf, r):
     hs = (o["h"].float() * scale[:, None]).to(dt)
     hfull = torch.cat([hs, hs.new_zeros(buf.NvS - hs.shape[0], c["H"])])
     o["ys"], o["none"], ev3 = buf.combine(plan, hfull, async_op=True)   # waits the current stream
-    pending.append(ev3)
-    del hs, hfull                                # freed while the comm stream may still read them
+    wfull = torch.cat([o["w"], o["w"].new_zeros(buf.NvS - o["w"].shape[0])])
+    o["yw"], _, ev3w = buf.combine(plan, hfull, wfull, weighted=True, async_op=True)
+    pending += [ev3, ev3w]
+    del hs, hfull, wfull                         # freed while the comm stream may still read them
     x2 = (x.float() * 3 - 1).to(dt)
     o["h2"], o["w2"], _, _, ev4 = buf.dispatch(x2, route_weights_sK=w_in, plan=plan,
                                                async_op=True, previous_event=buf.capture())
@@ -100,7 +102,7 @@ def _compare_sync_async(R, c):
         assert async_bufs[r].comm_stream != streams[r]
         verify_rank(c, async_bufs[r], r, outs_async[r])
         a, s = outs_async[r], outs_sync[r]
-        for key in ("h", "w", "cu", "y", "wk", "ys", "h2", "w2", "gx", "gw"):
+        for key in ("h", "w", "cu", "y", "wk", "ys", "yw", "h2", "w2", "gx", "gw"):
             assert torch.equal(a[key], s[key]), f"rank {r}: async {key} differs from sync"
         for name in ("dst", "experts_to_copy", "zero_fill_ranges", "remote_stats"):
             assert torch.equal(getattr(a["plan"], name), getattr(s["plan"], name)), name

@@ -133,10 +133,16 @@ class Setup:
         return out
 
 
-def fixed_order_sum(rows_list, dtype):
-    acc = rows_list[0].float()
-    for r in rows_list[1:]:
-        acc = acc + r.float()
+def fixed_order_sum(rows_list, dtype, weights=None):
+    """combine's formula: sum_k rows_list[k] in fp32 (fp64 for fp64), in k order, the first term
+    starting the sum, rounded once; with ``weights`` [s, K] (weighted combine) each term is the
+    row times weights[:, k] in that type."""
+    acc_t = torch.promote_types(dtype, torch.float32)
+    terms = [r.to(acc_t) if weights is None else r.to(acc_t) * weights[:, k, None].to(acc_t)
+             for k, r in enumerate(rows_list)]
+    acc = terms[0]
+    for term in terms[1:]:
+        acc = acc + term
     return acc.to(dtype)
 
 
@@ -203,9 +209,15 @@ def _scatter_and_combine(ctx, **cfg):
     assert none is None
     parts = [(x.float() * (t[:, k].float() + 1)[:, None]).to(st.dtype) for k in range(st.K)]
     assert torch.equal(ys.cpu(), fixed_order_sum(parts, st.dtype)), "per-segment scaled combine"
+    # weighted: sum_k fp32(row) * w in k order, one rounding: bitwise the formula
+    yw, wk2 = st.buf.combine(plan, hs, w, weighted=True)
+    assert torch.equal(yw.cpu(), fixed_order_sum(parts, st.dtype, w_in)), "weighted combine"
+    assert torch.equal(wk2.cpu(), w_in)
     # combine also accepts the full NvS rows
     hfull = torch.cat([hs, hs.new_zeros(st.buf.NvS - hs.shape[0], st.H)])
     assert torch.equal(st.buf.combine(plan, hfull)[0], ys)
+    wfull = torch.cat([w, w.new_zeros(st.buf.NvS - w.shape[0])])
+    assert torch.equal(st.buf.combine(plan, hfull, wfull, weighted=True)[0], yw)
     # plan reuse with new values reproduces the scatter
     xs2 = [(xx.float() * 3 - 1).to(st.dtype) for xx in st.xs]
     x2 = xs2[ctx.rank].to(dev)
@@ -353,6 +365,49 @@ def case_layer_per_rank_dup(ctx):
     _layer_case(ctx, kind="dup", per_rank=True, S=9)
 
 
+def _weighted_grad_case(ctx, dtype, tol_x):
+    """Weighted combine's autograd (into x and the route weights, through dispatch) against
+    torch's autograd of the explicit formula on this rank's tokens: y[t] = sum_k in k order of
+    fp32(dtype(x[t] * (e[t, k] + 1))) * w[t, k], one rounding (y bitwise: the same ops)."""
+    st = Setup(ctx, kind="dup", tp=2, dtype=dtype, per_rank=True)
+    x0, w0, t = st.mine
+    x, w_in = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    h, w, cu, plan = st.buf.dispatch(x, t, w_in, total_num_tokens=st.total)
+    scale = (st.segment_experts(cu.cpu()) + 1).clamp(min=0).float().to(st.dev)
+    y, _ = st.buf.combine(plan, (h.float() * scale[:, None]).to(dtype), w, weighted=True)
+    gy = _grad_out(ctx.rank, y.shape).to(dtype)
+    (y.float() * gy.to(st.dev).float()).sum().backward()
+    xr, wr = x0.cpu().clone().requires_grad_(), w0.cpu().clone().requires_grad_()
+    parts = [(xr.float() * (t[:, k].cpu().float() + 1)[:, None]).to(dtype) for k in range(st.K)]
+    yr = fixed_order_sum(parts, dtype, wr)
+    (yr.float() * gy.float()).sum().backward()
+    assert torch.equal(y.detach().cpu(), yr.detach()), "weighted combine differs from its formula"
+    torch.testing.assert_close(x.grad.cpu(), xr.grad, rtol=tol_x, atol=tol_x)
+    torch.testing.assert_close(w_in.grad.cpu(), wr.grad, rtol=1e-5, atol=1e-5)
+
+
+def case_weighted_grad_fp32(ctx):
+    _weighted_grad_case(ctx, torch.float32, 1e-5)
+
+
+def case_weighted_grad_bf16(ctx):
+    # x's grad: the library rounds dh = bf16(w * dy rows) per slot and sums the K slots in
+    # fp32; torch's autograd adds the K bf16 grads in bf16
+    _weighted_grad_case(ctx, torch.bfloat16, 2e-2)
+
+
+def case_weighted_without_weights_one_rank(ctx):
+    """weighted=True without route weights on one rank: every rank raises before any row
+    moves, and the group stays usable."""
+    st = Setup(ctx, kind="uniform")
+    h, w, cu, plan = st.dispatch()
+    bad = ctx.rank == ctx.R - 1
+    with pytest.raises(ValueError, match="weighted|rejected"):
+        st.buf.combine(plan, h, None if bad else w, weighted=True)
+    y, _ = st.buf.combine(plan, h, w, weighted=True)
+    assert torch.equal(y.cpu(), fixed_order_sum([st.me[0]] * st.K, st.dtype, st.me[1]))
+
+
 def _random_table(R, epn, seed):
     """experts_to_copy with holes, an expert in several slots, self- and remote owners."""
     g = torch.Generator().manual_seed(seed)
@@ -479,7 +534,9 @@ def case_opcheck_dist(ctx):
 
 
 # case_opcheck_dist is expensive: one gloo world is enough
-MULTI_RANK = multi_rank_cases(globals(), only_at={"case_opcheck_dist": (2,)})
+MULTI_RANK = multi_rank_cases(globals(), only_at={"case_opcheck_dist": (2,),
+                                                  "case_weighted_grad_fp32": (1, 2, 4),
+                                                  "case_weighted_grad_bf16": (1, 2, 4)})
 _results = cached_runner(__name__, MULTI_RANK, timeout_s=400, pg_timeout_s=30)
 
 
@@ -511,6 +568,9 @@ def _opcheck_all(buf, x, w, t, total=-1):
         opcheck(ops.combine.default, (hh, wn.clone().requires_grad_(hh.requires_grad), dst,
                                       name, total))
         opcheck(ops.combine.default, (hh, None, dst, name, total))
+        for w_grad in (False, hh.requires_grad):        # weighted: grads of h and w (or h)
+            opcheck(ops.combine.default, (hh, wn.clone().requires_grad_(w_grad), dst, name,
+                                          total, True))
     epn, dev = buf.epn, x.device
     loc = [torch.randn(epn, 3, 2, device=dev), torch.randn(epn, 4, device=dev).bfloat16()]
     opcheck(ops.prefetch_weight.default, (etc, loc, [torch.zeros_like(v) for v in loc], name))
@@ -531,13 +591,23 @@ def test_opcheck_single_rank():
     _opcheck_all(buf, x, w, t)
 
 
+def test_opcheck_weighted_combine_bf16():
+    """The bf16 weighted combine, whose backward runs moonep::scale_rows_backward."""
+    from torch.library import opcheck
+    buf, x, w, t = _single(dtype=torch.bfloat16)
+    h, wn, cu, plan = buf.dispatch(x, t, w)
+    opcheck(torch.ops.moonep.combine.default, (h.clone().requires_grad_(),
+                                               wn.clone().requires_grad_(), plan.dst, buf.name,
+                                               -1, True))
+
+
 def test_schemas():
     assert str(torch.ops.moonep.dispatch.default._schema) == (
         "moonep::dispatch(Tensor x, Tensor topk_ids, Tensor? route_weights, str buffer, "
         "int total_num_tokens) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
     assert str(torch.ops.moonep.combine.default._schema) == (
         "moonep::combine(Tensor h, Tensor? route_weights, Tensor dst, str buffer, "
-        "int total_num_tokens) -> (Tensor, Tensor)")
+        "int total_num_tokens, bool weighted=False) -> (Tensor, Tensor)")
     assert "Tensor(a2!)[] slot_weights" in str(torch.ops.moonep.prefetch_weight.default._schema)
     sch = str(torch.ops.moonep.reduce_grad.default._schema)
     assert "Tensor(a1!)[] local_grads" in sch and "Tensor(a2!)[] slot_grads" in sch
@@ -564,14 +634,14 @@ def test_compile_single_rank_inductor():
     def block(x, t, w):
         h, wn, cu, plan = buf.dispatch(x, t, w)
         y, wk = buf.combine(plan, h * wn[:, None] * 2, wn)
-        return y, wk
+        return y, wk, buf.combine(plan, h * 2, wn, weighted=True)[0]
 
     torch._dynamo.reset()
     counters.clear()
     got = torch.compile(block, fullgraph=True)(x, t, w)
     assert not counters["graph_break"]
     ref = block(x, t, w)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
 def test_compile_autograd_single_rank():
@@ -608,6 +678,13 @@ def test_gradcheck_fp64():
         return y
 
     torch.autograd.gradcheck(f, (x,))
+
+    def g(x, w_M):                     # weighted: fp64 rows times fp32 weights, in fp64
+        h, _, cu, plan = buf.dispatch(x, t, w)
+        return buf.combine(plan, h * (scale + 1), w_M, weighted=True)[0]
+
+    w_M = buf.dispatch(x, t, w)[1].detach().requires_grad_()
+    torch.autograd.gradcheck(g, (x, w_M), eps=1e-3, atol=1e-4)
 
 
 # -- bad input: clear errors before anything is written ----------------------------------------
@@ -679,6 +756,13 @@ def test_bad_plan_reuse_and_combine():
         buf.combine(plan._asdict(), h)
     with pytest.raises(ValueError, match="contiguous"):
         buf.combine(plan, h.t().contiguous().t())
+    with pytest.raises(ValueError, match="weighted=True"):          # weights required
+        buf.combine(plan, h, weighted=True)
+    for hh, dst in ((h, plan.dst), (h.to("meta"), plan.dst.to("meta"))):   # kernel and fake
+        with pytest.raises(ValueError, match="weighted=True"):
+            torch.ops.moonep.combine(hh, None, dst, buf.name, -1, True)
+    with pytest.raises(TypeError, match="bool"):
+        buf.combine(plan, h, wn, weighted=1)
     assert _unchanged(buf, snap)
     # a plan of another token count / another Buffer
     _, _, _, plan3 = buf.dispatch(x[:3].contiguous(), t[:3].contiguous())

@@ -266,7 +266,7 @@ class TestInterface(expecttest.TestCase):
 moonep::plan(Tensor tpe_RE, Tensor topk_sK, int rank, int R, int S, int token_padding, int total_num_tokens, str policy, int slack_ppm=0, int replica_cost=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)
 moonep::dispatch(Tensor x, Tensor topk_ids, Tensor? route_weights, str buffer, int total_num_tokens) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
 moonep::dispatch_with_plan(Tensor x, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens) -> (Tensor, Tensor)
-moonep::combine(Tensor h, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens) -> (Tensor, Tensor)
+moonep::combine(Tensor h, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens, bool weighted=False) -> (Tensor, Tensor)
 moonep::prefetch_weight(Tensor experts_to_copy, Tensor[] local_weights, Tensor(a2!)[] slot_weights, str buffer) -> ()
 moonep::reduce_grad(Tensor experts_to_copy, Tensor(a1!)[] local_grads, Tensor(a2!)[] slot_grads, str buffer) -> ()
 moonep::grouped_mm(Tensor x, Tensor w_local, Tensor w_slot, Tensor cu_seqlens, int config=-1, bool zero_tail=True) -> Tensor
@@ -280,4 +280,4 @@ moonep::moe_experts_backward(Tensor dy, Tensor h, Tensor g, Tensor u, Tensor cu_
         torch.manual_seed(0)
         buf = Buffer(8, D, K, E, token_padding=TP, dtype=torch.float32)
         layer = MoonEPMoE.for_buffer(buf, F)
-        self.assertExpectedInline(" ".join(_graph_ops(layer, torch.randn(8, D))), """.reshape .to linear .float softmax .detach add topk getitem .gather .to .detach moonep.dispatch getitem getitem getitem getitem getitem .detach moonep.moe_experts getitem getitem mul .to moonep.combine getitem .view""")
+        self.assertExpectedInline(" ".join(_graph_ops(layer, torch.randn(8, D))), """.reshape .to linear .float softmax .detach add topk getitem .gather .to .detach moonep.dispatch getitem getitem getitem getitem getitem .detach moonep.moe_experts getitem moonep.combine getitem .view""")

@@ -73,11 +73,13 @@ def rank_ops(c, buf, r, stop=None):
     o["y"], o["wk"] = buf.combine(plan, o["h"], o["w"])
     if stop == "combine":
         return o
-    # per-row scaling, and the NvS-row form of combine
+    # per-row scaling, and the NvS-row form of combine, plain and weighted
     scale = (torch.arange(o["h"].shape[0], device=dev) % 5 + 1).float()
     hs = (o["h"].float() * scale[:, None]).to(dt)
     hfull = torch.cat([hs, hs.new_zeros(buf.NvS - hs.shape[0], c["H"])])
     o["ys"], o["none"] = buf.combine(plan, hfull)
+    wfull = torch.cat([o["w"], o["w"].new_zeros(buf.NvS - o["w"].shape[0])])
+    o["yw"], _ = buf.combine(plan, hfull, wfull, weighted=True)
     if stop == "scaled":
         return o
     # plan reuse
@@ -121,6 +123,8 @@ def verify_rank(c, buf, r, o):
             rows.append((c["expected"][d][0][sl].float() * float(sl % 5 + 1)).to(dt))
         parts.append(torch.stack(rows))
     assert torch.equal(o["ys"].cpu(), fixed_order_sum(parts, dt)), f"rank {r}: scaled combine"
+    assert torch.equal(o["yw"].cpu(), fixed_order_sum(parts, dt, c["ws"][r])), \
+        f"rank {r}: weighted combine"
     eh2, _ = _expected_scatter(c, r, [(xx.float() * 3 - 1).to(dt) for xx in c["xs"]])
     assert torch.equal(o["h2"].cpu(), eh2) and torch.equal(o["w2"], o["w"]), f"rank {r}: reuse"
     gy = torch.ones(c["xs"][r].shape, dtype=dt)
@@ -171,6 +175,40 @@ def test_virtual_dispatch_combine(R, name):
 def test_virtual_dispatch_combine_staged(R, name):
     """Staged combine forced, R = 1 included (the only mode of several ranks)."""
     _check_virtual(R, _setup(R, **CONFIGS[name]), combine="stage")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("combine", ["auto", "stage"])
+def test_weighted_combine_matches_cpu(dtype, combine):
+    """Weighted combine (the MoE layer's route-weight step) on the symmetric backend against the
+    CPU reference on a skewed routing, one rank, direct and staged: y bitwise; through autograd
+    x's grad bitwise (dh = dtype(w * dy rows): moonep::scale_rows_backward for bf16), the
+    route weights' within fp32 reassociation (sum_D fp32(h) * dy: another order on CUDA)."""
+    from moonep_ops.testing import make_routing
+    from moonep_ops.testing.virtual_ranks import VirtualGroup
+    S, H, K, E, tp = 64, 256, 8, 32, 8
+    vg = VirtualGroup(1)
+    gpu = Buffer(S, H, K, E, token_padding=tp, dtype=dtype, device=vg.device,
+                 backend=vg.backend(0, combine=combine))
+    cpu = Buffer(S, H, K, E, token_padding=tp, dtype=dtype, device="cpu")
+    for s, seed in ((S, 0), (37, 1), (1, 2)):
+        t = make_routing("zipf", 1, E, s, K, seed=seed, alpha=1.5)[0]
+        x, w = token_inputs(0, s, H, K, dtype, seed)
+        gy = torch.randn(s, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        outs = []
+        for buf in (gpu, cpu):
+            dev = buf.device
+            xg, wg = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+            h, wn, cu, plan = buf.dispatch(xg, t.to(dev), wg)
+            scale = (torch.arange(h.shape[0], device=dev) % 7 + 1).float()   # rows differ
+            y, _ = buf.combine(plan, (h.float() * scale[:, None]).to(dtype), wn, weighted=True)
+            (y.float() * gy.to(dev).float()).sum().backward()
+            outs.append((y.detach().cpu(), xg.grad.cpu(), wg.grad.cpu()))
+        (yg, gxg, gwg), (yc, gxc, gwc) = outs
+        assert torch.equal(yg, yc), f"s={s}: weighted combine differs from the CPU reference"
+        assert torch.equal(gxg, gxc), f"s={s}: grad of x"
+        torch.testing.assert_close(gwg, gwc, rtol=1e-5, atol=1e-5)
+    gpu.check_errors()
 
 
 @pytest.mark.parametrize("R", [1, 2, 4, 8])

@@ -12,7 +12,9 @@ the same for every backend:
   moonep::dispatch_with_plan      dispatch_with_plan   scatter rows with a saved plan
   moonep::dispatch_fp8            dispatch_fp8         dispatch of e4m3 rows with their scales
                                                        (capability supports_fp8_dispatch)
-  moonep::combine                 combine              gather each token's K rows, sum in fp32
+  moonep::combine                 combine              gather each token's K rows (times
+                                                       their route weights: weighted), sum
+                                                       in fp32
   moonep::prefetch_weight         prefetch_weight      owners push experts into the slots
   moonep::reduce_grad             reduce_grad          owners add the slots' grads, zero them
 
@@ -194,11 +196,13 @@ class Backend(abc.ABC):
             "supports_fp8_dispatch is False)")
 
     @abc.abstractmethod
-    def combine(self, h_MD: Tensor, w_M: Optional[Tensor], dst_N: Tensor
-                ) -> tuple[Tensor, Optional[Tensor]]:
+    def combine(self, h_MD: Tensor, w_M: Optional[Tensor], dst_N: Tensor,
+                weighted: bool = False) -> tuple[Tensor, Optional[Tensor]]:
         """y[t] = sum_k h[slot(t, k)], accumulated in fp32 (fp64 for fp64 h) in the order
         k = 0..K-1, rounded once to h's dtype ([s, D]); and w_sK[t, k] = w[slot(t, k)] when w is
-        given.  ``h_MD`` has nvs_s or NvS rows."""
+        given.  ``weighted`` (w given): the terms are h[slot(t, k)] * w[slot(t, k)], each
+        product in the accumulation type (the first term starts the sum: no 0 + x).
+        ``h_MD`` has nvs_s or NvS rows."""
 
     @abc.abstractmethod
     def prefetch_weight(self, etc_RB: Tensor, local: Sequence[Tensor],

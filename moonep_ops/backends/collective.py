@@ -294,7 +294,7 @@ class CollectiveBackend(Backend):
         h[r_loff[dup]] = h[r_ploff[dup]]                          # epilogue: local duplication
         return h, w.view(torch.float32)
 
-    def combine(self, h_MD, w_M, dst_N):
+    def combine(self, h_MD, w_M, dst_N, weighted=False):
         self._no_capture(h_MD)
         R, K, NvS = self.world_size, self.spec.K, self.spec.NvS
         N = dst_N.numel()
@@ -321,11 +321,6 @@ class CollectiveBackend(Backend):
         rows_N = torch.empty_like(landing)
         rows_N[order] = landing
         rows = rows_N.view(s, K, D)
-        acc_t = torch.promote_types(h_MD.dtype, torch.float32)    # fp32 (fp64 stays fp64)
-        acc = rows[:, 0].to(acc_t)
-        for k in range(1, K):                                     # fixed order k = 0..K-1
-            acc = acc + rows[:, k].to(acc_t)
-        y = acc.to(h_MD.dtype)
         w_sK = None
         if w_M is not None:
             w_land = self.recv_weights[:N]
@@ -333,7 +328,16 @@ class CollectiveBackend(Backend):
             w_N = torch.empty_like(w_land)
             w_N[order] = w_land
             w_sK = w_N.view(s, K)
-        return y, w_sK
+        acc_t = torch.promote_types(h_MD.dtype, torch.float32)    # fp32 (fp64 stays fp64)
+        w_acc = w_sK.to(acc_t) if weighted else None
+
+        def term(k):                                              # row k of every token
+            r = rows[:, k].to(acc_t)
+            return r * w_acc[:, k, None] if weighted else r
+        acc = term(0)
+        for k in range(1, K):                                     # fixed order k = 0..K-1
+            acc = acc + term(k)
+        return acc.to(h_MD.dtype), w_sK
 
     @staticmethod
     def _pack(tensors: Sequence[Tensor], idx: Tensor) -> Tensor:

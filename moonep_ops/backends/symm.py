@@ -22,7 +22,8 @@ a peer still reads it):
   dispatch  hist publish, B, plan (device), stage x + send descriptors/weights, B,
             pull rows + fill duplicates locally + zero the rest, B
   dispatch_with_plan   stage x + send, B, pull, B
-  combine   stage h (and w), B, pull K rows per token and add in fp32 in k order, B
+  combine   stage h (and w), B, pull K rows per token (weighted: times their weights) and
+            add in fp32 in k order, B
             (direct mode, one rank: read h where it is instead of staging it)
   prefetch  B, owners push their experts into the slots, B
   reduce    B, owners pull the slot grads and add them in ascending (src*epn+b), B, zero slots
@@ -361,7 +362,7 @@ class SymmBackend(Backend):
         self.barrier("received", stream)
         return w
 
-    def combine(self, h_MD, w_M, dst_N):
+    def combine(self, h_MD, w_M, dst_N, weighted=False):
         spec = self.spec
         n_rows = h_MD.shape[0]
         s = dst_N.numel() // spec.K
@@ -381,7 +382,8 @@ class SymmBackend(Backend):
         w_sK = (torch.empty((s, spec.K), dtype=torch.float32, device=h_MD.device)
                 if w_M is not None else None)
         _call("combine_recv", y.data_ptr(), w_sK.data_ptr() if w_sK is not None else None, s,
-              spec.K, spec.D, _DTYPE_CODE[h_MD.dtype], dst_N.data_ptr(), spec.NvS, spec.NvS,
+              spec.K, spec.D, _DTYPE_CODE[h_MD.dtype], int(weighted), dst_N.data_ptr(), spec.NvS,
+              spec.NvS,
               rows_of, y_peers, w_peers, spec.R, self.err.data_ptr(), stream)
         self.barrier("gathered", stream)   # peers have read this rank's rows before their reuse
         return y, w_sK

@@ -1,5 +1,5 @@
-"""The MoonEP MoE layer: router -> dispatch -> routed SwiGLU experts -> weights -> combine
-(+ shared experts).
+"""The MoonEP MoE layer: router -> dispatch -> routed SwiGLU experts -> combine, which applies
+the route weights (+ shared experts).
 
     layer = MoonEPMoE(MoEArgs(num_experts=E, top_k=K, capacity=S, ...), dim=D, hidden_dim=F)
     layer.bind(group=pg)            # or bind_moe(model, group=pg, capacity=S), or lazily
@@ -8,7 +8,8 @@
   ids_sK, w_sK, logits_sE = router(x_sD)                            fp32 weights
   h_MD, w_M, cu_G, plan   = buffer.dispatch(x_sD, ids_sK, w_sK)     exactly the cap of rows real
   y_MD                    = moonep::moe_experts(h_MD, cu_G, plan.experts_to_copy, w1, w3, w2)
-  out_sD                  = buffer.combine(plan, y_MD * w_M) [+ sigmoid(gate(x)) * shared(x_sD)]
+  out_sD                  = buffer.combine(plan, y_MD, w_M, weighted=True)  sum_k fp32(y) * w
+                            [+ sigmoid(gate(x)) * shared(x_sD)]
 
 The layer knows nothing of parallelism until ``bind``: built, it holds all E experts (or none,
 on the meta device); bound, it keeps this rank's home experts ``rank*B .. (rank+1)*B - 1``
@@ -41,7 +42,6 @@ from ..ops import moe_experts as _moe_experts  # registers moonep::moe_experts; 
 from ..ops import moe_experts_fp8 as _moe_experts_fp8  # noqa: F401  (moonep::moe_experts_fp8)
 from ..ops.fp8_weight_cache import FP8WeightCache
 from ..ops.grouped_mm_fp8 import ALIGN as FP8_ALIGN
-from ..ops import quantize_fp8 as _qf  # moonep::scale_rows, the route weights of the bf16 layer
 from ..ops.moe_experts import PRECISIONS
 from ..ops.moe_experts_ext import check_variant, moe_experts_ext
 from ..planner import POLICIES
@@ -80,7 +80,7 @@ def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_
     """dispatch -> routed SwiGLU experts -> route weights -> combine, in one precision:
     ``[s, D]``, differentiable in x, the route weights and the experts.
 
-    "bf16": Buffer.dispatch, moonep::moe_experts, the weights applied in fp32, combine; with
+    "bf16": Buffer.dispatch, moonep::moe_experts, combine applying the weights in fp32; with
     expert ``biases`` (b1, b3, b2) or another ``activation`` (gpt-oss's "swiglu_clamped", its
     ``alpha`` and ``limit``), moonep::moe_experts_ext, which applies the weights itself.
     "fp8": Buffer.dispatch_fp8 (e4m3 rows + scales), moonep::moe_experts_fp8 (which applies
@@ -104,14 +104,10 @@ def routed_experts(buf: Buffer, pool_name: str, x_sD: Tensor, ids_sK: Tensor, w_
         if variant:
             z, _, _, _ = moe_experts_ext(h, w_M, cu, plan.experts_to_copy, w1, w3, w2,
                                          list(biases), pool_name, activation, alpha, limit)
-        else:    # z = x_dtype(fp32(y) * w): bf16 by moonep::scale_rows, else y promotes
+        else:    # combine applies the weights: sum_k fp32(y) * w, one rounding, no z pass
             y, _, _ = _moe_experts.moe_experts(h, cu, plan.experts_to_copy, w1, w3, w2,
                                                pool_name)
-            if y.dtype == torch.bfloat16 and x_sD.dtype == torch.bfloat16:
-                z = _qf.scale_rows_differentiable(y, w_M)    # one pass each way
-            else:
-                yw = y if y.dtype.itemsize <= 4 else y.float()   # wider: rounded to fp32
-                z = (yw * w_M[:, None]).to(x_sD.dtype)
+            return buf.combine(plan, y, w_M, weighted=True)[0]
     out, _ = buf.combine(plan, z)
     return out
 

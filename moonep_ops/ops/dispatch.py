@@ -10,7 +10,8 @@ a Python object, so they trace under ``torch.compile(fullgraph=True)``.
          remote_stats [2] i32                          (the last four: the Plan's tensors)
   dispatch_with_plan(x [s,D], route_weights [s,K] f32?, dst [s*K] i32, buffer, total)
       -> h [nvs_s,D], w [nvs_s] f32                    (scatter with a saved plan)
-  combine(h [nvs_s|NvS,D], route_weights [nvs_s|NvS] f32?, dst [s*K] i32, buffer, total)
+  combine(h [nvs_s|NvS,D], route_weights [nvs_s|NvS] f32?, dst [s*K] i32, buffer, total,
+          weighted=False)
       -> y [s,D] (h's dtype), w [s,K] f32               (w is zeros when none was given)
   dispatch_fp8(x [s,D], topk_ids, route_weights?, buffer, total, pow2_scales=False)
       -> h [nvs_s,D] e4m3, h_scale [nvs_s,ceil(D/128)] f32, w, cu_seqlens, dst,
@@ -26,10 +27,14 @@ total_num_tokens = -1 means every rank passes the same s.  Semantics (moonep.md 
   * dispatch writes token t's row to the K slots named by dst (a duplicate entry - same token,
     same destination - is sent once and copied on the destination); route weight w[t,k] to its
     own slot; all other rows/weights of the [nvs_s] layout are exactly zero.
-  * combine: y[t] = sum over k = 0..K-1 of h[slot(t,k)], accumulated in fp32 in that order,
-    rounded once to h's dtype; it does not apply route weights; w[t,k] = w_nvs[slot(t,k)].
+  * combine: y[t] = sum over k = 0..K-1 of h[slot(t,k)], accumulated in fp32 (fp64 for fp64
+    h) in that order, rounded once to h's dtype; w[t,k] = w_nvs[slot(t,k)].  weighted=True
+    (route_weights required) applies the route weights: the terms are h[slot] * w_nvs[slot],
+    each product in the accumulation type (the MoE layer's route-weight step).
   * autograd: dispatch backward = combine with the saved plan, combine backward = dispatch
-    with the saved plan (both are exact transposes, duplicates included).
+    with the saved plan (both are exact transposes, duplicates included); weighted combine
+    backward = dispatch with the saved plan, then the grads of the rows' weighting
+    (moonep::scale_rows_backward for bf16: dh = bf16(w * dy rows), dw = sum_D fp32(h) * dy).
 Every check that reads no data runs in the fake kernel too, so a bad call fails at trace time.
 """
 from __future__ import annotations
@@ -43,6 +48,7 @@ from .. import registry, runtime
 from ..backends.base import Backend
 from ..planner import decode_raw_dst
 from . import fastpath
+from . import quantize_fp8 as qf  # moonep::scale_rows_backward, the weighted combine's grads
 from .checks import (ARG_ERRORS, call_device, device_error, has_real_tensor, mark_passed,
                      on_device, passed, reject_call, signature)
 from .quantize_fp8 import FP8ArgumentError, fake_rows_fp8, fp8_checks, rows_fp8
@@ -127,7 +133,12 @@ def check_reuse_args(be, x, rw, dst, total: int) -> int:
     return s
 
 
-def check_combine_args(be, h, w, dst, total: int) -> int:
+def check_combine_args(be, h, w, dst, total: int, weighted: bool = False) -> int:
+    if not isinstance(weighted, bool):        # the schema would coerce an int silently
+        raise TypeError(f"combine: weighted must be a bool, got {type(weighted).__name__}")
+    if weighted and w is None:
+        raise ValueError("combine: weighted=True applies the route weights: pass them "
+                         "(route_weights [nvs_s] fp32, dispatch's w)")
     dev = call_device(h, be.device)
     _tensor("plan.dst [s*K]", dst, torch.int32, 1, be, dev, "h")
     if dst.shape[0] % be.spec.K:
@@ -147,14 +158,14 @@ def check_combine_args(be, h, w, dst, total: int) -> int:
     return s
 
 
-def _call_signature(op: str, buffer: str, total, *tensors) -> Optional[tuple]:
+def _call_signature(op: str, buffer: str, total, *tensors, flag=None) -> Optional[tuple]:
     """checks.signature of a Buffer op's call, for its static checks (once per signature): the
     op, the Buffer (a registry name is never reused; its backend and spec are fixed), total and
-    its type, which tensors are absent (route_weights None), and the others, all of which the
-    checks require contiguous."""
+    its type, ``flag`` (combine's weighted) and its type, which tensors are absent
+    (route_weights None), and the others, all of which the checks require contiguous."""
     present = [t for t in tensors if t is not None]
-    return signature((op, buffer, total, type(total), *(t is None for t in tensors)), present,
-                     present)
+    return signature((op, buffer, total, type(total), flag, type(flag),
+                      *(t is None for t in tensors)), present, present)
 
 
 def check_dst_values(dst, be, s: int, total: int) -> None:
@@ -233,11 +244,11 @@ def _dispatch_fake(x, topk_ids, route_weights, buffer, total_num_tokens):
             x.new_empty((2,), dtype=i32))
 
 
-def _save_plan(ctx, dst, rw, buffer: str, total: int, rw_at: int) -> None:
+def _save_plan(ctx, dst, rw, buffer: str, total: int, rw_at: int, *more: Tensor) -> None:
     """What the backward of dispatch, dispatch_with_plan and combine keeps: the plan's dst (it
     runs the transpose with it), the Buffer, the token total and route_weights' input position
-    (None: no route weights)."""
-    ctx.save_for_backward(dst)
+    (None: no route weights); ``more`` tensors are saved after dst."""
+    ctx.save_for_backward(dst, *more)
     ctx.buffer, ctx.total, ctx.rw_at = buffer, total, None if rw is None else rw_at
 
 
@@ -324,19 +335,20 @@ def dispatch_with_plan(x, route_weights, dst, buffer: str, total_num_tokens: int
 
 
 def combine_body(h: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer: str,
-                 total_num_tokens: int):
+                 total_num_tokens: int, weighted: bool = False):
     """moonep::combine's kernel."""
     be = _backend(buffer)
     try:
-        key = _call_signature("combine", buffer, total_num_tokens, h, route_weights, dst)
+        key = _call_signature("combine", buffer, total_num_tokens, h, route_weights, dst,
+                              flag=weighted)
         if not passed(key):
-            check_combine_args(be, h, route_weights, dst, total_num_tokens)
+            check_combine_args(be, h, route_weights, dst, total_num_tokens, weighted)
             mark_passed(key)
         s = dst.shape[0] // be.spec.K
         check_dst_values(dst, be, s, total_num_tokens)
     except ARG_ERRORS as e:
         raise reject_call(be, "combine", "combine", e) from None
-    y, w = be.combine(h, route_weights, dst)
+    y, w = be.combine(h, route_weights, dst, weighted)
     if w is None:
         w = torch.zeros((s, be.spec.K), dtype=torch.float32, device=h.device)
     return y, w
@@ -344,44 +356,61 @@ def combine_body(h: Tensor, route_weights: Optional[Tensor], dst: Tensor, buffer
 
 _combine = torch.library.custom_op(
     "moonep::combine", combine_body, mutates_args=(), tags=_TAGS,
-    schema="(Tensor h, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens)"
-           " -> (Tensor, Tensor)")
+    schema="(Tensor h, Tensor? route_weights, Tensor dst, str buffer, int total_num_tokens, "
+           "bool weighted=False) -> (Tensor, Tensor)")
 
 
 @_combine.register_fake
-def _combine_fake(h, route_weights, dst, buffer, total_num_tokens):
+def _combine_fake(h, route_weights, dst, buffer, total_num_tokens, weighted=False):
     be, s = _fake_checked(buffer, "combine", check_combine_args, h, route_weights, dst,
-                          total_num_tokens)
+                          total_num_tokens, weighted)
     return h.new_empty((s, be.spec.D)), h.new_empty((s, be.spec.K), dtype=torch.float32)
 
 
 def _combine_setup(ctx, inputs, output):
-    h, rw, dst, buffer, total = inputs
-    _save_plan(ctx, dst, rw, buffer, total, 1)
+    h, rw, dst, buffer, total, ctx.weighted = inputs     # (the op's default filled in)
+    # weighted: the weighting's backward reads the rows and their weights too
+    _save_plan(ctx, dst, rw, buffer, total, 1, *((h, rw) if ctx.weighted else ()))
     ctx.rows = h.shape[0]
 
 
+def _weighting_backward(dz: Tensor, w: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    """The grads (of h, of w) of the terms acc(h) * w of a weighted combine, given dz, the
+    gathered grad of y: moonep::scale_rows_backward for bf16 (the layer's dtype: one pass),
+    else its formula in h's accumulation type (fp32; fp64 for fp64 rows), which that op,
+    bf16 only, does not take."""
+    if h.dtype == torch.bfloat16:
+        return fastpath.call(torch.ops.moonep.scale_rows_backward,
+                             qf._scale_rows_backward_bf16_impl, None, dz, w, h)
+    dza = dz.to(torch.promote_types(h.dtype, torch.float32))
+    return (dza * w.to(dza.dtype)[:, None]).to(h.dtype), (dza * h.to(dza.dtype)).sum(-1).float()
+
+
 def _combine_backward(ctx, grad_y, grad_w):
-    (dst,) = ctx.saved_tensors
+    dst, *hw = ctx.saved_tensors           # (read once: activation checkpointing's contract)
     has_w = ctx.rw_at is not None
     gh, gw = dispatch_with_plan(grad_y.contiguous(), grad_w.contiguous() if has_w else None,
                                 dst, ctx.buffer, ctx.total)
+    if ctx.weighted:                       # y = sum of h * w: then the weighting's grads
+        h, w = hw
+        n = gh.shape[0]
+        gh, d_rows = _weighting_backward(gh, w[:n], h[:n])
+        gw = gw + d_rows
     pad = ctx.rows - gh.shape[0]                 # h had NvS rows: the tail gets zero gradient
     if pad:
         gh = torch.nn.functional.pad(gh, (0, 0, 0, pad))
         gw = torch.nn.functional.pad(gw, (0, pad))
-    return gh, (gw if has_w else None), None, None, None
+    return gh, (gw if has_w else None), None, None, None, None
 
 
 _CombineFn = fastpath.autograd(_combine, "CombineFn", combine_body, _combine_setup,
                                _combine_backward)
 
 
-def combine(h, route_weights, dst, buffer: str, total_num_tokens: int):
+def combine(h, route_weights, dst, buffer: str, total_num_tokens: int, weighted: bool = False):
     """``torch.ops.moonep.combine(...)``; in eager mode without the dispatcher (fastpath)."""
     return fastpath.call(torch.ops.moonep.combine, combine_body, _CombineFn, h, route_weights,
-                         dst, buffer, total_num_tokens)
-
+                         dst, buffer, total_num_tokens, weighted)
 
 
 # ---------------------------------------------------------------------------------------------
