@@ -522,7 +522,7 @@ def layer_rows(shape, dev, calls, rounds, tp) -> tuple[list[tuple], dict]:
          lambda: experts_bwd(dy, h, g, u, cu, etc, ours.w1, ours.w3, ours.w2, pool),
          lambda: torch.autograd.grad(ty_g, t_inputs, dty, retain_graph=True),
          "titan: autograd of its experts"),
-        ("weights + combine", lambda: buf.combine(plan, (y.float() * w_M[:, None]).to(x.dtype)),
+        ("weights + combine", lambda: _weighted_combine(buf, plan, y, w_M, x.dtype),
          lambda: titan.unpermute(ty, tw_N, ttok, out_t), "titan: weighted index_add_"),
         ("combine alone", lambda: buf.combine(plan, z), None, ""),
         ("dispatch with plan (combine backward)",
@@ -548,6 +548,15 @@ def layer_rows(shape, dev, calls, rounds, tp) -> tuple[list[tuple], dict]:
         rows.append((what, r.get("ours"), r.get("torch"), note))
         print(f"  {what}: ours {_fmt(r.get('ours'))}, torch {_fmt(r.get('torch'))}", flush=True)
     return rows, dict(ours=ours, titan=titan)
+
+
+def _weighted_combine(buf, plan, y, w_M, dtype):
+    """The layer's route weights and combine: inside combine where the package has weighted=
+    (a baseline package from before it: weights applied first, then combine)."""
+    try:
+        return buf.combine(plan, y, w_M, weighted=True)
+    except TypeError:
+        return buf.combine(plan, (y.float() * w_M[:, None]).to(dtype))
 
 
 def _nograd(layer, x):

@@ -267,7 +267,7 @@ __global__ void combine_recv_kernel(T* y, float* w_out, int s, int K, int H, boo
   for (int k = 0; k < K; ++k) {
     Decoded e = decode(dst[t * K + k], NvS);
     const bool ok = !broken && e.d < R && e.loff < rows(e.d);
-    T v[VEC];
+    alignas(16) T v[VEC];
     Acc wk = Acc(1);
     if (ok) {
       if (weighted) wk = static_cast<Acc>(wstage_peers[e.d][e.loff]);
@@ -290,9 +290,16 @@ __global__ void combine_recv_kernel(T* y, float* w_out, int s, int K, int H, boo
     }
   }
   T* out = y + static_cast<int64_t>(t) * H + c0;
+  if constexpr (VEC * sizeof(T) == 16) {   // one 16-byte store (the VEC path has D % VEC == 0)
+    alignas(16) T o[VEC];
 #pragma unroll
-  for (int j = 0; j < VEC; ++j)
-    if (c0 + j < H) out[j] = from_acc<T>(acc[j]);
+    for (int j = 0; j < VEC; ++j) o[j] = from_acc<T>(acc[j]);
+    *reinterpret_cast<int4*>(out) = *reinterpret_cast<const int4*>(o);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      if (c0 + j < H) out[j] = from_acc<T>(acc[j]);
+  }
 }
 
 // ------------------------------------------------------------------------------------------

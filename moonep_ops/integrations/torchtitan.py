@@ -70,7 +70,7 @@ replaces only the body::
 
     h_MD, w_M, cu_G, plan = buffer.dispatch(x_sD.bfloat16(), ids_sK.int(), w_sK)
     y_MD = moonep::moe_experts(h_MD, cu_G, plan.experts_to_copy, w1, w3, w2, pool)
-    out_sD = buffer.combine(plan, (y_MD.float() * w_M[:, None]).bfloat16())
+    out_sD = buffer.combine(plan, y_MD, w_M, weighted=True)
 
 Why this level and not the others: a custom ``BaseEPTokenDispatcher`` (option "a") would have to
 smuggle MoonEP's 2B-group ``cu_seqlens``, slot table and pool name to the experts through the
@@ -393,7 +393,9 @@ class MoonEPRoutedExperts(RoutedExperts):
                 w1, w3, w2 = self._expert_weights()
                 y_MD, _, _ = torch.ops.moonep.moe_experts(h_MD, cu_G, plan.experts_to_copy, w1,
                                                           w3, w2, self.pool_name)
-            z_MD = (y_MD.float() * w_M[:, None]).to(COMPUTE_DTYPE)
+            # the route weights applied inside combine: fp32 products summed in fp32, rounded once
+            out_sD, _ = buf.combine(plan, y_MD, w_M, weighted=True)
+            return out_sD.to(x_BLD.dtype).view(batch, seqlen, D)
         out_sD, _ = buf.combine(plan, z_MD)
         return out_sD.to(x_BLD.dtype).view(batch, seqlen, D)
 

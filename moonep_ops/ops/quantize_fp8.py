@@ -529,20 +529,13 @@ def _scale_rows_setup(ctx, inputs, output):
 
 def _scale_rows_grad(ctx, dz):
     # z = bf16(fp32(y) * w): dy = bf16(fp32(dz) * w), dw = sum_I fp32(dz) * fp32(y), the
-    # grads torch's autograd gives the formulation (the bf16 layer's route weights)
+    # grads torch's autograd gives the formulation (the same grads as the weighted combine's)
     y, w = ctx.saved_tensors
     return fastpath.call(torch.ops.moonep.scale_rows_backward, _scale_rows_backward_bf16_impl,
                          None, dz.contiguous(), w, y)
 
 
-_ScaleRowsFn = fastpath.autograd(_scale_rows_op, "ScaleRowsFn", _scale_rows_impl,
-                                 _scale_rows_setup, _scale_rows_grad)
-
-
-def scale_rows_differentiable(y_MI: Tensor, w_M: Tensor) -> Tensor:
-    """moonep::scale_rows with its autograd (the bf16 layer's route weights): the op's body
-    directly in eager mode (ops/fastpath.py), the op elsewhere."""
-    return fastpath.call(torch.ops.moonep.scale_rows, _scale_rows_impl, _ScaleRowsFn, y_MI, w_M)
+_scale_rows_op.register_autograd(_scale_rows_grad, setup_context=_scale_rows_setup)
 
 _dequantize_rows_bf16_op = torch.library.custom_op(
     "moonep::dequantize_fp8_rows", _dequantize_rows_bf16_impl, mutates_args=(),
