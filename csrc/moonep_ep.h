@@ -410,7 +410,7 @@ MOONEP_EXPORT int moonep_ep_swiglu_bwd(const void* g, const void* u, const void*
  * @param a        device bf16 [M, F], output.
  * @param n        elements of each tensor: M*F (a multiple of F).
  * @param alpha, limit, offset  the activation's parameters.
- * @param num_sms  SMs of the device (sizes the grid; <= 0: 132).
+ * @param num_sms  unused (a thread per pack of 8; kept in the ABI).
  * @param stream   cudaStream_t to launch on.
  */
 MOONEP_EXPORT int moonep_ep_glu_fwd(const void* g, const void* u, const void* b1, const void* b3,
