@@ -99,15 +99,18 @@ def test_keep_margins_writes_the_rule_in_force(dry_json, tmp_path, monkeypatch):
     assert mods.tuning.read(out)["NEVER_LOSE_MARGIN"] == {"wgrad_lp": 0.25}
 
 
-def test_tuning_file_is_what_the_fit_writes_for_its_values():
-    # the package's constants file is exactly what the fit writes for its values (the file
+@pytest.mark.parametrize("file", ["tuning.json", "tuning_h100.json"])
+def test_tuning_file_is_what_the_fit_writes_for_its_values(file):
+    # each device's constants file is exactly what the fit writes for its values (the file
     # round-trips: read, then written, byte for byte)
     t = common.gemm_modules().tuning
-    text = fit.render_tuning(t.EFFICIENCY, t.CALIBRATION_SOURCES, t.PEAK_TFLOPS, t.HBM_TBPS,
-                             t.SEEDED, t.NEVER_LOSE_MARGIN, num_sms=t.NUM_SMS,
-                             tie_tol=t.SELECT_TIE_TOL, tie_tol_small=t.SELECT_TIE_TOL_SMALL,
-                             probe_tp=t.NEVER_LOSE_PROBE_TP, calibrated=t.CALIBRATED)
-    assert text == t.path("tuning.json").read_text()
+    d = t.read(file)
+    text = fit.render_tuning(d["EFFICIENCY"], d["CALIBRATION_SOURCES"], d["PEAK_TFLOPS"],
+                             d["HBM_TBPS"], d["SEEDED"], d["NEVER_LOSE_MARGIN"],
+                             num_sms=d["NUM_SMS"], tie_tol=d["SELECT_TIE_TOL"],
+                             tie_tol_small=d["SELECT_TIE_TOL_SMALL"],
+                             probe_tp=d["NEVER_LOSE_PROBE_TP"], calibrated=d["CALIBRATED"])
+    assert text == t.path(file).read_text()
 
 
 @pytest.mark.parametrize("kind", ["fwd", "dgrad", "wgrad", "wgrad_lp"])

@@ -844,3 +844,35 @@ def test_bench_report_and_kinds_option(monkeypatch, capsys):
     md = bench.report([], [s, {k: v for k, v in s.items() if k != "bound_tbps"}], {}, env="x")
     assert "| 96 | 160 | 3.40 | 3.41 | 2.55 | 3.86 | 0.88 | s256x80 |" in md
     assert "| nan | nan | s256x80 |" in md
+
+
+def test_tuning_follows_the_device_kind(monkeypatch):
+    """The GEMM launcher puts the constants of the call's kind of GPU in force before it plans
+    (gemm.tuning.DEVICE_FILES: an H100 gets tuning_h100.json, other devices tuning.json) and
+    forgets the plans and tables made with the others; the tables differ between the files."""
+    from moonep_ops.ops import grouped_mm_kernels as gk
+    tuning, gcm = gemm_tuning, gemm_cost_model
+    assert tuning.file_for("NVIDIA H100 80GB HBM3") == "tuning_h100.json"
+    assert tuning.file_for("NVIDIA H200") == tuning.DEFAULT_FILE == "tuning.json"
+    assert tuning.ACTIVE_FILE == "tuning.json"
+    h200 = gcm.tuning_table("fwd")
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+    monkeypatch.setattr(gk, "_TUNING_FILE", {})
+    gk.ENTRIES[("probe",)] = ()
+    try:
+        gk.use_tuning_of(torch.device("cuda", 0))
+        assert tuning.ACTIVE_FILE == "tuning_h100.json" and not gk.ENTRIES
+        h100 = gcm.tuning_table("fwd")
+        assert h100 != h200 and h100 == gcm.tuning_table("fwd")
+        assert tuning.EFFICIENCY == tuning.read("tuning_h100.json")["EFFICIENCY"]
+        gk.ENTRIES[("probe",)] = ()
+        gk.use_tuning_of(torch.device("cuda", 0))            # in force already: nothing forgotten
+        assert ("probe",) in gk.ENTRIES
+        gk.use_tuning_of(torch.device("cuda", 1))
+        assert tuning.ACTIVE_FILE == "tuning.json" and gcm.tuning_table("fwd") == h200
+        gk.use_tuning_of(torch.device("cpu"))                 # off CUDA: nothing changes
+        assert tuning.ACTIVE_FILE == "tuning.json"
+    finally:
+        tuning.select(tuning.DEFAULT_FILE)
+        gk.clear_plan_cache()

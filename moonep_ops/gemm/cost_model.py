@@ -30,8 +30,8 @@ wgrad (every non-empty group has the same tile count, but a tile costs ~ M_g):
   enters), and T(c) = tau0 + max_p.
 
 The constants (eta, bw_frac, tau_sw, tau0, tau_epi per config) are moonep_ops/gemm/tuning.py's
-(from tuning.json), fitted by benchmarks/fit_gemm_cost_model.py on the committed H200 measurements
-(benchmarks/calibration/*.json).  The same formulas run on the GPU inside the prep kernel
+(tuning.json: the H200's; tuning_h100.json on an H100, put in force by the launcher), fitted by
+benchmarks/fit_gemm_cost_model.py on the committed measurements (benchmarks/calibration/*.json).  The same formulas run on the GPU inside the prep kernel
 (cutlass_kernels/prep.cu, one warp per config), which is how the op selects a config from
 device-resident counts without a host sync; this module is the reference and the API a user
 asks ("what does the model predict for these counts?").

@@ -5,7 +5,9 @@ The constants are data: JSON files next to this module (package data, setup.py),
 BY a fit from the committed measurements in benchmarks/calibration/ (rerun the fit instead of
 editing), each key the name of the attribute its module loads it into:
 
-  tuning.json            this module's, by benchmarks/fit_gemm_cost_model.py
+  tuning.json            this module's (the H200's, and the default), by
+                         benchmarks/fit_gemm_cost_model.py
+  tuning_h100.json       the same constants fitted on the H100 (DEVICE_FILES), by the same fit
   tuning_fp8.json        tuning_fp8.py's (the FP8 GEMM), by benchmarks/fit_fp8_cost_model.py
   tuning_fp8_wgrad.json  tuning_fp8_wgrad.py's (the FP8 wgrad GEMM), seeded by hand
 
@@ -31,6 +33,13 @@ NEVER_LOSE_PROBE_TP, NEVER_LOSE_MARGIN[kind]: the never-lose rule (cost_model.fa
   candidate; a kind without a margin never uses the torch family.
 CALIBRATED; CALIBRATION_SOURCES[kind]: where each kind's constants come from (a partial refit,
   --kinds, keeps the others'); CALIBRATION_SOURCE: the same on one line.
+
+Per device: the attributes above hold one file's constants, ACTIVE_FILE's (tuning.json at import:
+the model as an API on any machine).  The GEMM launcher calls ``select(file_for(device name))``
+before it plans a call on a CUDA device (ops/grouped_mm_kernels.py), so the device's selector
+gets the constants fitted on that device's kind when a file exists for it (DEVICE_FILES).  Why:
+the H200's constants on an H100 picked configs 7.6 % slower than the best one (held-out gm,
+docs/grouped_gemm.md "Calibration").
 """
 from __future__ import annotations
 
@@ -65,16 +74,45 @@ def dumps(data, indent: str = "") -> str:
     return "{\n" + items + "\n" + indent + "}" + ("" if indent else "\n")
 
 
-_FILE = read("tuning.json")
-CALIBRATED: bool = _FILE["CALIBRATED"]
-CALIBRATION_SOURCES: dict[str, str] = _FILE["CALIBRATION_SOURCES"]
-CALIBRATION_SOURCE = "; ".join(f"{k}: {v}" for k, v in CALIBRATION_SOURCES.items())
-PEAK_TFLOPS: float = _FILE["PEAK_TFLOPS"]
-HBM_TBPS: float = _FILE["HBM_TBPS"]
-NUM_SMS: int = _FILE["NUM_SMS"]
-SELECT_TIE_TOL: float = _FILE["SELECT_TIE_TOL"]
-SELECT_TIE_TOL_SMALL: float = _FILE["SELECT_TIE_TOL_SMALL"]
-NEVER_LOSE_PROBE_TP: int = _FILE["NEVER_LOSE_PROBE_TP"]
-NEVER_LOSE_MARGIN: dict[str, float] = _FILE["NEVER_LOSE_MARGIN"]
-SEEDED: dict[str, dict[str, str]] = _FILE["SEEDED"]
-EFFICIENCY: dict[str, dict[str, tuple[float, ...]]] = _FILE["EFFICIENCY"]
+# (a substring of torch.cuda.get_device_name, the constants file of that device kind); any other
+# device: DEFAULT_FILE.
+DEVICE_FILES = (("H100", "tuning_h100.json"),)
+DEFAULT_FILE = "tuning.json"
+
+
+def file_for(device_name: str) -> str:
+    """The constants file for a device of this name."""
+    return next((f for key, f in DEVICE_FILES if key in device_name), DEFAULT_FILE)
+
+
+def select(file: str) -> None:
+    """Make ``file``'s constants this module's (a no-op when they already are)."""
+    global ACTIVE_FILE, CALIBRATED, CALIBRATION_SOURCES, CALIBRATION_SOURCE, PEAK_TFLOPS, \
+        HBM_TBPS, NUM_SMS, SELECT_TIE_TOL, SELECT_TIE_TOL_SMALL, NEVER_LOSE_PROBE_TP, \
+        NEVER_LOSE_MARGIN, SEEDED, EFFICIENCY
+    if file == ACTIVE_FILE:
+        return
+    d = read(file)
+    CALIBRATED, CALIBRATION_SOURCES = d["CALIBRATED"], d["CALIBRATION_SOURCES"]
+    CALIBRATION_SOURCE = "; ".join(f"{k}: {v}" for k, v in CALIBRATION_SOURCES.items())
+    PEAK_TFLOPS, HBM_TBPS, NUM_SMS = d["PEAK_TFLOPS"], d["HBM_TBPS"], d["NUM_SMS"]
+    SELECT_TIE_TOL, SELECT_TIE_TOL_SMALL = d["SELECT_TIE_TOL"], d["SELECT_TIE_TOL_SMALL"]
+    NEVER_LOSE_PROBE_TP, NEVER_LOSE_MARGIN = d["NEVER_LOSE_PROBE_TP"], d["NEVER_LOSE_MARGIN"]
+    SEEDED, EFFICIENCY = d["SEEDED"], d["EFFICIENCY"]
+    ACTIVE_FILE = file
+
+
+ACTIVE_FILE = ""
+CALIBRATED: bool
+CALIBRATION_SOURCES: dict[str, str]
+CALIBRATION_SOURCE: str
+PEAK_TFLOPS: float
+HBM_TBPS: float
+NUM_SMS: int
+SELECT_TIE_TOL: float
+SELECT_TIE_TOL_SMALL: float
+NEVER_LOSE_PROBE_TP: int
+NEVER_LOSE_MARGIN: dict[str, float]
+SEEDED: dict[str, dict[str, str]]
+EFFICIENCY: dict[str, dict[str, tuple[float, ...]]]
+select(DEFAULT_FILE)

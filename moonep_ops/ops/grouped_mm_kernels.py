@@ -24,6 +24,7 @@ import torch
 
 from .. import native
 from ..gemm import cost_model as gemm_cost_model
+from ..gemm import tuning as gemm_tuning
 from .. import settings
 from ..runtime import current_device, current_raw_stream, on_device_of, sm_count
 
@@ -297,11 +298,32 @@ def _pdl_flag() -> int:
     return _PDL if settings.flag("MOONEP_GEMM_PDL") else 0
 
 
+# Device index -> the gemm.tuning constants file of its kind of GPU (tuning.file_for its name).
+_TUNING_FILE: dict[int, str] = {}
+
+
+def use_tuning_of(dev: torch.device) -> None:
+    """Put the constants fitted on ``dev``'s kind of GPU in force (gemm.tuning.select); a change
+    forgets every plan, table and entry made with the others (clear_plan_cache).  One dictionary
+    look-up when they already are; nothing off CUDA (the CPU stand-in of the CUDA path)."""
+    if dev.type != "cuda":
+        return
+    idx = dev.index if dev.index is not None else current_device()
+    f = _TUNING_FILE.get(idx)
+    if f is None:
+        f = _TUNING_FILE[idx] = gemm_tuning.file_for(torch.cuda.get_device_name(idx))
+    if f != gemm_tuning.ACTIVE_FILE:
+        gemm_tuning.select(f)
+        clear_plan_cache()
+
+
 def launch_plan(kind: str, dev: torch.device, M: int, G: int, O: int, I: int,
                 flags: int = 0) -> tuple:
     """What a CUTLASS call of this shape on ``dev`` passes besides its pointers and config:
     (library function, kind id, tuning table, candidate mask, workspace bytes, ``flags`` with
-    the PDL bit, SM count); the constants come from _call_constants (once per call shape)."""
+    the PDL bit, SM count); the constants come from _call_constants (once per call shape), of
+    ``dev``'s kind of GPU (use_tuning_of)."""
+    use_tuning_of(dev)
     sm = sm_count(dev)
     kid, table, mask, nbytes, pdl = _call_constants(kind, M, G, O, I, sm)
     return native.require_gemm().grouped_gemm, kid, table, mask, nbytes, flags | pdl, sm
