@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The GPU checks the open work still needs, in one device call (~8-9 min on an H100 with the
-# libraries carried; each step has its own time limit, logs in $OUT/<step>.log):
-#   run(command="bash scripts/gpu_open_checks.sh",
-#       carry=["moonep_ops/lib", "build/planner_base", ".whl"])
-# moonep_ops/lib: `python -m moonep_ops.build -j 2` of this tree.  build/planner_base: the
-# planner before its split into stage files, for the latency A/B (made on the CPU machine:
-#   mkdir -p build/planner_base && git archive f374fbe^ moonep_ops benchmarks/bench_plan_device.py \
-#     | tar -x -C build/planner_base, then its libmoonep_ep.so (python -m moonep_ops.build --lib ep
-#     in a checkout of f374fbe^) into build/planner_base/moonep_ops/lib/).
+# The GPU checks the open work still needs (logs in $OUT/<step>.log, each step with its own time
+# limit).  The default steps take ~12 min on an H100, past one call's 10: run them in two calls,
+# chained while the machine is warm, with the libraries built here carried:
+#   run(command="STEPS=tests,zoo,hostops,experts bash scripts/gpu_open_checks.sh",
+#       carry=["moonep_ops/lib", ".whl"])
+#   run(command="STEPS=layer,host,fp8,gemm bash scripts/gpu_open_checks.sh", carry=[...the same])
+# moonep_ops/lib: `python -m moonep_ops.build -j 2` of this tree.  Step planner also needs
+# build/planner_base, the planner before its split into stage files (git archive f374fbe^
+# moonep_ops benchmarks/bench_plan_device.py into it, and that tree's libmoonep_ep.so); step
+# probe needs diagnostics/swiglu_probe.so (its build line: diagnostics/README.md).
 # Steps (STEPS=a,b to run some; EXPERT_PRECISIONS, LAYER_MODES narrow the two benchmarks):
 #   tests     the CUDA tests of the data plane, the SwiGLU kernels, the MoE layer (bf16, gated,
 #             virtual ranks) and the transformers model on CUDA
@@ -15,6 +16,9 @@
 #             kernels' variants and the library's own exports, side by side
 #   hostops   diagnostics/layer_host_profile.py on the small shape, compiled: host us of each
 #             custom op's body as the compiled graph calls it
+#   zoo       bench_gemm_zoo.py --no-calib --rounds 3 (~75 s on an H100): ours against
+#             torch._grouped_mm on the model zoo with the constants of this GPU's kind
+#             (gemm/tuning_h100.json on an H100: fitted, not yet run on the GPU)
 #   planner   the device planner's CUDA tests, then bench_plan_device on the split planner and on
 #             build/planner_base, three alternating rounds (the latency A/B)
 #   symm      the symmetric backend's prefetch_weight / reduce_grad tests (more tensors than one
@@ -28,7 +32,7 @@
 #   gemm      the rest of the CUDA tests of the GEMMs and the MoE layer
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-STEPS=${STEPS:-tests,probe,hostops,experts,layer,host,fp8,gemm}
+STEPS=${STEPS:-tests,zoo,hostops,experts,layer,host,fp8,gemm}
 ROOT=$PWD
 $PY scripts/check_abi.py | tail -3
 T0=$SECONDS
@@ -64,6 +68,7 @@ step tests 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_swiglu_cuda.p
   tests/test_async_cuda.py tests/test_moe_symm_cuda.py tests/test_virtual_ranks_fresh_cuda.py \
   tests/test_lifetimes_cuda.py tests/test_integrations_hf_cuda.py ${EXTRA_TESTS:-}
 step probe 60 $PY diagnostics/swiglu_probe.py --reps 11
+step zoo 150 $PY benchmarks/bench_gemm_zoo.py --no-calib --rounds 3 --out "$OUT"
 step hostops 120 $PY diagnostics/layer_host_profile.py --shape small --modes compiled --steps 20 \
   --top 25
 step planner 200 bash -c planner
@@ -80,6 +85,7 @@ step gemm 150 $PY -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_cuda.
   tests/test_grouped_mm_fp8_cuda.py
 echo "==== done ($((SECONDS - T0)) s)"
 grep -E "^\[|op bodies|calls/step" "$OUT/probe.log" "$OUT/hostops.log" 2>/dev/null | head -90
+grep -E "^\| (fwd|dgrad|wgrad_lp) \|" "$OUT/zoo.log" 2>/dev/null | head -30
 for f in layer experts fp8; do
   [ -f "$OUT/$f.log" ] && grep -E "^\| |captured|eager|compiled|ratio|MET|MISSED|^gpt" "$OUT/$f.log" | head -60
 done
