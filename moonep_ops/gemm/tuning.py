@@ -86,20 +86,18 @@ def file_for(device_name: str) -> str:
 
 
 def select(file: str) -> None:
-    """Make ``file``'s constants this module's (a no-op when they already are)."""
-    global ACTIVE_FILE, CALIBRATED, CALIBRATION_SOURCES, CALIBRATION_SOURCE, PEAK_TFLOPS, \
-        HBM_TBPS, NUM_SMS, SELECT_TIE_TOL, SELECT_TIE_TOL_SMALL, NEVER_LOSE_PROBE_TP, \
-        NEVER_LOSE_MARGIN, SEEDED, EFFICIENCY
+    """Make ``file``'s constants this module's (a no-op when they already are).  One dict update
+    of the module's namespace: under the GIL no other thread reads a mix of two files."""
     if file == ACTIVE_FILE:
         return
     d = read(file)
-    CALIBRATED, CALIBRATION_SOURCES = d["CALIBRATED"], d["CALIBRATION_SOURCES"]
-    CALIBRATION_SOURCE = "; ".join(f"{k}: {v}" for k, v in CALIBRATION_SOURCES.items())
-    PEAK_TFLOPS, HBM_TBPS, NUM_SMS = d["PEAK_TFLOPS"], d["HBM_TBPS"], d["NUM_SMS"]
-    SELECT_TIE_TOL, SELECT_TIE_TOL_SMALL = d["SELECT_TIE_TOL"], d["SELECT_TIE_TOL_SMALL"]
-    NEVER_LOSE_PROBE_TP, NEVER_LOSE_MARGIN = d["NEVER_LOSE_PROBE_TP"], d["NEVER_LOSE_MARGIN"]
-    SEEDED, EFFICIENCY = d["SEEDED"], d["EFFICIENCY"]
-    ACTIVE_FILE = file
+    keys = ("CALIBRATED", "CALIBRATION_SOURCES", "PEAK_TFLOPS", "HBM_TBPS", "NUM_SMS",
+            "SELECT_TIE_TOL", "SELECT_TIE_TOL_SMALL", "NEVER_LOSE_PROBE_TP", "NEVER_LOSE_MARGIN",
+            "SEEDED", "EFFICIENCY")
+    new = {k: d[k] for k in keys}
+    new["CALIBRATION_SOURCE"] = "; ".join(f"{k}: {v}" for k, v in d["CALIBRATION_SOURCES"].items())
+    new["ACTIVE_FILE"] = file
+    globals().update(new)
 
 
 ACTIVE_FILE = ""

@@ -174,8 +174,8 @@ def _workspace_bytes(kind_id: int, G: int, sm_count: int) -> int:
 
 
 def _tuning_table(kind: str, tie_tol: float):
-    # Built once per process and tie window from gemm_tuning (the file the calibration rewrites).
-    key = (kind, tie_tol)
+    # Built once per constants file in force (use_tuning_of) and tie window.
+    key = (kind, tie_tol, gemm_tuning.ACTIVE_FILE)
     if key not in _tables:
         vals = gemm_cost_model.tuning_table(kind, tie_tol)
         _tables[key] = (ctypes.c_float * len(vals))(*vals)
@@ -269,7 +269,7 @@ _CALLS_MAX = 4096
 
 
 def _call_constants(kind: str, M: int, G: int, O: int, I: int, sm: int) -> tuple:
-    key = (kind, M, G, O, I, sm, settings.get("MOONEP_GEMM_FAMILY"),
+    key = (kind, M, G, O, I, sm, gemm_tuning.ACTIVE_FILE, settings.get("MOONEP_GEMM_FAMILY"),
            settings.get("MOONEP_GEMM_CANDIDATES"), settings.get("MOONEP_GEMM_PDL"))
     c = _CALLS.get(key)
     if c is None:
@@ -304,8 +304,10 @@ _TUNING_FILE: dict[int, str] = {}
 
 def use_tuning_of(dev: torch.device) -> None:
     """Put the constants fitted on ``dev``'s kind of GPU in force (gemm.tuning.select); a change
-    forgets every plan, table and entry made with the others (clear_plan_cache).  One dictionary
-    look-up when they already are; nothing off CUDA (the CPU stand-in of the CUDA path)."""
+    forgets every plan, table and entry made with the others (clear_plan_cache; the tables and
+    call constants are keyed by the file too, so one another thread builds meanwhile is not
+    reused).  One dictionary look-up when they already are; nothing off CUDA (the CPU stand-in
+    of the CUDA path)."""
     if dev.type != "cuda":
         return
     idx = dev.index if dev.index is not None else current_device()
