@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import ctypes
+import inspect
 import json
 import os
 import pstats
@@ -553,10 +554,9 @@ def layer_rows(shape, dev, calls, rounds, tp) -> tuple[list[tuple], dict]:
 def _weighted_combine(buf, plan, y, w_M, dtype):
     """The layer's route weights and combine: inside combine where the package has weighted=
     (a baseline package from before it: weights applied first, then combine)."""
-    try:
+    if "weighted" in inspect.signature(buf.combine).parameters:
         return buf.combine(plan, y, w_M, weighted=True)
-    except TypeError:
-        return buf.combine(plan, (y.float() * w_M[:, None]).to(dtype))
+    return buf.combine(plan, (y.float() * w_M[:, None]).to(dtype))
 
 
 def _nograd(layer, x):

@@ -2,9 +2,10 @@
 
     python diagnostics/swiglu_probe.py [--so diagnostics/swiglu_probe.so] [--lib LIB]
 
-Variant 0 is a copy of the library's kernel before it took four packs per thread on a persistent
-grid (variant 9's shape, csrc/swiglu.cu); ``--lib`` (default moonep_ops/lib/libmoonep_ep.so)
-adds the built library's own exports as variant -1, checked bitwise against variant 0.
+Variant 0 is a copy of the library's kernel before 16-byte packs (one 2-byte aligned pack per
+thread, at most 8 blocks per SM); the library's kernel now has variant 11's shape (csrc/swiglu.cu).
+``--lib`` (default moonep_ops/lib/libmoonep_ep.so) adds the built library's own exports as
+variant -1; every variant is checked bitwise (or in bf16 ulps) against variant 0.
 """
 import argparse
 import ctypes
@@ -13,10 +14,20 @@ import statistics
 import torch
 
 SHAPES = [(49024, 768), (32768, 2048), (36864, 2880), (16384, 1024), (4096, 512)]
-NAMES = {0: "library", 1: "restrict U1", 2: "restrict U2", 3: "restrict U4", 4: "restrict U1 capped",
+NAMES = {0: "old library", 1: "restrict U1", 2: "restrict U2", 3: "restrict U4", 4: "restrict U1 capped",
          5: "U2 fast sigmoid", 6: "U1 fast sigmoid", 7: "U4 lb2", 8: "U8", 9: "U4 lb2 capped 2/SM",
          10: "U2 lb3", 11: "aligned U1", 12: "aligned U2 4/SM", 13: "aligned U4 2/SM",
          14: "aligned U2", 15: "aligned U1 8/SM"}
+
+
+def gpu_us(fn) -> float:
+    """GPU microseconds of one call of ``fn`` (CUDA events around it on the current stream)."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3
 
 
 def main():
@@ -40,7 +51,6 @@ def main():
     for M, F in SHAPES:
         g, u, da = (torch.randn(M, F, device=dev).mul(3).bfloat16() for _ in range(3))
         n = M * F
-        outs = {}
 
         def run(kind, v, o):
             st = torch.cuda.current_stream().cuda_stream
@@ -66,13 +76,7 @@ def main():
                 res[v] = o
             for r in range(a.reps):
                 for v in (NAMES if r % 2 == 0 else list(NAMES)[::-1]):
-                    o = res[v]
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    run(kind, v, o)
-                    e.record()
-                    e.synchronize()
-                    times[v].append(s.elapsed_time(e) * 1e3)
+                    times[v].append(gpu_us(lambda: run(kind, v, res[v])))
             for v in NAMES:
                 t = statistics.median(times[v])
                 same = all(torch.equal(x, y) for x, y in zip(res[v], res[0]))
@@ -84,12 +88,7 @@ def main():
         c = torch.empty_like(g)
         for nm, fn, nb in (("add", lambda: torch.add(g, u, out=c), 6 * n), ("copy", lambda: c.copy_(g), 4 * n)):
             fn()
-            ts = []
-            for _ in range(10):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record(); fn(); e.record(); e.synchronize()
-                ts.append(s.elapsed_time(e) * 1e3)
-            t = statistics.median(ts)
+            t = statistics.median(gpu_us(fn) for _ in range(10))
             print(f"[{M}, {F}] torch {nm:16s}     {t:8.1f} us {nb / t / 1e3:7.0f} GB/s", flush=True)
         # torch's own ops for scale
         for kind in ("fwd", "bwd"):
@@ -102,12 +101,8 @@ def main():
                 return ((d * uf * sig * (1 + gf * (1 - sig))).bfloat16(), (d * gf * sig).bfloat16(),
                         (gf * sig * uf).bfloat16())
             tf()
-            ts = []
-            for _ in range(5):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record(); tf(); e.record(); e.synchronize()
-                ts.append(s.elapsed_time(e) * 1e3)
-            print(f"[{M}, {F}] {kind} torch eager           {statistics.median(ts):8.1f} us", flush=True)
+            t = statistics.median(gpu_us(tf) for _ in range(5))
+            print(f"[{M}, {F}] {kind} torch eager           {t:8.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -366,6 +366,7 @@ class MoonEPRoutedExperts(RoutedExperts):
         x_sD = x_BLD.reshape(s, D).to(COMPUTE_DTYPE)
         ids_sK = topk_expert_ids_BLK.reshape(s, K).to(torch.int32)
         w_sK = topk_scores_BLK.reshape(s, K).float()
+        w_rows = None                          # the rows' route weights when combine applies them
         if self.precision == "fp8":
             h_MD, hs_MC, w_M, cu_G, plan = buf.dispatch_fp8(x_sD, ids_sK, w_sK,
                                                             pow2_scales=self.fp8_pow2_scales)
@@ -391,12 +392,10 @@ class MoonEPRoutedExperts(RoutedExperts):
             h_MD, w_M, cu_G, plan = buf.dispatch(x_sD, ids_sK, w_sK)
             with maybe_set_sparse_mesh():      # as RoutedExperts does (spmd_types only)
                 w1, w3, w2 = self._expert_weights()
-                y_MD, _, _ = torch.ops.moonep.moe_experts(h_MD, cu_G, plan.experts_to_copy, w1,
+                z_MD, _, _ = torch.ops.moonep.moe_experts(h_MD, cu_G, plan.experts_to_copy, w1,
                                                           w3, w2, self.pool_name)
-            # the route weights applied inside combine: fp32 products summed in fp32, rounded once
-            out_sD, _ = buf.combine(plan, y_MD, w_M, weighted=True)
-            return out_sD.to(x_BLD.dtype).view(batch, seqlen, D)
-        out_sD, _ = buf.combine(plan, z_MD)
+            w_rows = w_M       # applied inside combine: fp32 products summed in fp32, rounded once
+        out_sD, _ = buf.combine(plan, z_MD, w_rows, weighted=w_rows is not None)
         return out_sD.to(x_BLD.dtype).view(batch, seqlen, D)
 
     def extra_repr(self) -> str:

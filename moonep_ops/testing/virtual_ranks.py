@@ -75,9 +75,10 @@ def _prime_libraries(device: torch.device) -> None:
     device: in fresh processes on the H200 the layer case's rank threads blocked in the GEMM
     library's first load (and every other rank thread's launch behind it) while peers spun in
     dispatch's barrier, until it timed out (4 of 4 runs; diagnostics/virtual_rank_timeouts.py
-    fresh, thread stacks).  The bf16 layer's route-weight kernels are Triton's, whose first
-    call compiles and loads a module the same way (the R = 8 layer case of
-    tests/test_virtual_ranks_fresh_cuda.py timed out in combine on the H100 without them)."""
+    fresh, thread stacks).  The route-weight kernels are Triton's, whose first call compiles and
+    loads a module, so they are loaded here too; that alone is not enough: the R = 8 layer case
+    of tests/test_virtual_ranks_fresh_cuda.py still times out on the H100 with them (barrier in
+    dispatch or combine, rank 0 absent; 2026-12-06, cause not found)."""
     native.ep()
     rows = torch.zeros(16, 128, dtype=torch.bfloat16, device=device)
     w_M = torch.zeros(16, dtype=torch.float32, device=device)
